@@ -1,0 +1,111 @@
+"""Model configuration: config.json (through transformers) plus the facts fulcrum derives from it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from fulcrum.errors import ModelLoadError
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+# The model that ships in the repository; every command uses it when no model is given.
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-shakespeare-target"
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig) -> torch.dtype:
+    """`auto` follows the checkpoint's own dtype (float32 when it states none)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        stated = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(stated, torch.dtype):
+            return stated
+        return DTYPES.get(str(stated).removeprefix("torch."), torch.float32)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def rope_parameters(hf_config: PretrainedConfig) -> dict:
+    """RoPE settings in one shape, whichever convention the config uses
+    (transformers 5 `rope_parameters`, or the older `rope_theta` + `rope_scaling`)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
+    return params
+
+
+def head_dim(hf_config: PretrainedConfig) -> int:
+    explicit = getattr(hf_config, "head_dim", None)
+    return explicit or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def layer_sliding_windows(hf_config: PretrainedConfig) -> list[int | None]:
+    """Per-layer sliding window (None = full attention), following `layer_types` when present."""
+    n = hf_config.num_hidden_layers
+    window = getattr(hf_config, "sliding_window", None)
+    types = getattr(hf_config, "layer_types", None)
+    if types is not None:
+        return [window if t == "sliding_attention" else None for t in types]
+    if getattr(hf_config, "use_sliding_window", True) is False:
+        return [None] * n
+    return [window] * n
+
+
+def read_eos_token_ids(path: Path, hf_config: PretrainedConfig) -> list[int]:
+    """End-of-sequence ids from generation_config.json (which may list several), else config.json."""
+    ids = None
+    gen = path / "generation_config.json"
+    if gen.exists():
+        ids = json.loads(gen.read_text()).get("eos_token_id")
+    if ids is None:
+        ids = getattr(hf_config, "eos_token_id", None)
+    if ids is None:
+        return []
+    return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+
+
+@dataclass
+class ModelConfig:
+    """What the engine needs to know about one model folder."""
+
+    path: Path
+    hf_config: PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_path(
+        cls, path: str | Path | None = None, dtype: str | torch.dtype = "auto", max_model_len: int | None = None
+    ) -> ModelConfig:
+        path = Path(path) if path is not None else DEFAULT_MODEL
+        if not (path / "config.json").exists():
+            raise ModelLoadError(f"{path} is not a model folder: config.json not found")
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
+        return cls(
+            path=path,
+            hf_config=hf_config,
+            dtype=resolve_dtype(dtype, hf_config),
+            max_model_len=max_model_len or limit,
+            eos_token_ids=read_eos_token_ids(path, hf_config),
+        )

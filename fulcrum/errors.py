@@ -1,0 +1,17 @@
+"""Exception types, one per kind of failure, each carrying a message a user can act on."""
+
+
+class FulcrumError(Exception):
+    """Base class of fulcrum's own errors."""
+
+
+class ModelLoadError(FulcrumError):
+    """A model folder cannot be loaded: missing files, unknown architecture, bad config."""
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """config.json names an architecture that no fulcrum model class implements."""
+
+
+class WeightLoadError(ModelLoadError):
+    """A checkpoint tensor is missing, unexpected, or has the wrong shape."""

@@ -1,0 +1,47 @@
+"""Token embedding and LM head, split by vocabulary rows across tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fulcrum.distributed.parallel_state import tp_all_gather, tp_all_reduce, tp_rank, tp_size
+from fulcrum.layers.linear import copy_checked
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.per_rank = -(-vocab_size // self.tp_size)
+        self.start = self.per_rank * self.tp_rank
+        self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != self.vocab_size:
+            raise_shape = (self.vocab_size, *param.shape[1:])
+            copy_checked(torch.empty(raise_shape), loaded)  # raises with both shapes
+        part = loaded[self.start : self.start + self.per_rank]
+        param.data.zero_()
+        param.data[: part.shape[0]].copy_(part)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mask = (local >= 0) & (local < self.per_rank)
+        y = F.embedding(local.clamp(0, self.per_rank - 1), self.weight) * mask.unsqueeze(-1)
+        return tp_all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for the given hidden states; with tied embeddings the weight is the embedding's."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = tp_all_gather(logits)
+        return logits[..., : self.vocab_size]

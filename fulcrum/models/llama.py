@@ -1,0 +1,149 @@
+"""The Llama family: Llama 1/2/3, Mistral, Qwen2 (QKV bias) and Qwen3 (per-head q/k RMSNorm).
+
+They differ only in a few switches, so one set of modules serves them all; a family is a subclass
+that sets its switches. Forward takes flattened tokens: input_ids [T], positions [T].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from fulcrum.config import head_dim as config_head_dim
+from fulcrum.config import layer_sliding_windows, rope_parameters
+from fulcrum.layers.activation import SiluAndMul
+from fulcrum.layers.attention import Attention, AttentionMetadata
+from fulcrum.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from fulcrum.layers.layernorm import RMSNorm
+from fulcrum.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from fulcrum.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, dtype):
+        super().__init__()
+        hd = config_head_dim(cfg)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, hd, cfg.num_attention_heads, cfg.num_key_value_heads, bias=qkv_bias, dtype=dtype
+        )
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, hd
+        self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=o_bias, dtype=dtype)
+        self.rotary_emb = RotaryEmbedding(hd, cfg.max_position_embeddings, rope_parameters(cfg))
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, hd, hd**-0.5, sliding_window=layer_sliding_windows(cfg)[layer_idx]
+        )
+        if qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
+        self.qk_norm = qk_norm
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v, meta)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: PretrainedConfig, bias: bool, dtype):
+        super().__init__()
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], bias=bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=bias, dtype=dtype)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: PretrainedConfig, layer_idx: int, family: type[LlamaForCausalLM], dtype):
+        super().__init__()
+        self.self_attn = LlamaAttention(
+            cfg, layer_idx, family.qkv_bias(cfg), family.o_bias(cfg), family.qk_norm, dtype
+        )
+        self.mlp = LlamaMLP(cfg, getattr(cfg, "mlp_bias", False), dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    def forward(self, positions, x, meta):
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: PretrainedConfig, family: type[LlamaForCausalLM], dtype):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, family, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our stacked parameter fragment, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    qk_norm = False
+
+    @staticmethod
+    def qkv_bias(cfg) -> bool:
+        return bool(getattr(cfg, "attention_bias", False))
+
+    @staticmethod
+    def o_bias(cfg) -> bool:
+        return bool(getattr(cfg, "attention_bias", False))
+
+    def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, type(self), dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states for every token: [T, hidden]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with sliding-window attention (taken from config.sliding_window)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def qkv_bias(cfg) -> bool:
+        return True
+
+    @staticmethod
+    def o_bias(cfg) -> bool:
+        return False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

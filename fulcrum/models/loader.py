@@ -1,0 +1,111 @@
+"""Weight loader for Hugging Face model folders: single or sharded safetensors, memory-mapped,
+with q/k/v and gate/up stacked into one parameter each. Fails loudly on a missing, unexpected or
+mis-shaped tensor, naming it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from fulcrum.config import ModelConfig
+from fulcrum.errors import ModelLoadError, WeightLoadError
+from fulcrum.layers.linear import WeightShapeError, copy_checked
+from fulcrum.models.registry import model_class
+
+# Buffers some checkpoints carry that the model recomputes.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ModelLoadError(f"{index.name} lists shards that are not in {path}: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def iterate_weights(path: Path):
+    """(name, tensor) for every checkpoint tensor; tensors are memory-mapped views of the files."""
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _packed_target(model: nn.Module, name: str) -> tuple[str, object]:
+    for src, (dst, shard) in getattr(model, "packed_modules_mapping", {}).items():
+        if f".{src}." in name:
+            return name.replace(f".{src}.", f".{dst}."), shard
+    return name, None
+
+
+def _expected_shards(model: nn.Module) -> dict[str, set]:
+    """For each stacked parameter fragment, the shard ids that must all be loaded."""
+    out: dict[str, set] = {}
+    for _src, (dst, shard) in getattr(model, "packed_modules_mapping", {}).items():
+        out.setdefault(dst, set()).add(shard)
+    return out
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    copy_checked(param.data, loaded)
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    params = dict(model.named_parameters())
+    tied = getattr(model, "tie_word_embeddings", False)
+    loaded: dict[str, set] = {}
+    for name, tensor in iterate_weights(path):
+        if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        param_name, shard = _packed_target(model, name)
+        param = params.get(param_name)
+        if param is None:
+            raise WeightLoadError(f"checkpoint tensor {name} {tuple(tensor.shape)} has no parameter in {type(model).__name__}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            loader(param, tensor, shard) if shard is not None else loader(param, tensor)
+        except WeightShapeError as e:
+            raise WeightLoadError(
+                f"tensor {name}: checkpoint shape {e.got}, model expects {e.expected}"
+                + (f" (shard {shard!r} of {param_name})" if shard is not None else "")
+            ) from None
+        loaded.setdefault(param_name, set()).add(shard)
+
+    stacks = _expected_shards(model)
+    missing = []
+    for pname, param in params.items():
+        fragment = next((d for d in stacks if f".{d}." in pname), None)
+        want = stacks[fragment] if fragment else {None}
+        for shard in sorted(want - loaded.get(pname, set()), key=str):
+            src = pname
+            if fragment:
+                src = next(s for s, (d, sh) in model.packed_modules_mapping.items() if d == fragment and sh == shard)
+                src = pname.replace(f".{fragment}.", f".{src}.")
+            missing.append(f"{src} (model expects {tuple(param.shape)}{' stacked' if fragment else ''})")
+    if missing:
+        raise WeightLoadError(f"checkpoint {path} lacks {len(missing)} tensor(s): " + "; ".join(missing[:10]))
+
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+
+
+def load_model(config: ModelConfig, device: str | torch.device = "cpu") -> nn.Module:
+    cls = model_class(config.hf_config)
+    with torch.device(device):
+        model = cls(config.hf_config, dtype=config.dtype)
+    load_weights(model, config.path)
+    return model.eval()

@@ -1,0 +1,26 @@
+"""Picks the model class from config.json's `architectures`."""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers import PretrainedConfig
+
+from fulcrum.errors import UnsupportedArchitectureError
+from fulcrum.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
+    names = getattr(hf_config, "architectures", None) or []
+    for name in names:
+        if name in MODEL_REGISTRY:
+            return MODEL_REGISTRY[name]
+    raise UnsupportedArchitectureError(
+        f"architecture {names or '(none given)'} is not supported; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+    )

@@ -1,0 +1,33 @@
+"""The quantization seam of linear layers: a `LinearMethod` owns a layer's weight format and matmul.
+
+A quantized checkpoint format (int8, fp8, AWQ/GPTQ int4) is a subclass; the models never change.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearMethod:
+    """How a linear layer stores its weight and computes y = x W^T + b. Quantized formats subclass this."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], dtype: torch.dtype) -> None:
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Repack loaded weights (transpose, quantize, pick a kernel) once loading is complete."""
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    def create_weights(self, layer, input_size, output_sizes, dtype):
+        weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype), requires_grad=False)
+        weight.weight_loader = layer.weight_loader
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer, x, bias):
+        return F.linear(x, layer.weight, bias)

@@ -1,0 +1,25 @@
+"""Tokenizer of a model folder (tokenizer.json + tokenizer_config.json, with its chat template)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from fulcrum.errors import ModelLoadError
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    path = Path(path)
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        raise ModelLoadError(f"no tokenizer.json or tokenizer_config.json in {path}")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` rendered through the model's chat template, ready for the reply."""
+    if not messages:
+        raise ValueError("messages must not be empty")
+    if tokenizer.chat_template is None:
+        raise ValueError("this model's tokenizer has no chat template")
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))

@@ -1,0 +1,79 @@
+"""Tiny random-weight models of every supported family, built from transformers' real config
+classes and saved with `save_pretrained`, so the loader meets genuine Hugging Face files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from fulcrum.config import DEFAULT_MODEL
+
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+
+# name -> (config class, overrides)
+FAMILIES = {
+    "llama": (LlamaConfig, dict(tie_word_embeddings=False)),
+    "llama3-rope-tied-mqa": (
+        LlamaConfig,
+        dict(
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "llama-bias-headdim": (LlamaConfig, dict(attention_bias=True, mlp_bias=True, head_dim=24)),
+    "mistral-sliding": (MistralConfig, dict(sliding_window=8, tie_word_embeddings=False)),
+    "qwen2": (Qwen2Config, dict(tie_word_embeddings=True)),
+    "qwen3": (Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),
+}
+
+
+def make_config(family: str, **overrides):
+    cls, extra = FAMILIES[family]
+    return cls(**{**COMMON, **extra, **overrides})
+
+
+def save_tiny_model(family: str, folder: Path, seed: int = 0, shard_size: str | None = None, **overrides) -> Path:
+    """Random weights (std large enough that logits differ clearly between tokens), saved as HF files.
+    `shard_size` (e.g. "40KB") writes a sharded checkpoint with model.safetensors.index.json."""
+    torch.manual_seed(seed)
+    cfg = make_config(family, **overrides)
+    cfg.initializer_range = 0.1
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    folder.mkdir(parents=True, exist_ok=True)
+    kw = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(folder, **kw)
+    # the bundled tokenizer is small and real; its ids fit inside a 256-token vocabulary only partly,
+    # so tests on tiny models pass token ids directly
+    return folder
+
+
+def hf_model(folder: Path, dtype=torch.float32):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
+
+
+__all__ = ["FAMILIES", "save_tiny_model", "hf_model", "DEFAULT_MODEL"]
