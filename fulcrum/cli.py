@@ -9,39 +9,102 @@ import time
 from fulcrum.config import DEFAULT_MODEL
 
 
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=str(DEFAULT_MODEL), help="model folder (default: the bundled model)")
+    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache (CPU default 2)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--seed", type=int, default=0, help="engine seed")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory=int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=not args.no_prefix_caching,
+        seed=args.seed,
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--min-tokens", type=int, default=0)
+
+
+def sampling_params(args: argparse.Namespace):
+    from fulcrum.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.sample_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        min_tokens=args.min_tokens,
+    )
+
+
 def _generate(args: argparse.Namespace) -> int:
-    import torch
+    from fulcrum.engine.llm import LLM
+    from fulcrum.errors import FulcrumError
 
-    from fulcrum.config import ModelConfig
-    from fulcrum.engine.reference import generate_ids
-    from fulcrum.models.loader import load_model
-    from fulcrum.utils.tokenizer import load_tokenizer
+    try:
+        sp = sampling_params(args)
+        llm = LLM(**engine_kwargs(args))
+        if args.chat:
+            from fulcrum.utils.tokenizer import chat_prompt_ids
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = ModelConfig.from_path(args.model, dtype=args.dtype)
-    model = load_model(cfg, device=device)
-    tok = load_tokenizer(cfg.path)
-    prompt_ids = tok(args.prompt)["input_ids"]
-    out = sys.stdout
-    out.write(args.prompt)
-    out.flush()
-    ids: list[int] = []
-    shown = ""
+            ids = chat_prompt_ids(llm.tokenizer, [{"role": "user", "content": args.prompt}])
+        else:
+            ids = llm.tokenizer(args.prompt)["input_ids"]
+            sys.stdout.write(args.prompt)
+        llm.add_request(args.prompt, ids, sp)
+    except (FulcrumError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
-    for t in generate_ids(
-        model, prompt_ids, args.max_tokens, cfg.eos_token_ids, args.temperature, args.top_k, args.seed
-    ):
-        if t in cfg.eos_token_ids:
-            break
-        ids.append(t)
-        text = tok.decode(ids, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # hold back a half-decoded multi-byte character
-            out.write(text[len(shown) :])
-            out.flush()
-            shown = text
+    n = 0
+    finish = None
+    while llm.core.has_unfinished_requests():
+        for ro, deltas in llm.step():
+            sys.stdout.write(deltas.get(0, ""))
+            sys.stdout.flush()
+            n = len(ro.outputs[0].token_ids)
+            finish = ro.outputs[0].finish_reason
     dt = time.perf_counter() - t0
-    out.write("\n")
-    print(f"[{len(ids)} tokens in {dt:.2f} s, {len(ids) / max(dt, 1e-9):.1f} tok/s]", file=sys.stderr)
+    sys.stdout.write("\n")
+    print(f"[{n} tokens in {dt:.2f} s, {n / max(dt, 1e-9):.1f} tok/s, finish: {finish}]", file=sys.stderr)
     return 0
 
 
@@ -50,14 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
-    g.add_argument("--model", default=str(DEFAULT_MODEL), help="model folder (default: the bundled model)")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    add_engine_args(g)
+    add_sampling_args(g)
     g.set_defaults(func=_generate)
     return p
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from fulcrum.errors import ModelLoadError
+from fulcrum.errors import InvalidRequestError, ModelLoadError
 
 DTYPES = {
     "float32": torch.float32,
@@ -109,3 +109,34 @@ class ModelConfig:
             max_model_len=max_model_len or limit,
             eos_token_ids=read_eos_token_ids(path, hf_config),
         )
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings, named as in vLLM."""
+
+    model: str | Path | None = None  # None = the bundled model
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the KV cache; default: 2 GiB on CPU, profiled on CUDA
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    device: str | None = None  # None = cuda when present, else cpu
+
+    def __post_init__(self) -> None:
+        checks = {
+            "max_num_seqs": self.max_num_seqs >= 1,
+            "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
+            "block_size": self.block_size >= 1,
+            "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
+            "kv_cache_memory": self.kv_cache_memory is None or self.kv_cache_memory > 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise InvalidRequestError(f"{name} has an invalid value: {getattr(self, name)!r}", param=name)
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -15,3 +15,11 @@ class UnsupportedArchitectureError(ModelLoadError):
 
 class WeightLoadError(ModelLoadError):
     """A checkpoint tensor is missing, unexpected, or has the wrong shape."""
+
+
+class InvalidRequestError(FulcrumError, ValueError):
+    """A request or sampling parameter has an invalid value; `param` names the field (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

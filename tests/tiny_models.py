@@ -15,9 +15,10 @@ from transformers import (
 )
 
 from fulcrum.config import DEFAULT_MODEL
+from fulcrum.utils.tokenizer import copy_tokenizer
 
 COMMON = dict(
-    vocab_size=256,
+    vocab_size=2048,  # the bundled tokenizer's vocabulary, which tiny models reuse
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -67,8 +68,7 @@ def save_tiny_model(family: str, folder: Path, seed: int = 0, shard_size: str | 
     folder.mkdir(parents=True, exist_ok=True)
     kw = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(folder, **kw)
-    # the bundled tokenizer is small and real; its ids fit inside a 256-token vocabulary only partly,
-    # so tests on tiny models pass token ids directly
+    copy_tokenizer(DEFAULT_MODEL, folder)
     return folder
 
 

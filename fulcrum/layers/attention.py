@@ -1,13 +1,17 @@
-"""Attention over flattened token batches.
+"""Attention over flattened token batches, with or without the paged KV cache.
 
-A batch is several sequences' tokens laid end to end ([tokens, heads, head_dim]); `AttentionMetadata`
-says where each sequence starts. This reference path attends over each sequence's own tokens
-(whole prompts, no cache); the paged-KV path of the engine extends the metadata.
+A batch is several sequences' new tokens laid end to end ([tokens, heads, head_dim]);
+`AttentionMetadata` says where each starts. Without a cache (reference forward) each sequence
+attends over its own tokens. With the paged cache, every new token's k/v is first written to its
+slot, then each sequence attends over its whole context read back through its block table:
+prefill chunks one by one (fresh prompts straight from the new k/v), decodes in one batched call.
+Because all k/v of a layer are written before any attention, a sequence may read blocks that
+another sequence of the same batch is filling (a prefix-cache hit on a prompt still in flight).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +20,16 @@ from torch import nn
 
 @dataclass
 class AttentionMetadata:
-    query_lens: list[int]  # tokens of each sequence in this batch, in flattened order
+    query_lens: list[int]  # new tokens of each sequence in this batch, in flattened order
+    # paged-cache fields, set by the model runner; None for the reference forward
+    slot_mapping: torch.Tensor | None = None  # [T] flat cache slot of every new token
+    # sequences with more than one new token, or with cached context: (token start, query len, context len, row)
+    prefills: list[tuple[int, int, int, int]] = field(default_factory=list)
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] of the prefill rows
+    decode_token_idx: torch.Tensor | None = None  # [D] token positions of single-token decodes
+    decode_block_tables: torch.Tensor | None = None  # [D, max_blocks]
+    decode_context_lens: torch.Tensor | None = None  # [D]
+    decode_max_context: int = 0
 
     @classmethod
     def for_prompts(cls, lengths: list[int]) -> AttentionMetadata:
@@ -41,8 +54,31 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.gqa = num_heads != num_kv_heads
+        # [num_blocks, block_size, kv_heads, head_dim], assigned by the model runner
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.slot_mapping is None or self.k_cache is None:
+            return self._forward_no_cache(q, k, v, meta)
+        kc = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        vc = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        kc.index_copy_(0, meta.slot_mapping, k)
+        vc.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        for start, q_len, ctx_len, row in meta.prefills:
+            end = start + q_len
+            if ctx_len == q_len:  # a fresh prompt: its k/v are all new
+                out[start:end] = self._attend(q[start:end], k[start:end], v[start:end])
+            else:
+                ks, vs = self._gather(meta.block_tables[row], ctx_len)
+                out[start:end] = self._attend(q[start:end], ks, vs)
+        if meta.decode_token_idx is not None:
+            out[meta.decode_token_idx] = self._decode(q[meta.decode_token_idx], meta)
+        return out
+
+    def _forward_no_cache(self, q, k, v, meta):
         out = torch.empty_like(q)
         start = 0
         for n in meta.query_lens:
@@ -51,14 +87,37 @@ class Attention(nn.Module):
             start = end
         return out
 
+    def _gather(self, block_table: torch.Tensor, ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.k_cache.shape[1]
+        blocks = block_table[: -(-ctx_len // bs)]
+        ks = self.k_cache[blocks].flatten(0, 1)[:ctx_len]
+        vs = self.v_cache[blocks].flatten(0, 1)[:ctx_len]
+        return ks, vs
+
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [n, H, D], k/v [m, KVH, D] with the queries at the last n positions."""
         n, m = q.shape[0], k.shape[0]
         qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        gqa = self.num_heads != self.num_kv_heads
         if self.sliding_window is None and n == m:
-            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=self.scale, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=self.scale, enable_gqa=self.gqa)
         else:
             mask = causal_mask(n, m, self.sliding_window, q.device)
-            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
         return o.transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One query token per sequence, all sequences in one call: q [D, H, hd]."""
+        bs = self.k_cache.shape[1]
+        nblocks = -(-meta.decode_max_context // bs)
+        bt = meta.decode_block_tables[:, :nblocks]
+        ks = self.k_cache[bt].flatten(1, 2).transpose(1, 2)  # [D, KVH, L, hd]
+        vs = self.v_cache[bt].flatten(1, 2).transpose(1, 2)
+        pos = torch.arange(ks.shape[2], device=q.device)
+        ctx = meta.decode_context_lens.unsqueeze(1)
+        mask = pos < ctx
+        if self.sliding_window is not None:
+            mask &= pos >= ctx - self.sliding_window
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), ks, vs, attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=self.gqa
+        )
+        return o.squeeze(2)

@@ -23,3 +23,15 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) ->
     if tokenizer.chat_template is None:
         raise ValueError("this model's tokenizer has no chat template")
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
+    """Give a model folder (a test or benchmark model with random weights) another folder's tokenizer."""
+    import shutil
+
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).exists():
+            shutil.copy(Path(src) / name, Path(dst) / name)

@@ -1,0 +1,178 @@
+"""Offline throughput: fulcrum against Hugging Face transformers, in one process.
+
+    python benchmarks/bench_throughput.py [--model qwen05|bundled|PATH] [--num-prompts 64]
+
+Workload (issue "Engine core"): 64 requests, prompts uniform in 64-512 tokens, outputs uniform in
+32-256 tokens, eos ignored, greedy. Systems:
+  1. fulcrum `LLM.generate` (continuous batching, paged KV)
+  2. transformers `generate` with static batches of 16 and 64 (left-padded; a batch runs until its
+     longest request is done, and only the requested tokens are counted)
+  3. transformers `generate_batch` (its continuous batching), if it runs
+Then batch-1 decode against this machine's memory-bandwidth roofline. Ratios are to the best HF run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import BUNDLED, memory_bandwidth_gbs, print_table, qwen05_model, save_json, workload  # noqa: E402
+
+
+def run_fulcrum(folder, reqs, dtype, device, **kw) -> tuple[float, int]:
+    from fulcrum import LLM, SamplingParams
+
+    llm = LLM(model=str(folder), dtype=dtype, device=device, **kw)
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
+    llm.generate([p for p, _ in reqs[:2]], params[:2], use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate([p for p, _ in reqs], params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n == sum(o for _, o in reqs)
+    del llm
+    return dt, n
+
+
+def hf_static(model, reqs, batch_size: int, device) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    useful = 0
+    for i in range(0, len(reqs), batch_size):
+        group = reqs[i : i + batch_size]
+        width = max(len(p) for p, _ in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for j, (p, _) in enumerate(group):
+            ids[j, width - len(p) :] = torch.tensor(p)
+            mask[j, width - len(p) :] = 1
+        longest = max(o for _, o in group)
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        useful += sum(o for _, o in group)
+    return time.perf_counter() - t0, useful
+
+
+def hf_generate_batch(model, reqs) -> tuple[float, int]:
+    from transformers import GenerationConfig
+
+    longest = max(o for _, o in reqs)
+    cfg = GenerationConfig(max_new_tokens=longest, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    t0 = time.perf_counter()
+    out = model.generate_batch(inputs=[p for p, _ in reqs], generation_config=cfg)
+    dt = time.perf_counter() - t0
+    # it cannot stop requests at different lengths, so count the tokens it produced
+    n = sum(len(o.generated_tokens) for o in out.values())
+    return dt, n
+
+
+def batch1_decode(folder, dtype, device, vocab, n_tokens=64) -> float:
+    from fulcrum import LLM, SamplingParams
+
+    llm = LLM(model=str(folder), dtype=dtype, device=device, max_num_seqs=1)
+    prompt = torch.randint(10, vocab, (32,)).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate([prompt], sp, use_tqdm=False)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True), use_tqdm=False)
+    m = out[0].metrics
+    return (n_tokens - 1) / (m.finish_time - m.first_token_time)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen05", help="qwen05 (random 0.5B shape), bundled, or a folder")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--hf-batch-sizes", default="16,64")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-generate-batch", action="store_true")
+    p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "fulcrum-bench"))
+    p.add_argument("--out", default=None, help="write the figures as JSON")
+    args = p.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+
+    if args.model == "qwen05":
+        folder = qwen05_model(Path(args.work_dir) / "qwen2.5-0.5b-shape")
+    elif args.model == "bundled":
+        folder = BUNDLED
+    else:
+        folder = Path(args.model)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    vocab = AutoConfig.from_pretrained(folder).vocab_size
+    prompt_range = (64, 512)
+    if args.model == "bundled":
+        prompt_range = (64, 512)
+    reqs = workload(args.num_prompts, vocab, prompt_range)
+    total_out = sum(o for _, o in reqs)
+    print(f"model {folder.name} dtype {args.dtype} device {args.device} threads {torch.get_num_threads()}")
+    print(f"workload: {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, {total_out} output tokens")
+
+    rows, results = [], {}
+    dt, n = run_fulcrum(folder, reqs, args.dtype, args.device, max_num_seqs=args.num_prompts)
+    results["fulcrum"] = n / dt
+    rows.append(("fulcrum LLM.generate", f"{dt:.1f}", n, f"{n / dt:.1f}"))
+    print(f"fulcrum: {n / dt:.1f} tok/s", flush=True)
+
+    if not args.skip_hf:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)).to(args.device).eval()
+        for bs in [int(x) for x in args.hf_batch_sizes.split(",")]:
+            dt, n = hf_static(model, reqs, bs, args.device)
+            results[f"hf_static_{bs}"] = n / dt
+            rows.append((f"HF generate static batch {bs}", f"{dt:.1f}", n, f"{n / dt:.1f}"))
+            print(f"HF static {bs}: {n / dt:.1f} tok/s", flush=True)
+        if not args.skip_generate_batch:
+            try:
+                dt, n = hf_generate_batch(model, reqs)
+                results["hf_generate_batch"] = n / dt
+                rows.append(("HF generate_batch (continuous)", f"{dt:.1f}", n, f"{n / dt:.1f}"))
+            except Exception as e:  # it is experimental; report and go on
+                rows.append(("HF generate_batch (continuous)", "failed", type(e).__name__, str(e)[:60]))
+        del model
+
+    tps = batch1_decode(folder, args.dtype, args.device, vocab)
+    cfg_params = None
+    from fulcrum.config import ModelConfig
+    from fulcrum.models.loader import load_model
+
+    m = load_model(ModelConfig.from_path(folder, dtype=args.dtype))
+    cfg_params = sum(p.numel() * p.element_size() for p in m.parameters())
+    del m
+    results["batch1_decode_tok_s"] = tps
+    hf_best = max((v for k, v in results.items() if k.startswith("hf_")), default=None)
+    print_table(
+        "throughput (output tokens/s)",
+        rows,
+        ("system", "seconds", "output tokens", "tok/s"),
+    )
+    if hf_best:
+        results["ratio_vs_best_hf"] = results["fulcrum"] / hf_best
+        print(f"fulcrum / best HF = {results['ratio_vs_best_hf']:.2f}x")
+    if args.device == "cpu":
+        bw = memory_bandwidth_gbs()
+        roof = bw * 1e9 / cfg_params
+        results.update(bandwidth_gbs=bw, weight_bytes=cfg_params, roofline_tok_s=roof, roofline_fraction=tps / roof)
+        print(
+            f"batch-1 decode: {tps:.1f} tok/s; weights {cfg_params / 1e9:.2f} GB, bandwidth {bw:.1f} GB/s "
+            f"-> roofline {roof:.1f} tok/s; fulcrum at {100 * tps / roof:.0f}% of it"
+        )
+    else:
+        print(f"batch-1 decode: {tps:.1f} tok/s")
+    save_json(args.out, results)
+
+
+if __name__ == "__main__":
+    main()

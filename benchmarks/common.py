@@ -1,0 +1,78 @@
+"""Shared pieces of the benchmarks: the workload, the random-weight 0.5B-shape model, bandwidth."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+BUNDLED = REPO / "models" / "tiny-shakespeare-target"
+
+# Qwen2.5-0.5B's shape, random weights
+QWEN05_SHAPE = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+)
+
+
+def qwen05_model(folder: Path, dtype=torch.bfloat16) -> Path:
+    """Save (once) a random-weight model with Qwen2.5-0.5B's shape, in HF format."""
+    if (folder / "config.json").exists():
+        return folder
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**QWEN05_SHAPE)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    from fulcrum.utils.tokenizer import copy_tokenizer
+
+    copy_tokenizer(BUNDLED, folder)
+    return folder
+
+
+def workload(n: int, vocab: int, prompt=(64, 512), output=(32, 256), seed: int = 0):
+    """n requests: (prompt token ids, output length), lengths uniform in the given ranges."""
+    g = torch.Generator().manual_seed(seed)
+    reqs = []
+    for _ in range(n):
+        p = int(torch.randint(prompt[0], prompt[1] + 1, (1,), generator=g))
+        o = int(torch.randint(output[0], output[1] + 1, (1,), generator=g))
+        reqs.append((torch.randint(10, vocab, (p,), generator=g).tolist(), o))
+    return reqs
+
+
+def memory_bandwidth_gbs(size_mb: int = 1024, repeats: int = 5) -> float:
+    """Read bandwidth: the best of several sums over a buffer far larger than any cache."""
+    x = torch.ones(size_mb * 2**20 // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def print_table(title: str, rows: list[tuple], header: tuple) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    print(f"\n== {title}")
+    for r in [header, *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+
+
+def save_json(path: Path | None, data: dict) -> None:
+    if path:
+        Path(path).write_text(json.dumps(data, indent=1))

@@ -1,0 +1,80 @@
+"""Incremental detokenization with stop strings.
+
+Text is decoded from a short window of recent tokens, so each step costs O(1), and a character
+whose bytes are split across tokens is held back until it is whole. Stop strings are searched in
+the new text; a match truncates the output (the stop text is not shown unless asked for). While a
+request streams, the last `len(longest stop) - 1` characters are held back, since they might be
+the start of a stop string.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+# tokens of left context kept so that decoding a window joins words the way a full decode does
+CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        stop: list[str] | None = None,
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+    ):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special_tokens
+        self.stop = stop or []
+        self.include_stop = include_stop_str_in_output
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.token_ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.output_text = ""
+        self.streamed = 0  # characters of output_text already handed out
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False)
+
+    def add_tokens(self, new_ids: list[int]) -> str | None:
+        """Append tokens; return the stop string that matched, if any (the text is then final)."""
+        for tid in new_ids:
+            self.token_ids.append(tid)
+            prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+            full = self._decode(self.token_ids[self.prefix_offset :])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                new = full[len(prefix) :]
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+                before = len(self.output_text)
+                self.output_text += new
+                hit = self._find_stop(before, len(new))
+                if hit is not None:
+                    return hit
+        return None
+
+    def _find_stop(self, before: int, added: int) -> str | None:
+        for s in self.stop:
+            start = max(0, before - len(s) + 1)
+            i = self.output_text.find(s, start)
+            if i != -1:
+                self.output_text = self.output_text[: i + len(s) if self.include_stop else i]
+                return s
+        return None
+
+    def flush(self) -> str:
+        """At the end: whatever is still undecoded (a dangling partial character included)."""
+        rest = self._decode(self.token_ids[self.prefix_offset :])
+        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        if len(rest) > len(prefix):
+            self.output_text += rest[len(prefix) :]
+            self.prefix_offset = self.read_offset = len(self.token_ids)
+        return self.output_text
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet handed out; while streaming, holds back what may start a stop string."""
+        end = len(self.output_text) if finished else max(self.streamed, len(self.output_text) - self.hold)
+        delta = self.output_text[self.streamed : end]
+        self.streamed = end
+        return delta

@@ -1,0 +1,137 @@
+"""KV cache manager: fixed-size blocks of one preallocated cache, with reference counts and prefix caching.
+
+Full blocks are registered under a chained hash of their tokens. A freed block keeps its hash and
+goes to the tail of an LRU free queue, so a later request with the same prefix can take it back
+without recomputing; new allocations evict from the head (least recently freed) first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from fulcrum.engine.request import Request
+from fulcrum.utils.hashing import NONE_HASH, hash_block_tokens
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+
+
+@dataclass
+class KVCacheStats:
+    num_blocks: int
+    num_used_blocks: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of those, found cached
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[int, Block] = {}  # block hash -> block
+        self.req_blocks: dict[str, list[Block]] = {}
+        self.req_hashes: dict[str, list[int]] = {}  # hashes of the request's full blocks, in order
+        self.queries = self.hits = 0
+
+    # -- lookups -------------------------------------------------------------------------------
+
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    def _full_block_hashes(self, req: Request, num_tokens: int) -> list[int]:
+        """Extend the request's chain of block hashes to cover the first `num_tokens` tokens."""
+        hashes = self.req_hashes.setdefault(req.request_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), num_tokens // bs):
+            parent = hashes[-1] if hashes else NONE_HASH
+            hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
+        """Longest cached prefix of a request that has none yet: (blocks, number of tokens).
+        The last token is always recomputed: its logits are needed to sample."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        hashes = self._full_block_hashes(req, req.num_tokens - 1)
+        hit: list[Block] = []
+        for h in hashes:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hit.append(block)
+        if req.num_preemptions == 0:  # count each prompt once
+            self.queries += req.num_prompt_tokens
+            self.hits += len(hit) * self.block_size
+        return hit, len(hit) * self.block_size
+
+    # -- allocation ----------------------------------------------------------------------------
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[Block] | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens (after `computed` cached blocks, for a new
+        request). Returns False, changing nothing, when there are not enough free blocks."""
+        computed = computed or []
+        held = self.req_blocks.get(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(computed) * self.block_size
+        total = num_computed + num_new_tokens
+        needed = -(-total // self.block_size) - len(held) - len(computed)
+        revived = sum(1 for b in computed if b.ref_cnt == 0)  # cached blocks now in the free queue
+        if needed > len(self.free_queue) - revived:
+            return False
+        blocks = self.req_blocks.setdefault(req.request_id, [])
+        for b in computed:
+            if b.ref_cnt == 0:
+                del self.free_queue[b.block_id]
+            b.ref_cnt += 1
+            blocks.append(b)
+        for _ in range(max(needed, 0)):
+            _, b = self.free_queue.popitem(last=False)
+            if b.block_hash is not None:  # evict the stale prefix entry
+                if self.cached.get(b.block_hash) is b:
+                    del self.cached[b.block_hash]
+                b.block_hash = None
+            b.ref_cnt = 1
+            blocks.append(b)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(req, blocks, total)
+        return True
+
+    def _cache_full_blocks(self, req: Request, blocks: list[Block], num_tokens: int) -> None:
+        """Register the blocks that `num_tokens` known tokens fill completely."""
+        num_full = min(num_tokens, req.num_tokens) // self.block_size
+        hashes = self._full_block_hashes(req, num_full * self.block_size)
+        for i in range(num_full):
+            b = blocks[i]
+            if b.block_hash is None:
+                b.block_hash = hashes[i]
+                self.cached.setdefault(hashes[i], b)
+
+    def free(self, req: Request) -> None:
+        """Release a request's blocks. Tail blocks go to the free queue first so that they are
+        evicted before the shared prefix blocks."""
+        for b in reversed(self.req_blocks.pop(req.request_id, [])):
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free_queue[b.block_id] = b
+        self.req_hashes.pop(req.request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        for b in self.blocks:
+            b.block_hash = None
+        self.cached.clear()
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(self.num_blocks, self.num_blocks - len(self.free_queue), self.queries, self.hits)

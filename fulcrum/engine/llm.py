@@ -1,0 +1,129 @@
+"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+
+from tqdm import tqdm
+
+from fulcrum.config import EngineConfig
+from fulcrum.engine.core import EngineCore
+from fulcrum.engine.output_processor import OutputProcessor
+from fulcrum.engine.outputs import RequestOutput
+from fulcrum.engine.request import Request
+from fulcrum.errors import InvalidRequestError
+from fulcrum.sampling_params import SamplingParams
+from fulcrum.utils.tokenizer import chat_prompt_ids, load_tokenizer
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs):
+        self.config = EngineConfig(model=model, **engine_kwargs)
+        self.core = EngineCore(self.config)
+        self.tokenizer = load_tokenizer(self.core.model_config.path)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    # -- request intake ---------------------------------------------------------------------------
+
+    def _normalize(self, prompts) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append((p, self.tokenizer(p)["input_ids"]))
+            elif isinstance(p, dict) and "prompt_token_ids" in p:
+                out.append((p.get("prompt"), list(p["prompt_token_ids"])))
+            elif isinstance(p, dict) and "prompt" in p:
+                out.append((p["prompt"], self.tokenizer(p["prompt"])["input_ids"]))
+            elif isinstance(p, Sequence) and all(isinstance(t, int) for t in p):
+                out.append((None, list(p)))
+            else:
+                raise InvalidRequestError(
+                    "a prompt must be a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'",
+                    param="prompt",
+                )
+        return out
+
+    def add_request(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> str:
+        """Queue one prompt (its n samples become n engine requests sharing the prompt's blocks)."""
+        rid = str(next(self._ids))
+        children = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            child = Request(f"{rid}-{i}", list(prompt_ids), replace(params, n=1, seed=seed), priority=priority)
+            self.core.validate(child)
+            children.append(child)
+        for child in children:
+            self.core.add_request(child)
+        self.processor.add_request(rid, prompt, list(prompt_ids), params, [c.request_id for c in children])
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        self.core.abort_requests(self.processor.abort(request_id))
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def step(self) -> list[tuple[RequestOutput, dict[int, str]]]:
+        """One engine step; returns the requests that progressed, with each sample's new text."""
+        results, stop_now = self.processor.process(self.core.step())
+        if stop_now:
+            self.core.finish_requests(stop_now)
+        return results
+
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        items = self._normalize(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+        if len(params) != len(items):
+            raise InvalidRequestError("give one SamplingParams, or one per prompt", param="sampling_params")
+        order = [
+            self.add_request(p, ids, sp, priority[i] if priority else 0)
+            for i, ((p, ids), sp) in enumerate(zip(items, params))
+        ]
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="generating", disable=not use_tqdm or len(order) < 2, unit="req")
+        try:
+            while len(done) < len(order):
+                for ro, _ in self.step():
+                    if ro.finished:
+                        done[ro.request_id] = ro
+                        bar.update(1)
+        except BaseException:
+            for rid in order:
+                if rid not in done:
+                    self.abort(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[r] for r in order]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True):
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": chat_prompt_ids(self.tokenizer, m)} for m in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stats(self) -> dict:
+        s = self.core.kv_stats()
+        return {
+            "kv_cache_usage": s.usage,
+            "num_blocks": s.num_blocks,
+            "num_free_blocks": s.num_blocks - s.num_used_blocks,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "num_preemptions": self.core.num_preemptions,
+        }

@@ -1,0 +1,218 @@
+"""The model runner: owns the weights and the KV cache, turns a scheduler step into one forward
+over flattened tokens, and samples the next token of every request that reached its end."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from fulcrum.config import EngineConfig, ModelConfig
+from fulcrum.engine.scheduler import ScheduledRequest, SchedulerOutput
+from fulcrum.errors import FulcrumError
+from fulcrum.layers.attention import Attention, AttentionMetadata
+from fulcrum.layers.sampler import Sampler, SamplingMetadata
+from fulcrum.models.loader import load_model
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+class KVCacheTooSmallError(FulcrumError):
+    """The memory given to the KV cache cannot hold even one sequence of max_model_len tokens."""
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    # per request, per new token: {token_id: logprob} (sampled token first, then the top-k)
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig):
+        self.config = engine_config
+        self.model_config = model_config
+        self.device = torch.device(engine_config.device)
+        torch.manual_seed(engine_config.seed)
+        self.model = load_model(model_config, self.device)
+        self.vocab_size = model_config.hf_config.vocab_size
+        self.block_size = engine_config.block_size
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        a = self.attn_layers[0]
+        self.bytes_per_block = (
+            2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * model_config.dtype.itemsize
+        )
+        self.num_blocks = self._num_kv_blocks()
+        if self.num_blocks * self.block_size < model_config.max_model_len:
+            raise KVCacheTooSmallError(
+                f"the KV cache holds {self.num_blocks * self.block_size} tokens, fewer than max_model_len="
+                f"{model_config.max_model_len}; give it more memory (kv_cache_memory / gpu_memory_utilization) "
+                "or lower max_model_len"
+            )
+        shape = (2, len(self.attn_layers), self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=model_config.dtype, device=self.device)
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        self.sampler = Sampler()
+
+    # -- KV cache size ---------------------------------------------------------------------------
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.kv_cache_memory is not None:
+            return self.config.kv_cache_memory // self.bytes_per_block
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_BYTES // self.bytes_per_block
+        return self._profile_cuda_blocks()
+
+    @torch.inference_mode()
+    def _profile_cuda_blocks(self) -> int:
+        """Run the largest step the scheduler can produce, then give the KV cache what is left
+        of `gpu_memory_utilization` of the card."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.config.max_num_batched_tokens, self.model_config.max_model_len)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        hidden = self.model(ids, pos, AttentionMetadata.for_prompts([n]))
+        rows = min(self.config.max_num_seqs, n)
+        self.model.compute_logits(hidden[:rows]).float().softmax(-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        usable = int(total * self.config.gpu_memory_utilization) - peak - max(non_torch, 0)
+        log.info("profiled peak %.2f GiB; %.2f GiB left for the KV cache", peak / 2**30, usable / 2**30)
+        return max(usable, 0) // self.bytes_per_block
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def _prepare(self, scheduled: list[ScheduledRequest]):
+        bs = self.block_size
+        ids, positions, slots = [], [], []
+        prefills, prefill_tables = [], []
+        decode_idx, decode_tables, decode_ctx = [], [], []
+        logits_idx: list[int] = []
+        query_lens = []
+        t = 0
+        for s in scheduled:
+            req, n, table = s.request, s.num_new_tokens, s.block_table
+            start = req.num_computed_tokens
+            ctx = start + n
+            ids.extend(req.all_token_ids[start:ctx])
+            pos = range(start, ctx)
+            positions.extend(pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            query_lens.append(n)
+            if n == 1:
+                decode_idx.append(t)
+                decode_tables.append(table)
+                decode_ctx.append(ctx)
+            else:
+                prefills.append((t, n, ctx, len(prefill_tables)))
+                prefill_tables.append(table)
+            t += n
+            if s.samples:
+                logits_idx.append(t - 1)
+
+        dev = self.device
+
+        def table_tensor(tables):
+            width = max(len(x) for x in tables)
+            return torch.tensor([x + [0] * (width - len(x)) for x in tables], dtype=torch.long, device=dev)
+
+        meta = AttentionMetadata(
+            query_lens=query_lens,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            prefills=prefills,
+            block_tables=table_tensor(prefill_tables) if prefill_tables else None,
+        )
+        if decode_idx:
+            meta.decode_token_idx = torch.tensor(decode_idx, dtype=torch.long, device=dev)
+            meta.decode_block_tables = table_tensor(decode_tables)
+            meta.decode_context_lens = torch.tensor(decode_ctx, dtype=torch.long, device=dev)
+            meta.decode_max_context = max(decode_ctx)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        return input_ids, pos_t, meta, logits_idx
+
+    def _sampling_metadata(self, rows: list[ScheduledRequest]) -> SamplingMetadata:
+        dev, V = self.device, self.vocab_size
+        params = [s.request.sampling_params for s in rows]
+
+        def col(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        temps = [p.temperature for p in params]
+        meta = SamplingMetadata(temperature=col(temps), all_greedy=all(t == 0 for t in temps))
+        if any(p.top_p < 1 for p in params):
+            meta.top_p = col([p.top_p for p in params])
+        if any(p.top_k > 0 for p in params):
+            meta.top_k = col([p.top_k if p.top_k > 0 else V for p in params], torch.long)
+        if any(p.min_p > 0 for p in params):
+            meta.min_p = col([p.min_p for p in params])
+        need_counts = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params)
+        if need_counts:
+            meta.output_counts = self._token_counts([s.request.output_token_ids for s in rows])
+            if any(p.presence_penalty for p in params):
+                meta.presence_penalty = col([p.presence_penalty for p in params])
+            if any(p.frequency_penalty for p in params):
+                meta.frequency_penalty = col([p.frequency_penalty for p in params])
+            if any(p.repetition_penalty != 1 for p in params):
+                meta.repetition_penalty = col([p.repetition_penalty for p in params])
+                meta.prompt_mask = self._token_counts([s.request.prompt_token_ids for s in rows]) > 0
+        under_min = [
+            i for i, s in enumerate(rows) if s.request.num_output_tokens < s.request.sampling_params.min_tokens
+        ]
+        if under_min:
+            banned = torch.zeros(len(rows), V, dtype=torch.bool, device=dev)
+            for i in under_min:
+                req = rows[i].request
+                stop_ids = list(req.sampling_params.stop_token_ids)
+                if not req.sampling_params.ignore_eos:
+                    stop_ids += req.eos_token_ids
+                banned[i, [t for t in stop_ids if t < V]] = True
+            meta.banned = banned
+        if any(p.seed is not None for p in params):
+            meta.generators = [s.request.generator for s in rows]
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        meta.max_num_logprobs = max(wanted) if wanted else -1
+        return meta
+
+    def _token_counts(self, lists: list[list[int]]) -> torch.Tensor:
+        counts = torch.zeros(len(lists), self.vocab_size, device=self.device)
+        width = max((len(x) for x in lists), default=0)
+        if width:
+            ids = torch.tensor([x + [0] * (width - len(x)) for x in lists], dtype=torch.long, device=self.device)
+            ones = torch.tensor([[1.0] * len(x) + [0.0] * (width - len(x)) for x in lists], device=self.device)
+            counts.scatter_add_(1, ids, ones)
+        return counts
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        result = ModelRunnerOutput()
+        if not out.scheduled:
+            return result
+        input_ids, positions, meta, logits_idx = self._prepare(out.scheduled)
+        hidden = self.model(input_ids, positions, meta)
+        rows = [s for s in out.scheduled if s.samples]
+        if not rows:
+            return result
+        logits = self.model.compute_logits(hidden[torch.tensor(logits_idx, device=self.device)])
+        sm = self._sampling_metadata(rows)
+        sampled = self.sampler(logits, sm)
+        tokens = sampled.token_ids.tolist()
+        lp = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+        lp_ids = sampled.logprob_token_ids.tolist() if sampled.logprobs is not None else None
+        for i, s in enumerate(rows):
+            rid = s.request.request_id
+            result.sampled[rid] = [tokens[i]]
+            k = s.request.sampling_params.logprobs
+            if lp is not None and k is not None:
+                entry = {lp_ids[i][0]: lp[i][0]}
+                for tok, val in zip(lp_ids[i][1 : 1 + k], lp[i][1 : 1 + k]):
+                    entry.setdefault(tok, val)
+                result.logprobs[rid] = [entry]
+        return result

@@ -1,0 +1,202 @@
+"""The scheduler: one token budget per step, shared by decodes and prefill chunks.
+
+Running requests are served first (usually one decode token each, or the next chunk of a long
+prompt), then waiting requests are admitted in priority/arrival order with whatever budget is
+left, so a long prompt never stalls the decodes. There is no prefill/decode distinction in the
+data: every request simply has `num_tokens - num_computed_tokens` tokens to compute, which also
+leaves room for several tokens per step (speculative decoding). When the KV cache runs out, the
+lowest-priority, latest-arrived running request is preempted: its blocks are freed and it is
+recomputed later.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from fulcrum.engine.kv_cache import KVCacheManager
+from fulcrum.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    block_size: int = 16
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_table: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens, so a next token is sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class WaitingQueue:
+    """Priority queue: lower `priority` first, then arrival order (FCFS). Preempted requests
+    go back in with their original place."""
+
+    def __init__(self):
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._tiebreak = itertools.count()
+
+    def push(self, req: Request) -> None:
+        heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._tiebreak), req))
+
+    def peek(self) -> Request:
+        return self._heap[0][3]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, req: Request) -> None:
+        self._heap = [e for e in self._heap if e[3] is not req]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self):
+        return (e[3] for e in self._heap)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.push(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or bool(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                # only requests not yet scheduled in this step may be preempted
+                victim = max(self.running[i:], key=lambda r: (r.priority, r.arrival_time))
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(req, n, []))
+                budget -= n
+                i += 1
+
+        # admit waiting requests, unless this step already had to preempt
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
+            req = self.waiting.peek()
+            computed, num_cached = ([], 0) if req.num_computed_tokens else self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req, n, computed):
+                break
+            self.waiting.pop()
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_cached
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.time()
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(req, n, []))
+            budget -= n
+
+        for s in scheduled:
+            s.block_table = self.kv.block_table(s.request.request_id)
+        out.scheduled = scheduled
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance the scheduled requests by what was computed and append the sampled tokens.
+        Returns the requests that finished in this step (their blocks are already freed)."""
+        finished = []
+        now = time.time()
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            for tok in sampled.get(req.request_id, []):
+                req.append_output_token(tok)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                status = self._check_stop(req, tok)
+                if status is not None:
+                    self._finish(req, status, now)
+                    finished.append(req)
+                    break
+        return finished
+
+    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and tok in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if tok in sp.stop_token_ids:
+                req.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
+        """Stop requests from outside the step loop (abort, or a stop string found by the detokenizer)."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.status.finished:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, status, time.time(), already_removed=True)
+            done.append(req)
+        return done
+
+    def _finish(self, req: Request, status: RequestStatus, now: float, already_removed: bool = False) -> None:
+        if not already_removed:
+            self.running.remove(req)
+        self.kv.free(req)
+        req.status = status
+        req.finish_time = now
+        del self.requests[req.request_id]
