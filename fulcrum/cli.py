@@ -108,6 +108,26 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from fulcrum.config import EngineConfig
+    from fulcrum.server.launch import serve
+
+    if args.model_pos:
+        args.model = args.model_pos
+    config = EngineConfig(**engine_kwargs(args))
+    return serve(
+        config,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        metrics_compat=args.metrics_compat,
+        max_waiting_requests=args.max_waiting_requests,
+        drain_timeout=args.drain_timeout,
+        log_level=args.log_level,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fulcrum", description="LLM inference engine and inference-engineering toolkit")
     sub = p.add_subparsers(dest="verb", required=True)
@@ -118,6 +138,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(g)
     add_sampling_args(g)
     g.set_defaults(func=_generate)
+
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    s.add_argument("model_pos", nargs="?", metavar="MODEL", help="model folder (default: the bundled model)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on API routes")
+    s.add_argument("--served-model-name", default=None, help="the model name clients use (default: folder name)")
+    s.add_argument("--metrics-compat", choices=["vllm"], default=None, help="also expose metrics under vLLM names")
+    s.add_argument("--max-waiting-requests", type=int, default=1024, help="beyond this, answer 503 + Retry-After")
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    s.add_argument("--log-level", default="info")
+    add_engine_args(s)
+    s.set_defaults(func=_serve)
     return p
 
 

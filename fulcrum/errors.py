@@ -23,3 +23,11 @@ class InvalidRequestError(FulcrumError, ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class EngineDeadError(FulcrumError):
+    """The engine-core process has died; in-flight requests cannot complete (HTTP 500)."""
+
+
+class EngineOverloadedError(FulcrumError):
+    """The waiting queue is over its bound; the client should retry later (HTTP 503)."""

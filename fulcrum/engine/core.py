@@ -12,9 +12,8 @@ from fulcrum.config import EngineConfig, ModelConfig
 from fulcrum.engine.kv_cache import KVCacheManager, KVCacheStats
 from fulcrum.engine.model_runner import ModelRunner
 from fulcrum.engine.outputs import EngineCoreOutput
-from fulcrum.engine.request import Request, RequestStatus
+from fulcrum.engine.request import Request, RequestStatus, validate_request
 from fulcrum.engine.scheduler import Scheduler, SchedulerConfig
-from fulcrum.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -46,28 +45,7 @@ class EngineCore:
         return self.model_config.max_model_len
 
     def validate(self, req: Request) -> None:
-        """Reject what could never run, before it touches the scheduler."""
-        n = req.num_prompt_tokens
-        limit = self.max_model_len
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        vocab = self.model_config.hf_config.vocab_size
-        if any(not 0 <= t < vocab for t in req.prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        if n >= limit:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens, but this model's maximum context length is {limit} tokens "
-                "(the prompt plus at least one generated token must fit)",
-                param="prompt",
-            )
-        mt = req.sampling_params.max_tokens
-        if mt is not None and n + mt > limit:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {limit} tokens, but {n + mt} were requested "
-                f"({n} in the prompt, {mt} for the completion); lower max_tokens or shorten the prompt",
-                param="max_tokens",
-            )
-        req.max_tokens = mt if mt is not None else limit - n
+        validate_request(req, self.max_model_len, self.model_config.hf_config.vocab_size)
 
     def add_request(self, req: Request) -> None:
         self.validate(req)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fulcrum.errors import InvalidRequestError
 from fulcrum.sampling_params import SamplingParams
 
 
@@ -73,3 +74,26 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
+
+
+def validate_request(req: Request, max_model_len: int, vocab_size: int) -> None:
+    """Reject what could never run, before it touches the scheduler; resolve max_tokens."""
+    n = req.num_prompt_tokens
+    if n == 0:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    if any(not 0 <= t < vocab_size for t in req.prompt_token_ids):
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+    if n >= max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {n} tokens, but this model's maximum context length is {max_model_len} tokens "
+            "(the prompt plus at least one generated token must fit)",
+            param="prompt",
+        )
+    mt = req.sampling_params.max_tokens
+    if mt is not None and n + mt > max_model_len:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {max_model_len} tokens, but {n + mt} were requested "
+            f"({n} in the prompt, {mt} for the completion); lower max_tokens or shorten the prompt",
+            param="max_tokens",
+        )
+    req.max_tokens = mt if mt is not None else max_model_len - n

@@ -1,0 +1,113 @@
+"""The engine core in a process of its own: a step loop fed and drained over ZeroMQ sockets,
+so that HTTP work in the frontend never stalls the batch."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+import traceback
+
+import zmq
+
+from fulcrum.config import EngineConfig
+from fulcrum.engine.core import EngineCore
+from fulcrum.engine.messages import (
+    ABORT,
+    ADD,
+    FINISH,
+    SHUTDOWN,
+    CoreOutputs,
+    CoreReady,
+    SchedulerStats,
+    decode_add,
+    decode_ids,
+    encoder,
+)
+from fulcrum.engine.outputs import EngineCoreOutput
+from fulcrum.engine.request import Request
+from fulcrum.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+IDLE_POLL_MS = 200
+
+
+def scheduler_stats(core: EngineCore, step_time: float) -> SchedulerStats:
+    kv = core.kv_stats()
+    return SchedulerStats(
+        num_running=len(core.scheduler.running),
+        num_waiting=len(core.scheduler.waiting),
+        kv_cache_usage=kv.usage,
+        num_blocks=kv.num_blocks,
+        num_free_blocks=kv.num_blocks - kv.num_used_blocks,
+        prefix_cache_queries=kv.prefix_cache_queries,
+        prefix_cache_hits=kv.prefix_cache_hits,
+        num_preemptions=core.num_preemptions,
+        step_time=step_time,
+    )
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    """Entry point of the core process. Exits when told to, or when the frontend goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when to stop
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(input_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(output_addr)
+    try:
+        core = EngineCore(config)
+    except Exception as e:
+        push.send(encoder.encode(CoreReady(error=f"{type(e).__name__}: {e}")))
+        raise
+    mc = core.model_config
+    push.send(
+        encoder.encode(
+            CoreReady(
+                core.kv.num_blocks, config.block_size, mc.max_model_len, mc.hf_config.vocab_size, mc.eos_token_ids
+            )
+        )
+    )
+    try:
+        _loop(core, pull, push)
+    except Exception:
+        log.error("engine core failed:\n%s", traceback.format_exc())
+        raise
+    finally:
+        pull.close(0)
+        push.close()
+        ctx.term()
+
+
+def _loop(core: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
+    step_time = 0.0
+    while True:
+        outputs = []
+        timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
+        while pull.poll(timeout):
+            timeout = 0
+            kind, payload = pull.recv_multipart()
+            if kind == ADD:
+                m = decode_add(payload)
+                req = Request(m.request_id, m.prompt_token_ids, m.sampling_params, priority=m.priority)
+                req.arrival_time = m.arrival_time or req.arrival_time
+                try:
+                    core.add_request(req)
+                except InvalidRequestError:  # the frontend validates first; never let one request kill the loop
+                    log.exception("rejected request %s", m.request_id)
+                    outputs.append(EngineCoreOutput(m.request_id, [], finish_reason="abort"))
+            elif kind == ABORT:
+                outputs.extend(core.abort_requests(decode_ids(payload)))
+            elif kind == FINISH:
+                core.finish_requests(decode_ids(payload))
+            elif kind == SHUTDOWN:
+                return
+        if core.has_unfinished_requests():
+            t0 = time.perf_counter()
+            outputs.extend(core.step())
+            step_time = time.perf_counter() - t0
+        if outputs or timeout:  # after work, and on idle ticks so the frontend's gauges stay fresh
+            msg = CoreOutputs(outputs, scheduler_stats(core, step_time), time.time())
+            push.send(encoder.encode(msg))

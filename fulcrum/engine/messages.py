@@ -1,0 +1,53 @@
+"""The message protocol between the frontend and the engine-core process (msgpack via msgspec)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from fulcrum.engine.outputs import EngineCoreOutput
+from fulcrum.sampling_params import SamplingParams
+
+# frame 0 of a frontend -> core message
+ADD, ABORT, FINISH, SHUTDOWN = b"add", b"abort", b"finish", b"shutdown"
+
+
+class AddRequest(msgspec.Struct, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    arrival_time: float = 0.0
+
+
+class SchedulerStats(msgspec.Struct):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    prefix_cache_queries: int = 0  # cumulative
+    prefix_cache_hits: int = 0  # cumulative
+    num_preemptions: int = 0  # cumulative
+    step_time: float = 0.0  # seconds of the last step
+
+
+class CoreReady(msgspec.Struct):
+    num_blocks: int = 0
+    block_size: int = 0
+    max_model_len: int = 0
+    vocab_size: int = 0
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    error: str | None = None  # set when the core failed to start
+
+
+class CoreOutputs(msgspec.Struct):
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+    timestamp: float = 0.0
+
+
+encoder = msgspec.msgpack.Encoder()
+decode_add = msgspec.msgpack.Decoder(AddRequest).decode
+decode_ids = msgspec.msgpack.Decoder(list[str]).decode
+decode_outputs = msgspec.msgpack.Decoder(CoreOutputs).decode
+decode_ready = msgspec.msgpack.Decoder(CoreReady).decode

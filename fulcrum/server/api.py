@@ -1,0 +1,491 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over the AsyncLLM frontend."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import fulcrum
+from fulcrum.engine.async_llm import AsyncLLM
+from fulcrum.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from fulcrum.protocol import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobEntry,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    TokenizeRequest,
+    TokenizeResponse,
+    UsageInfo,
+    random_id,
+)
+from fulcrum.sampling_params import SamplingParams
+from fulcrum.server.metrics import ServerMetrics
+
+OPEN_PATHS = {"/health", "/metrics", "/version", "/ping"}
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLM
+    model_name: str
+    api_key: str | None
+    metrics: ServerMetrics
+
+
+def error(status: int, message: str, type_: str, param: str | None = None, headers=None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def bad_request(e: Exception, param: str | None = None) -> JSONResponse:
+    return error(400, str(e), "BadRequestError", getattr(e, "param", None) or param)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if state.engine.ready is None:
+            await state.engine.start()
+        state.engine.stat_loggers.append(state.metrics)
+        yield
+        await state.engine.shutdown()
+
+    app = FastAPI(title="fulcrum", version=fulcrum.__version__, lifespan=lifespan)
+    app.state.fulcrum = state
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        authorized = request.headers.get("authorization", "") == f"Bearer {state.api_key}"
+        if state.api_key and request.url.path not in OPEN_PATHS and not authorized:
+            return error(401, "invalid or missing API key", "AuthenticationError")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        if first.get("type") == "json_invalid":
+            return error(400, "the request body is not valid JSON", "BadRequestError")
+        msg = f"{'.'.join(loc) or 'request'}: {first.get('msg', 'invalid value')}"
+        return error(400, msg, "BadRequestError", ".".join(loc) or None)
+
+    @app.exception_handler(InvalidRequestError)
+    async def on_invalid(request: Request, exc: InvalidRequestError):
+        return bad_request(exc)
+
+    @app.exception_handler(EngineOverloadedError)
+    async def on_overloaded(request: Request, exc: EngineOverloadedError):
+        return error(503, str(exc), "ServiceUnavailableError", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(EngineDeadError)
+    async def on_dead(request: Request, exc: EngineDeadError):
+        return error(500, str(exc), "InternalServerError")
+
+    # -- plain endpoints -------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if state.engine.healthy else 503)
+
+    @app.get("/ping")
+    async def ping():
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        return {"version": fulcrum.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        card = ModelCard(
+            id=state.model_name,
+            root=str(state.engine.model_config.path),
+            max_model_len=state.engine.ready.max_model_len,
+        )
+        return ModelList(data=[card]).model_dump()
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        if (resp := check_model(req.model)) is not None:
+            return resp
+        tok = state.engine.tokenizer
+        if req.messages is not None:
+            ids = chat_ids(req.messages, req.add_generation_prompt)
+        else:
+            ids = tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+        return TokenizeResponse(count=len(ids), max_model_len=state.engine.ready.max_model_len, tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        if (resp := check_model(req.model)) is not None:
+            return resp
+        vocab = state.engine.ready.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="tokens")
+        return DetokenizeResponse(prompt=state.engine.tokenizer.decode(req.tokens))
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def check_model(name: str | None) -> JSONResponse | None:
+        if name is not None and name != state.model_name:
+            return error(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
+        return None
+
+    def chat_ids(messages, add_generation_prompt=True) -> list[int]:
+        try:
+            convo = [{"role": m.role, "content": m.text()} for m in messages]
+            ids = state.engine.tokenizer.apply_chat_template(
+                convo, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            )
+        except Exception as e:  # template errors (e.g. a role the template refuses) are the client's
+            raise InvalidRequestError(f"messages cannot be rendered by the chat template: {e}", "messages") from e
+        return list(ids)
+
+    def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        temperature = 1.0 if req.temperature is None else req.temperature
+        return SamplingParams(
+            n=req.n,
+            temperature=temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty or 1.0,
+            seed=req.seed,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids or [],
+            ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+
+    async def merged(
+        request: Request, prompts: list[tuple[str | None, list[int]]], params: SamplingParams, priority: int
+    ) -> AsyncIterator[tuple[int, object, dict[int, str]]]:
+        """Run every prompt concurrently; yield (prompt index, output, deltas) as steps land.
+        Generators are created (and validated) before the first yield, so errors come out as 400s."""
+        gens = [state.engine.generate(p, ids, params, priority=priority) for p, ids in prompts]
+        if len(gens) == 1:
+            async for ro, deltas in gens[0]:
+                yield 0, ro, deltas
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, gen):
+            try:
+                async for ro, deltas in gen:
+                    await queue.put((i, ro, deltas))
+            except Exception as e:
+                await queue.put(e)
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def first_item(it: AsyncIterator):
+        """Start an iterator so that validation errors raise before any response is sent."""
+        try:
+            return await it.__anext__()
+        except StopAsyncIteration:
+            return None
+
+    async def until_disconnect(request: Request, coro):
+        """Run `coro`; if the client goes away first, cancel it (which aborts its requests)."""
+        task = asyncio.ensure_future(coro)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                return Response(status_code=499)
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    def prompts_of(req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        p = req.prompt
+        tok = state.engine.tokenizer
+        if isinstance(p, str):
+            return [(p, tok(p)["input_ids"])]
+        if all(isinstance(x, int) for x in p):
+            return [(None, list(p))]
+        out = []
+        for x in p:
+            if isinstance(x, str):
+                out.append((x, tok(x)["input_ids"]))
+            else:
+                out.append((None, list(x)))
+        return out
+
+    def token_str(tid: int) -> str:
+        return state.engine.tokenizer.decode([tid])
+
+    def top_k(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+        """The k most likely tokens of one step (an entry holds the sampled token and the top k)."""
+        return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+    def completion_logprobs(token_ids, logprobs, start_offset: int, k: int) -> CompletionLogprobs:
+        lp = CompletionLogprobs()
+        offset = start_offset
+        for tid, entry in zip(token_ids, logprobs or []):
+            s = token_str(tid)
+            lp.tokens.append(s)
+            lp.token_logprobs.append(entry.get(tid))
+            lp.top_logprobs.append({token_str(t): v for t, v in top_k(entry, k)} or None)
+            lp.text_offset.append(offset)
+            offset += len(s)
+        return lp
+
+    def chat_logprobs(token_ids, logprobs, k: int) -> ChatChoiceLogprobs:
+        content = []
+        for tid, entry in zip(token_ids, logprobs or []):
+            s = token_str(tid)
+            top = [
+                {"token": token_str(t), "logprob": v, "bytes": list(token_str(t).encode())} for t, v in top_k(entry, k)
+            ]
+            content.append(ChatLogprobEntry(token=s, logprob=entry.get(tid), bytes=list(s.encode()), top_logprobs=top))
+        return ChatChoiceLogprobs(content=content)
+
+    # -- /v1/completions --------------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        if (resp := check_model(req.model)) is not None:
+            return resp
+        if req.best_of not in (None, req.n) or req.suffix or req.logit_bias:
+            raise InvalidRequestError("best_of, suffix and logit_bias are not supported", param="best_of")
+        prompts = prompts_of(req)
+        params = sampling_params(req, req.max_tokens, req.logprobs)
+        rid = random_id("cmpl")
+        n = req.n
+        it = merged(request, prompts, params, req.priority)
+        first = await first_item(it)
+        echo = [(p if p is not None else state.engine.tokenizer.decode(ids)) if req.echo else "" for p, ids in prompts]
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            async def stream():
+                sent_echo = set()
+                finals = {}
+                try:
+                    item = first
+                    while item is not None:
+                        i, ro, deltas = item
+                        for j, delta in deltas.items():
+                            out = ro.outputs[j]
+                            idx = i * n + j
+                            text = delta
+                            if req.echo and idx not in sent_echo:
+                                text = echo[i] + text
+                                sent_echo.add(idx)
+                            new_ids = out.token_ids[len(finals.get(("ids", idx), [])) :]
+                            lp = None
+                            if req.logprobs is not None:
+                                done = len(finals.get(("ids", idx), []))
+                                lp = completion_logprobs(new_ids, out.logprobs[done:], 0, req.logprobs).model_dump()
+                            finals[("ids", idx)] = list(out.token_ids)
+                            choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+                            if out.finish_reason:
+                                choice["stop_reason"] = out.stop_reason
+                            chunk = {
+                                "id": rid,
+                                "object": "text_completion",
+                                "created": int(time.time()),
+                                "model": state.model_name,
+                                "choices": [choice],
+                            }
+                            yield sse(chunk)
+                        if ro.finished:
+                            finals[("usage", i)] = (len(ro.prompt_token_ids), sum(len(o.token_ids) for o in ro.outputs))
+                        item = await first_item(it)
+                    if include_usage:
+                        pt = sum(v[0] for k, v in finals.items() if k[0] == "usage")
+                        ct = sum(v[1] for k, v in finals.items() if k[0] == "usage")
+                        usage = UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
+                        chunk = {
+                            "id": rid,
+                            "object": "text_completion",
+                            "created": int(time.time()),
+                            "model": state.model_name,
+                            "choices": [],
+                            "usage": usage.model_dump(),
+                        }
+                        yield sse(chunk)
+                    yield "data: [DONE]\n\n"
+                except EngineDeadError as e:
+                    yield sse(
+                        ErrorResponse(
+                            error=ErrorInfo(message=str(e), type="InternalServerError", code=500)
+                        ).model_dump()
+                    )
+                finally:
+                    await it.aclose()
+
+            return StreamingResponse(stream(), media_type="text/event-stream")
+
+        async def collect():
+            last = {}
+            item = first
+            while item is not None:
+                i, ro, _ = item
+                last[i] = ro
+                item = await first_item(it)
+            return last
+
+        last = await until_disconnect(request, collect())
+        if isinstance(last, Response):
+            return last
+        choices, pt, ct = [], 0, 0
+        for i in range(len(prompts)):
+            ro = last[i]
+            pt += len(ro.prompt_token_ids)
+            for j, out in enumerate(ro.outputs):
+                ct += len(out.token_ids)
+                lp = (
+                    completion_logprobs(out.token_ids, out.logprobs, len(echo[i]), req.logprobs)
+                    if req.logprobs is not None
+                    else None
+                )
+                choices.append(
+                    CompletionChoice(
+                        index=i * n + j,
+                        text=echo[i] + out.text,
+                        logprobs=lp,
+                        finish_reason=out.finish_reason,
+                        stop_reason=out.stop_reason,
+                    )
+                )
+        usage = UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
+        return CompletionResponse(id=rid, model=state.model_name, choices=choices, usage=usage).model_dump()
+
+    # -- /v1/chat/completions ---------------------------------------------------------------------
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request):
+        if (resp := check_model(req.model)) is not None:
+            return resp
+        if req.logit_bias:
+            raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+        ids = chat_ids(req.messages, req.add_generation_prompt)
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        params = sampling_params(req, req.max_completion_tokens or req.max_tokens, k)
+        rid = random_id("chatcmpl")
+        it = merged(request, [(None, ids)], params, req.priority)
+        first = await first_item(it)
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            def chunk(choices, usage=None):
+                body = ChatCompletionChunk(id=rid, model=state.model_name, choices=choices, usage=usage).model_dump()
+                if usage is None:
+                    del body["usage"]
+                return sse(body)
+
+            async def stream():
+                try:
+                    for j in range(req.n):
+                        yield chunk([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))])
+                    seen = {}
+                    item, ro = first, None
+                    while item is not None:
+                        _, ro, deltas = item
+                        for j, delta in deltas.items():
+                            out = ro.outputs[j]
+                            done = seen.get(j, 0)
+                            lp = chat_logprobs(out.token_ids[done:], out.logprobs[done:], k) if req.logprobs else None
+                            seen[j] = len(out.token_ids)
+                            choice = ChatStreamChoice(
+                                index=j, delta=DeltaMessage(content=delta), logprobs=lp, finish_reason=out.finish_reason
+                            )
+                            yield chunk([choice])
+                        item = await first_item(it)
+                    if include_usage and ro is not None:
+                        pt, ct = len(ro.prompt_token_ids), sum(len(o.token_ids) for o in ro.outputs)
+                        yield chunk([], UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct))
+                    yield "data: [DONE]\n\n"
+                except EngineDeadError as e:
+                    yield sse(
+                        ErrorResponse(
+                            error=ErrorInfo(message=str(e), type="InternalServerError", code=500)
+                        ).model_dump()
+                    )
+                finally:
+                    await it.aclose()
+
+            return StreamingResponse(stream(), media_type="text/event-stream")
+
+        async def collect():
+            last, item = None, first
+            while item is not None:
+                last = item[1]
+                item = await first_item(it)
+            return last
+
+        ro = await until_disconnect(request, collect())
+        if isinstance(ro, Response):
+            return ro
+        choices = [
+            ChatChoice(
+                index=j,
+                message=ChatResponseMessage(content=out.text),
+                logprobs=chat_logprobs(out.token_ids, out.logprobs, k) if req.logprobs else None,
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+            )
+            for j, out in enumerate(ro.outputs)
+        ]
+        pt, ct = len(ro.prompt_token_ids), sum(len(o.token_ids) for o in ro.outputs)
+        usage = UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
+        return ChatCompletionResponse(id=rid, model=state.model_name, choices=choices, usage=usage).model_dump()
+
+    return app

@@ -1,0 +1,115 @@
+"""Prometheus metrics, the set vLLM exposes, named `fulcrum:*` and, with `--metrics-compat vllm`,
+also under vLLM's own names so that dashboards and autoscalers written for vLLM work unchanged."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from fulcrum.engine.messages import CoreOutputs
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920, 7680)
+
+# our suffix -> vLLM's name
+VLLM_NAMES = {
+    "num_requests_running": "vllm:num_requests_running",
+    "num_requests_waiting": "vllm:num_requests_waiting",
+    "kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+    "gpu_cache_usage_perc": "vllm:gpu_cache_usage_perc",
+    "prefix_cache_queries": "vllm:prefix_cache_queries",
+    "prefix_cache_hits": "vllm:prefix_cache_hits",
+    "num_preemptions": "vllm:num_preemptions",
+    "prompt_tokens": "vllm:prompt_tokens",
+    "generation_tokens": "vllm:generation_tokens",
+    "request_success": "vllm:request_success",
+    "time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "time_per_output_token_seconds": "vllm:time_per_output_token_seconds",
+    "e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "request_queue_time_seconds": "vllm:request_queue_time_seconds",
+}
+
+
+class _Family:
+    """One metric registered under our name and, optionally, vLLM's."""
+
+    def __init__(self, kind, suffix: str, doc: str, registry, model: str, compat: bool, labels=(), **kw):
+        names = [f"fulcrum:{suffix}"] + ([VLLM_NAMES[suffix]] if compat else [])
+        self.metrics = [kind(n, doc, ["model_name", *labels], registry=registry, **kw) for n in names]
+        self.model = model
+
+    def _each(self, **labels):
+        return [m.labels(model_name=self.model, **labels) for m in self.metrics]
+
+    def set(self, v, **labels):
+        for m in self._each(**labels):
+            m.set(v)
+
+    def inc(self, v=1, **labels):
+        if v:
+            for m in self._each(**labels):
+                m.inc(v)
+
+    def observe(self, v, **labels):
+        for m in self._each(**labels):
+            m.observe(v)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, compat_vllm: bool = False):
+        self.registry = CollectorRegistry()
+        r, m, c = self.registry, model_name, compat_vllm
+        self.running = _Family(Gauge, "num_requests_running", "Requests in the running batch", r, m, c)
+        self.waiting = _Family(Gauge, "num_requests_waiting", "Requests waiting to be scheduled", r, m, c)
+        self.kv_usage = _Family(Gauge, "kv_cache_usage_perc", "KV cache usage (1 = full)", r, m, c)
+        self.gpu_usage = _Family(Gauge, "gpu_cache_usage_perc", "KV cache usage (older vLLM name)", r, m, c)
+        self.prefix_queries = _Family(Counter, "prefix_cache_queries", "Prompt tokens looked up", r, m, c)
+        self.prefix_hits = _Family(Counter, "prefix_cache_hits", "Prompt tokens found cached", r, m, c)
+        self.preemptions = _Family(Counter, "num_preemptions", "Requests preempted", r, m, c)
+        self.prompt_tokens = _Family(Counter, "prompt_tokens", "Prompt tokens processed", r, m, c)
+        self.generation_tokens = _Family(Counter, "generation_tokens", "Tokens generated", r, m, c)
+        self.success = _Family(Counter, "request_success", "Finished requests", r, m, c, labels=("finished_reason",))
+        self.ttft = _Family(Histogram, "time_to_first_token_seconds", "TTFT", r, m, c, buckets=TTFT_BUCKETS)
+        self.itl = _Family(Histogram, "inter_token_latency_seconds", "ITL", r, m, c, buckets=ITL_BUCKETS)
+        self.tpot = _Family(
+            Histogram, "time_per_output_token_seconds", "TPOT (older name of ITL)", r, m, c, buckets=ITL_BUCKETS
+        )
+        self.e2e = _Family(Histogram, "e2e_request_latency_seconds", "End-to-end latency", r, m, c, buckets=E2E_BUCKETS)
+        self.queue = _Family(
+            Histogram, "request_queue_time_seconds", "Time waiting before first scheduled", r, m, c, buckets=E2E_BUCKETS
+        )
+        self._last = {"q": 0, "h": 0, "p": 0}
+        self._last_token_time: dict[str, float] = {}
+
+    def record(self, msg: CoreOutputs, now: float) -> None:
+        s = msg.stats
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.kv_usage.set(s.kv_cache_usage)
+        self.gpu_usage.set(s.kv_cache_usage)
+        # the core reports cumulative counts; prometheus counters take increments
+        self.prefix_queries.inc(s.prefix_cache_queries - self._last["q"])
+        self.prefix_hits.inc(s.prefix_cache_hits - self._last["h"])
+        self.preemptions.inc(s.num_preemptions - self._last["p"])
+        self._last = {"q": s.prefix_cache_queries, "h": s.prefix_cache_hits, "p": s.num_preemptions}
+        for o in msg.outputs:
+            rid = o.request_id
+            self.generation_tokens.inc(len(o.new_token_ids))
+            if o.new_token_ids:
+                last = self._last_token_time.get(rid)
+                if last is None:
+                    self.prompt_tokens.inc(o.num_prompt_tokens)
+                    if o.first_token_time:
+                        self.ttft.observe(o.first_token_time - o.arrival_time)
+                else:
+                    self.itl.observe(now - last)
+                    self.tpot.observe(now - last)
+                self._last_token_time[rid] = now
+            if o.finish_reason is not None:
+                self._last_token_time.pop(rid, None)
+                self.success.inc(finished_reason=o.finish_reason)
+                if o.finish_time:
+                    self.e2e.observe(o.finish_time - o.arrival_time)
+                if o.first_scheduled_time:
+                    self.queue.observe(o.first_scheduled_time - o.arrival_time)
