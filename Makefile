@@ -16,13 +16,13 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(VENV)/.installed $@
 
-.PHONY: install install-dev serve test test-slow lint format
+.PHONY: install install-dev serve test test-slow lint format bench
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
-# Until the HTTP server lands, serving means generating from the bundled model.
+# The OpenAI-compatible server on the bundled model, http://127.0.0.1:8000/v1
 serve: install
-	$(BIN)/fulcrum generate --prompt "ROMEO:" --max-tokens 96
+	$(BIN)/fulcrum serve --host 127.0.0.1 --port 8000
 
 lint: install-dev
 	$(BIN)/ruff check fulcrum tests scripts
@@ -38,3 +38,9 @@ test-slow: install-dev
 format: install-dev
 	$(BIN)/ruff format fulcrum tests scripts
 	$(BIN)/ruff check --fix fulcrum tests scripts
+
+# Benchmarks print ratios against baselines measured in the same run (see benchmarks/README.md)
+bench: install-dev
+	$(BIN)/python benchmarks/bench_throughput.py --model bundled
+	$(BIN)/python benchmarks/bench_throughput.py --model qwen05
+	$(BIN)/python benchmarks/bench_prefix_cache.py --model qwen05

@@ -114,9 +114,23 @@ def evaluate(model, data: torch.Tensor, seq_len: int, max_windows: int = 64) -> 
     return float(sum(losses) / (len(starts) * seq_len))
 
 
+def add_residual_dropout(model: LlamaForCausalLM, p: float) -> None:
+    """Dropout on each attention and MLP output before the residual add (as GPT-2 and nanoGPT do);
+    transformers' Llama has none, and the corpus is small enough that the target overfits without it.
+    Hooks are not saved: the exported model is a plain Llama."""
+    if p <= 0:
+        return
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_hook(
+            lambda m, i, o: (torch.nn.functional.dropout(o[0], p, m.training), *o[1:])
+        )
+        layer.mlp.register_forward_hook(lambda m, i, o: torch.nn.functional.dropout(o, p, m.training))
+
+
 def train_model(name, cfg, train_ids, val_ids, args) -> dict:
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(cfg)
+    add_residual_dropout(model, args.dropout[name])
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     budget = args.minutes[name] * 60
@@ -180,11 +194,11 @@ trained from scratch by `scripts/train_tiny.py` on these CPU cores. It writes Sh
 |---|---|
 | data | tinyshakespeare (karpathy/char-rnn, public domain), first 90% for training, last 10% held out |
 | training data mix | plain text plus chat-formatted pairs of consecutive speaker turns |
-| tokenizer | byte-level BPE, vocabulary {cfg.vocab_size}, chat template in `tokenizer_config.json` |
+| tokenizer | byte-level BPE, vocabulary {cfg.vocab_size}, chat template in `chat_template.jinja` |
 | parameters | {res["params"]:,} |
 | shape | hidden {hidden}, {layers} layers, {heads} heads, {kv_heads} KV heads, head dim {hidden // heads}, intermediate {inter} |
 | context | {cfg.max_position_embeddings} tokens (trained on windows of {args.seq_len}) |
-| steps | {res["steps"]} (batch {args.batch_size} x {args.seq_len} tokens, AdamW, bf16 autocast) |
+| steps | {res["steps"]} (batch {args.batch_size} x {args.seq_len} tokens, AdamW, bf16 autocast, residual dropout {args.dropout[name]}) |
 | wall time | {res["wall_minutes"]} minutes on 2 CPU cores |
 | train loss | {res["train_loss"]} nats/token (best checkpoint, evaluated on 64 windows) |
 | validation loss | {res["val_loss"]} nats/token (held-out 10%, 64 windows) |
@@ -211,10 +225,13 @@ def main() -> None:
     p.add_argument("--target-minutes", type=float, default=22)
     p.add_argument("--draft-minutes", type=float, default=5)
     p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--target-dropout", type=float, default=0.2)
+    p.add_argument("--draft-dropout", type=float, default=0.0)
     p.add_argument("--only", choices=["target", "draft"], default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     args.minutes = {"target": args.target_minutes, "draft": args.draft_minutes}
+    args.dropout = {"target": args.target_dropout, "draft": args.draft_dropout}
     command = "python scripts/train_tiny.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("minutes", "only") and v is not None
     )

@@ -73,10 +73,12 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        if req.num_preemptions == 0:  # count each prompt once
-            self.queries += req.num_prompt_tokens
-            self.hits += len(hit) * self.block_size
         return hit, len(hit) * self.block_size
+
+    def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted prompt in the prefix-cache stats (the scheduler calls this once per request)."""
+        self.queries += num_prompt_tokens
+        self.hits += num_hit_tokens
 
     # -- allocation ----------------------------------------------------------------------------
 

@@ -123,8 +123,10 @@ class Scheduler:
             if not self.kv.allocate_slots(req, n, computed):
                 break
             self.waiting.pop()
-            if req.status == RequestStatus.WAITING:
+            if req.status == RequestStatus.WAITING:  # first admission, not a resumption after preemption
                 req.num_cached_tokens = num_cached
+                if self.kv.enable_prefix_caching:
+                    self.kv.record_prefix_lookup(req.num_prompt_tokens, num_cached)
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:

@@ -47,27 +47,29 @@ def test_alone_and_batched_match_transformers(family, device, tiny_model_dir):
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral-sliding"])
-def test_chunked_prefill_matches(family, tiny_model_dir):
+def test_chunked_prefill_matches(family, device, tiny_model_dir):
     folder = tiny_model_dir(family)
     prompts = random_prompts(6, 40, 120, seed=2)
-    llm = make_llm(folder, max_num_batched_tokens=16, block_size=8)
+    llm = make_llm(folder, device, max_num_batched_tokens=16, block_size=8)
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
     for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == hf_greedy(folder, p, N_NEW)[0]
+        assert o.outputs[0].token_ids == hf_greedy(folder, p, N_NEW, device)[0]
 
 
-def test_prefix_cache_hit_gives_same_tokens_and_skips_work(tiny_model_dir):
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefix_cache_hit_gives_same_tokens_and_skips_work(device, tiny_model_dir):
     folder = tiny_model_dir("qwen2")
     prefix = random_prompts(1, 64, 64, seed=3)[0]
     prompts = [prefix + tail for tail in random_prompts(4, 5, 20, seed=4)]
-    llm = make_llm(folder, block_size=16)
+    llm = make_llm(folder, device, block_size=16)
     first = llm.generate(prompts[:1], greedy(), use_tqdm=False)[0]
     assert first.metrics.num_cached_tokens == 0
     rest = llm.generate(prompts[1:], greedy(), use_tqdm=False)
     for p, o in zip(prompts[1:], rest):
         assert o.metrics.num_cached_tokens == 64
-        assert o.outputs[0].token_ids == hf_greedy(folder, p, N_NEW)[0]
+        assert o.outputs[0].token_ids == hf_greedy(folder, p, N_NEW, device)[0]
     # the very same prompt again: everything but the last block's tokens is reused
     again = llm.generate(prompts[:1], greedy(), use_tqdm=False)[0]
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
@@ -76,24 +78,26 @@ def test_prefix_cache_hit_gives_same_tokens_and_skips_work(tiny_model_dir):
     assert_all_blocks_free(llm)
 
 
-def test_preemption_recomputes_to_the_same_tokens(tiny_model_dir):
+@pytest.mark.parametrize("device", DEVICES)
+def test_preemption_recomputes_to_the_same_tokens(device, tiny_model_dir):
     folder = tiny_model_dir("llama")
     prompts = random_prompts(8, 20, 40, seed=5)
     # room for about three sequences at a time: the rest wait or get preempted mid-decode
-    llm = make_llm(folder, block_size=8, kv_cache_memory=20 * 8 * 2 * 2 * 2 * 16 * 4, max_model_len=160)
+    llm = make_llm(folder, device, block_size=8, kv_cache_memory=20 * 8 * 2 * 2 * 2 * 16 * 4, max_model_len=160)
     outs = llm.generate(prompts, greedy(max_tokens=40), use_tqdm=False)
     assert llm.stats()["num_preemptions"] > 0
     for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == hf_greedy(folder, p, 40)[0]
+        assert o.outputs[0].token_ids == hf_greedy(folder, p, 40, device)[0]
     assert_all_blocks_free(llm)
 
 
-def test_logprobs_match_transformers(tiny_model_dir):
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_match_transformers(device, tiny_model_dir):
     folder = tiny_model_dir("llama3-rope-tied-mqa")
     prompt = random_prompts(1, 30, 30, seed=6)[0]
-    llm = make_llm(folder)
+    llm = make_llm(folder, device)
     out = llm.generate([prompt], greedy(logprobs=5), use_tqdm=False)[0].outputs[0]
-    tokens, ref = hf_greedy(folder, prompt, N_NEW)
+    tokens, ref = hf_greedy(folder, prompt, N_NEW, device)
     assert out.token_ids == tokens
     assert len(out.logprobs) == N_NEW
     for tok, entry, lp in zip(tokens, out.logprobs, ref):
