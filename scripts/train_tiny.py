@@ -101,7 +101,8 @@ def make_config(name: str, vocab_size: int, tok: PreTrainedTokenizerFast, ctx: i
 
 
 @torch.no_grad()
-def evaluate(model, data: torch.Tensor, seq_len: int, max_windows: int = 64) -> float:
+def evaluate(model, data: torch.Tensor, seq_len: int, max_windows: int | None = 64) -> float:
+    """Mean loss over non-overlapping windows (the first `max_windows`, or all of them)."""
     model.eval()
     starts = list(range(0, len(data) - seq_len - 1, seq_len))[:max_windows]
     losses = []
@@ -170,7 +171,7 @@ def train_model(name, cfg, train_ids, val_ids, args) -> dict:
     if best_state is not None:
         model.load_state_dict(best_state)
     final_train = evaluate(model, train_ids, args.seq_len)
-    final_val = evaluate(model, val_ids, args.seq_len)
+    final_val = evaluate(model, val_ids, args.seq_len, max_windows=None)
     return {
         "model": model,
         "params": n_params,
@@ -201,7 +202,7 @@ trained from scratch by `scripts/train_tiny.py` on these CPU cores. It writes Sh
 | steps | {res["steps"]} (batch {args.batch_size} x {args.seq_len} tokens, AdamW, bf16 autocast, residual dropout {args.dropout[name]}) |
 | wall time | {res["wall_minutes"]} minutes on 2 CPU cores |
 | train loss | {res["train_loss"]} nats/token (best checkpoint, evaluated on 64 windows) |
-| validation loss | {res["val_loss"]} nats/token (held-out 10%, 64 windows) |
+| validation loss | {res["val_loss"]} nats/token (the whole held-out 10%; checkpoint chosen on its first 64 windows) |
 
 Training command (run from the repository root):
 

@@ -8,6 +8,7 @@ from torch import nn
 
 from fulcrum.distributed.parallel_state import tp_all_gather, tp_all_reduce, tp_rank, tp_size
 from fulcrum.layers.linear import copy_checked
+from fulcrum.quant import cpu_gemv
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -41,7 +42,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the given hidden states; with tied embeddings the weight is the embedding's."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = cpu_gemv.linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = tp_all_gather(logits)
         return logits[..., : self.vocab_size]

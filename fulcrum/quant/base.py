@@ -6,8 +6,9 @@ A quantized checkpoint format (int8, fp8, AWQ/GPTQ int4) is a subclass; the mode
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from fulcrum.quant import cpu_gemv
 
 
 class LinearMethod:
@@ -30,4 +31,4 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer, x, bias):
-        return F.linear(x, layer.weight, bias)
+        return cpu_gemv.linear(x, layer.weight, bias)

