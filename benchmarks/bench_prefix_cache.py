@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import BUNDLED, print_table, qwen05_model, save_json  # noqa: E402
+from benchmarks.common import add_model_args, model_folder, print_table, save_json  # noqa: E402
 
 
 def run(folder, prompts, caching: bool, dtype, device, kv):
@@ -51,18 +50,11 @@ def run(folder, prompts, caching: bool, dtype, device, kv):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen05")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_model_args(p)
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=1024)
-    p.add_argument("--kv-cache-gb", type=float, default=2.0)
-    p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "fulcrum-bench"))
-    p.add_argument("--out", default=None)
     args = p.parse_args()
-    folder = {"qwen05": None, "bundled": BUNDLED}.get(args.model, Path(args.model))
-    if folder is None:
-        folder = qwen05_model(Path(args.work_dir) / "qwen2.5-0.5b-shape")
+    folder = model_folder(args)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(folder).vocab_size

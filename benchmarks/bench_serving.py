@@ -12,15 +12,13 @@ import json
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import BUNDLED, print_table, qwen05_model, save_json, workload  # noqa: E402
+from benchmarks.common import add_model_args, model_folder, print_table, save_json, workload  # noqa: E402
 
 
 def offline(folder, reqs, args) -> float:
@@ -80,18 +78,11 @@ async def served(url, reqs, concurrency) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen05")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_model_args(p)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--kv-cache-gb", type=float, default=2.0)
-    p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "fulcrum-bench"))
-    p.add_argument("--out", default=None)
     args = p.parse_args()
-    folder = {"qwen05": None, "bundled": BUNDLED}.get(args.model, Path(args.model))
-    if folder is None:
-        folder = qwen05_model(Path(args.work_dir) / "qwen2.5-0.5b-shape")
+    folder = model_folder(args)
     from transformers import AutoConfig
 
     reqs = workload(args.num_prompts, AutoConfig.from_pretrained(folder).vocab_size)

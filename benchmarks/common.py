@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,3 +78,22 @@ def print_table(title: str, rows: list[tuple], header: tuple) -> None:
 def save_json(path: Path | None, data: dict) -> None:
     if path:
         Path(path).write_text(json.dumps(data, indent=1))
+
+
+def add_model_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
+    p.add_argument(
+        "--model", default="qwen05", help="qwen05 (random weights, Qwen2.5-0.5B shape), bundled, or a folder"
+    )
+    p.add_argument("--dtype", default=dtype)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--kv-cache-gb", type=float, default=2.0)
+    p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "fulcrum-bench"))
+    p.add_argument("--out", default=None, help="write the figures as JSON")
+
+
+def model_folder(args: argparse.Namespace) -> Path:
+    if args.model == "qwen05":
+        return qwen05_model(Path(args.work_dir) / "qwen2.5-0.5b-shape")
+    if args.model == "bundled":
+        return BUNDLED
+    return Path(args.model)

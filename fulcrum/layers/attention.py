@@ -125,5 +125,7 @@ class Attention(nn.Module):
             qg = q.view(n, self.num_kv_heads, g, self.head_dim)
             o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=mask, scale=self.scale)
             return o.reshape(n, self.num_heads, self.head_dim)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa
+        )
         return o.squeeze(2)

@@ -250,6 +250,10 @@ def build_app(state: ServerState) -> FastAPI:
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
+    def sse_error(e: Exception) -> str:
+        """Headers are sent once a stream starts: an engine failure ends it with an error event."""
+        return sse(ErrorResponse(error=ErrorInfo(message=str(e), type="InternalServerError", code=500)).model_dump())
+
     def prompts_of(req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         p = req.prompt
         tok = state.engine.tokenizer
@@ -362,11 +366,7 @@ def build_app(state: ServerState) -> FastAPI:
                         yield sse(chunk)
                     yield "data: [DONE]\n\n"
                 except EngineDeadError as e:
-                    yield sse(
-                        ErrorResponse(
-                            error=ErrorInfo(message=str(e), type="InternalServerError", code=500)
-                        ).model_dump()
-                    )
+                    yield sse_error(e)
                 finally:
                     await it.aclose()
 
@@ -454,11 +454,7 @@ def build_app(state: ServerState) -> FastAPI:
                         yield chunk([], UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct))
                     yield "data: [DONE]\n\n"
                 except EngineDeadError as e:
-                    yield sse(
-                        ErrorResponse(
-                            error=ErrorInfo(message=str(e), type="InternalServerError", code=500)
-                        ).model_dump()
-                    )
+                    yield sse_error(e)
                 finally:
                     await it.aclose()
 

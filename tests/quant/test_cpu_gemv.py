@@ -1,0 +1,34 @@
+"""The CPU GEMV kernel gives F.linear's results (it only changes the summation order)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fulcrum.quant import cpu_gemv
+
+pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="needs an x86 CPU with AVX-512 BF16 and a compiler")
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("shape", [(96, 64), (130, 77), (5, 4864)])  # tails: 77 and 130 are not multiples of 32
+def test_matches_f_linear(dtype, tol, rows, shape):
+    g = torch.Generator().manual_seed(0)
+    out_f, in_f = shape
+    w = torch.randn(out_f, in_f, generator=g).to(dtype)
+    x = torch.randn(rows, in_f, generator=g).to(dtype)
+    b = torch.randn(out_f, generator=g).to(dtype)
+    assert cpu_gemv.usable(x, w)
+    ref = F.linear(x.float(), w.float(), b.float())
+    got = cpu_gemv.linear(x, w, b)
+    assert got.dtype == dtype and got.shape == (rows, out_f)
+    assert ((got.float() - ref).abs() / (ref.abs() + 1)).max() < tol
+
+
+def test_falls_back_for_big_batches_and_odd_inputs():
+    w = torch.randn(8, 16)
+    assert not cpu_gemv.usable(torch.randn(64, 16), w)
+    assert not cpu_gemv.usable(torch.randn(1, 16, dtype=torch.float16), w.half())
+    assert not cpu_gemv.usable(torch.randn(1, 16), w.t().contiguous().t())
+    x = torch.randn(64, 16)
+    assert torch.equal(cpu_gemv.linear(x, w), F.linear(x, w))
