@@ -226,7 +226,7 @@ def main() -> None:
     p.add_argument("--target-minutes", type=float, default=22)
     p.add_argument("--draft-minutes", type=float, default=5)
     p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--target-dropout", type=float, default=0.2)
+    p.add_argument("--target-dropout", type=float, default=0.0)
     p.add_argument("--draft-dropout", type=float, default=0.0)
     p.add_argument("--only", choices=["target", "draft"], default=None)
     p.add_argument("--seed", type=int, default=0)
