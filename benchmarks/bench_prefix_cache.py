@@ -27,7 +27,7 @@ def run(folder, prompts, caching: bool, dtype, device, kv):
         dtype=dtype,
         device=device,
         enable_prefix_caching=caching,
-        max_model_len=2048,
+        max_model_len=len(prompts[0]) + 64,
         max_num_batched_tokens=2048,
         kv_cache_memory=kv,
     )
