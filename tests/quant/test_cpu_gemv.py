@@ -9,7 +9,7 @@ from fulcrum.quant import cpu_gemv
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="needs an x86 CPU with AVX-512 BF16 and a compiler")
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])  # other summation order
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("shape", [(96, 64), (130, 77), (5, 4864)])  # tails: 77 and 130 are not multiples of 32
 def test_matches_f_linear(dtype, tol, rows, shape):
