@@ -97,6 +97,14 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [n, H, D], k/v [m, KVH, D] with the queries at the last n positions."""
         n, m = q.shape[0], k.shape[0]
+        if (
+            q.device.type == "cpu"
+            and q.dtype != torch.float32
+            and n >= 256
+            and m <= 1024
+            and self.sliding_window is None
+        ):
+            return self._attend_matmul(q, k, v)
         qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         if self.sliding_window is None and n == m:
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=self.scale, enable_gqa=self.gqa)
@@ -104,6 +112,19 @@ class Attention(nn.Module):
             mask = causal_mask(n, m, self.sliding_window, q.device)
             o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
         return o.transpose(0, 1)
+
+    def _attend_matmul(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention as two batched matmuls per KV head, softmax in float32. On CPU in bf16,
+        PyTorch's fused SDPA runs at ~20-40 GFLOP/s for 256-1024-token prompts; this path measured
+        2.3x faster at 512 tokens (the score matrix, H x n x m floats, stays small up to 1024)."""
+        n, m = q.shape[0], k.shape[0]
+        kvh, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        qg = q.transpose(0, 1).reshape(kvh, g * n, d)  # the query heads of one KV head, stacked
+        scores = torch.matmul(qg, k.transpose(0, 1).transpose(1, 2)).view(kvh, g, n, m).float()
+        scores.mul_(self.scale).masked_fill_(~causal_mask(n, m, None, q.device), float("-inf"))
+        probs = scores.softmax(-1).to(q.dtype).view(kvh, g * n, m)
+        o = torch.matmul(probs, v.transpose(0, 1))  # [kvh, g * n, d]
+        return o.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, self.num_heads, d)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One query token per sequence, all sequences in one call: q [D, H, hd]."""
