@@ -4,6 +4,7 @@ so that HTTP work in the frontend never stalls the batch."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 import traceback
@@ -83,7 +84,11 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
 
 def _loop(core: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
     step_time = 0.0
+    parent = os.getppid()
     while True:
+        if os.getppid() != parent:  # the frontend died without telling us (SIGKILL): do not linger as an orphan
+            log.error("the frontend process is gone; engine core exiting")
+            return
         outputs = []
         timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
         while pull.poll(timeout):

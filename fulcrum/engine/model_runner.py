@@ -14,6 +14,7 @@ from fulcrum.errors import FulcrumError
 from fulcrum.layers.attention import Attention, AttentionMetadata
 from fulcrum.layers.sampler import Sampler, SamplingMetadata
 from fulcrum.models.loader import load_model
+from fulcrum.quant import cpu_gemv
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class ModelRunner:
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.sampler = Sampler()
+        if self.device.type == "cpu":
+            cpu_gemv.available()  # build or load the CPU kernel now, not in the middle of the first request
 
     # -- KV cache size ---------------------------------------------------------------------------
 

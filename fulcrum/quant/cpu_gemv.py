@@ -5,16 +5,19 @@ here: about 15 GB/s of a 55 GB/s read bandwidth), while a decode step is nothing
 weight once. This kernel walks each weight row once with AVX-512 (`vdpbf16ps` for bf16, FMA for
 fp32), keeps the few input rows in registers, and splits output rows over PyTorch's own thread pool.
 
-It is compiled on first use with torch's C++ extension loader (cached afterwards) and used only on
+It is compiled once per environment with torch's C++ extension loader (cached in ~/.cache/fulcrum;
+the model runner builds it at startup, before a server reports ready) and used only on
 x86 CPUs with AVX-512 BF16; anywhere else, or if the build fails, callers fall back to F.linear.
 Set FULCRUM_CPU_KERNELS=0 to turn it off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import time
 
 import torch
 
@@ -122,6 +125,30 @@ def _cpu_has_avx512_bf16() -> bool:
     return "avx512_bf16" in flags and "avx512f" in flags
 
 
+STALE_LOCK_S = 180  # a build takes well under a minute; an older lock was left by a killed process
+
+
+def _build_dir() -> str:
+    """One cache folder per source, flags, torch and interpreter: two virtual environments never
+    rebuild over each other (torch's default folder is shared by name)."""
+    import hashlib
+    import sys
+
+    key = hashlib.sha256("|".join([_SOURCE, " ".join(_FLAGS), torch.__version__, sys.prefix]).encode()).hexdigest()
+    root = os.environ.get("FULCRUM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "fulcrum"))
+    path = os.path.join(root, "kernels", key[:16])
+    os.makedirs(path, exist_ok=True)
+    lock = os.path.join(path, "lock")
+    # torch waits forever on the lock file of a build whose process was killed: clear a stale one
+    if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > STALE_LOCK_S:
+        with contextlib.suppress(OSError):
+            os.remove(lock)
+    return path
+
+
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma"]
+
+
 @functools.cache
 def _module():
     if os.environ.get("FULCRUM_CPU_KERNELS", "1") == "0" or not _cpu_has_avx512_bf16():
@@ -133,7 +160,8 @@ def _module():
             name="fulcrum_cpu_gemv",
             cpp_sources=_SOURCE,
             functions=["gemv"],
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma"],
+            extra_cflags=_FLAGS,
+            build_directory=_build_dir(),
             verbose=False,
         )
     except Exception as e:  # no compiler, no headers: stay correct, just slower

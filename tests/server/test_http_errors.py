@@ -159,3 +159,21 @@ def test_sigterm_drains_in_flight_then_exits_zero(fresh_server):
     assert results and results[0].status_code == 200
     assert results[0].json()["usage"]["completion_tokens"] == 60
     assert s.proc.wait(30) == 0
+
+
+def test_engine_core_exits_when_the_frontend_is_killed(fresh_server):
+    s = fresh_server()
+    engine = s.engine_pid()
+    s.proc.kill()
+    s.proc.wait(10)
+    deadline = time.time() + 20
+    while time.time() < deadline and os.path.exists(f"/proc/{engine}"):
+        with open(f"/proc/{engine}/stat") as f:
+            if f.read().split(")")[-1].split()[0] == "Z":  # exited, waiting to be reaped
+                break
+        time.sleep(0.2)
+    alive = os.path.exists(f"/proc/{engine}")
+    if alive:
+        with open(f"/proc/{engine}/stat") as f:
+            alive = f.read().split(")")[-1].split()[0] != "Z"
+    assert not alive, "the engine core outlived its frontend"
