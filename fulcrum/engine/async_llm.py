@@ -12,7 +12,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 
 import zmq
 import zmq.asyncio
@@ -34,7 +33,7 @@ from fulcrum.engine.messages import (
 )
 from fulcrum.engine.output_processor import OutputProcessor
 from fulcrum.engine.outputs import RequestOutput
-from fulcrum.engine.request import Request, validate_request
+from fulcrum.engine.request import fan_out
 from fulcrum.errors import EngineDeadError, EngineOverloadedError, ModelLoadError
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.utils.tokenizer import load_tokenizer
@@ -128,12 +127,7 @@ class AsyncLLM:
             raise EngineOverloadedError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
         rid = request_id or f"req-{next(self._ids)}"
         now = time.time()
-        children = []
-        for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
-            child = Request(f"{rid}-{i}", list(prompt_ids), replace(params, n=1, seed=seed), priority=priority)
-            validate_request(child, self.ready.max_model_len, self.ready.vocab_size)
-            children.append(child)
+        children = fan_out(rid, prompt_ids, params, priority, self.ready.max_model_len, self.ready.vocab_size)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = queue
         self.processor.add_request(rid, prompt, list(prompt_ids), params, [c.request_id for c in children])

@@ -44,11 +44,8 @@ class EngineCore:
     def max_model_len(self) -> int:
         return self.model_config.max_model_len
 
-    def validate(self, req: Request) -> None:
-        validate_request(req, self.max_model_len, self.model_config.hf_config.vocab_size)
-
     def add_request(self, req: Request) -> None:
-        self.validate(req)
+        validate_request(req, self.max_model_len, self.model_config.hf_config.vocab_size)
         if not req.eos_token_ids:
             req.eos_token_ids = list(self.model_config.eos_token_ids)
         self.scheduler.add_request(req)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import replace
 
 from tqdm import tqdm
 
@@ -12,7 +11,7 @@ from fulcrum.config import EngineConfig
 from fulcrum.engine.core import EngineCore
 from fulcrum.engine.output_processor import OutputProcessor
 from fulcrum.engine.outputs import RequestOutput
-from fulcrum.engine.request import Request
+from fulcrum.engine.request import fan_out
 from fulcrum.errors import InvalidRequestError
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.utils.tokenizer import chat_prompt_ids, load_tokenizer
@@ -55,12 +54,8 @@ class LLM:
     def add_request(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> str:
         """Queue one prompt (its n samples become n engine requests sharing the prompt's blocks)."""
         rid = str(next(self._ids))
-        children = []
-        for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
-            child = Request(f"{rid}-{i}", list(prompt_ids), replace(params, n=1, seed=seed), priority=priority)
-            self.core.validate(child)
-            children.append(child)
+        mc = self.core.model_config
+        children = fan_out(rid, prompt_ids, params, priority, mc.max_model_len, mc.hf_config.vocab_size)
         for child in children:
             self.core.add_request(child)
         self.processor.add_request(rid, prompt, list(prompt_ids), params, [c.request_id for c in children])

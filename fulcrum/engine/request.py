@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -97,3 +97,17 @@ def validate_request(req: Request, max_model_len: int, vocab_size: int) -> None:
             param="max_tokens",
         )
     req.max_tokens = mt if mt is not None else max_model_len - n
+
+
+def fan_out(
+    request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int, max_model_len: int, vocab_size: int
+) -> list[Request]:
+    """The n samples of one prompt as n engine requests `{request_id}-{i}` (sample i seeded seed + i),
+    all validated before any is queued. With prefix caching they share the prompt's blocks."""
+    children = []
+    for i in range(params.n):
+        seed = None if params.seed is None else params.seed + i
+        child = Request(f"{request_id}-{i}", list(prompt_ids), replace(params, n=1, seed=seed), priority=priority)
+        validate_request(child, max_model_len, vocab_size)
+        children.append(child)
+    return children

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fulcrum.distributed.parallel_state import tp_all_gather, tp_all_reduce, tp_rank, tp_size
-from fulcrum.layers.linear import copy_checked
+from fulcrum.layers.linear import WeightShapeError
 from fulcrum.quant import cpu_gemv
 
 
@@ -23,8 +23,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != self.vocab_size:
-            raise_shape = (self.vocab_size, *param.shape[1:])
-            copy_checked(torch.empty(raise_shape), loaded)  # raises with both shapes
+            raise WeightShapeError((self.vocab_size, *param.shape[1:]), loaded.shape)
         part = loaded[self.start : self.start + self.per_rank]
         param.data.zero_()
         param.data[: part.shape[0]].copy_(part)

@@ -194,7 +194,7 @@ def build_app(state: ServerState) -> FastAPI:
         )
 
     async def merged(
-        request: Request, prompts: list[tuple[str | None, list[int]]], params: SamplingParams, priority: int
+        prompts: list[tuple[str | None, list[int]]], params: SamplingParams, priority: int
     ) -> AsyncIterator[tuple[int, object, dict[int, str]]]:
         """Run every prompt concurrently; yield (prompt index, output, deltas) as steps land.
         Generators are created (and validated) before the first yield, so errors come out as 400s."""
@@ -269,6 +269,12 @@ def build_app(state: ServerState) -> FastAPI:
                 out.append((None, list(x)))
         return out
 
+    def usage_of(outputs) -> UsageInfo:
+        """Usage over finished RequestOutputs: each prompt once, every sample's tokens."""
+        pt = sum(len(ro.prompt_token_ids) for ro in outputs)
+        ct = sum(len(o.token_ids) for ro in outputs for o in ro.outputs)
+        return UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
+
     def token_str(tid: int) -> str:
         return state.engine.tokenizer.decode([tid])
 
@@ -310,16 +316,28 @@ def build_app(state: ServerState) -> FastAPI:
         params = sampling_params(req, req.max_tokens, req.logprobs)
         rid = random_id("cmpl")
         n = req.n
-        it = merged(request, prompts, params, req.priority)
+        it = merged(prompts, params, req.priority)
         first = await first_item(it)
         echo = [(p if p is not None else state.engine.tokenizer.decode(ids)) if req.echo else "" for p, ids in prompts]
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
+            def chunk(choices, usage=None) -> str:
+                body = {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": int(time.time()),
+                    "model": state.model_name,
+                    "choices": choices,
+                }
+                if usage is not None:
+                    body["usage"] = usage.model_dump()
+                return sse(body)
+
             async def stream():
-                sent_echo = set()
-                finals = {}
+                sent: dict[int, int] = {}  # choice index -> tokens already streamed
+                finished = {}  # prompt index -> its final output
                 try:
                     item = first
                     while item is not None:
@@ -327,43 +345,22 @@ def build_app(state: ServerState) -> FastAPI:
                         for j, delta in deltas.items():
                             out = ro.outputs[j]
                             idx = i * n + j
-                            text = delta
-                            if req.echo and idx not in sent_echo:
-                                text = echo[i] + text
-                                sent_echo.add(idx)
-                            new_ids = out.token_ids[len(finals.get(("ids", idx), [])) :]
+                            text = delta if idx in sent else echo[i] + delta
+                            done = sent.get(idx, 0)
                             lp = None
                             if req.logprobs is not None:
-                                done = len(finals.get(("ids", idx), []))
-                                lp = completion_logprobs(new_ids, out.logprobs[done:], 0, req.logprobs).model_dump()
-                            finals[("ids", idx)] = list(out.token_ids)
+                                new_ids, new_lps = out.token_ids[done:], out.logprobs[done:]
+                                lp = completion_logprobs(new_ids, new_lps, 0, req.logprobs).model_dump()
+                            sent[idx] = len(out.token_ids)
                             choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
                             if out.finish_reason:
                                 choice["stop_reason"] = out.stop_reason
-                            chunk = {
-                                "id": rid,
-                                "object": "text_completion",
-                                "created": int(time.time()),
-                                "model": state.model_name,
-                                "choices": [choice],
-                            }
-                            yield sse(chunk)
+                            yield chunk([choice])
                         if ro.finished:
-                            finals[("usage", i)] = (len(ro.prompt_token_ids), sum(len(o.token_ids) for o in ro.outputs))
+                            finished[i] = ro
                         item = await first_item(it)
                     if include_usage:
-                        pt = sum(v[0] for k, v in finals.items() if k[0] == "usage")
-                        ct = sum(v[1] for k, v in finals.items() if k[0] == "usage")
-                        usage = UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
-                        chunk = {
-                            "id": rid,
-                            "object": "text_completion",
-                            "created": int(time.time()),
-                            "model": state.model_name,
-                            "choices": [],
-                            "usage": usage.model_dump(),
-                        }
-                        yield sse(chunk)
+                        yield chunk([], usage_of(finished.values()))
                     yield "data: [DONE]\n\n"
                 except EngineDeadError as e:
                     yield sse_error(e)
@@ -384,12 +381,10 @@ def build_app(state: ServerState) -> FastAPI:
         last = await until_disconnect(request, collect())
         if isinstance(last, Response):
             return last
-        choices, pt, ct = [], 0, 0
+        choices = []
         for i in range(len(prompts)):
             ro = last[i]
-            pt += len(ro.prompt_token_ids)
             for j, out in enumerate(ro.outputs):
-                ct += len(out.token_ids)
                 lp = (
                     completion_logprobs(out.token_ids, out.logprobs, len(echo[i]), req.logprobs)
                     if req.logprobs is not None
@@ -404,8 +399,9 @@ def build_app(state: ServerState) -> FastAPI:
                         stop_reason=out.stop_reason,
                     )
                 )
-        usage = UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
-        return CompletionResponse(id=rid, model=state.model_name, choices=choices, usage=usage).model_dump()
+        return CompletionResponse(
+            id=rid, model=state.model_name, choices=choices, usage=usage_of(last.values())
+        ).model_dump()
 
     # -- /v1/chat/completions ---------------------------------------------------------------------
 
@@ -419,7 +415,7 @@ def build_app(state: ServerState) -> FastAPI:
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, req.max_completion_tokens or req.max_tokens, k)
         rid = random_id("chatcmpl")
-        it = merged(request, [(None, ids)], params, req.priority)
+        it = merged([(None, ids)], params, req.priority)
         first = await first_item(it)
 
         if req.stream:
@@ -450,8 +446,7 @@ def build_app(state: ServerState) -> FastAPI:
                             yield chunk([choice])
                         item = await first_item(it)
                     if include_usage and ro is not None:
-                        pt, ct = len(ro.prompt_token_ids), sum(len(o.token_ids) for o in ro.outputs)
-                        yield chunk([], UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct))
+                        yield chunk([], usage_of([ro]))
                     yield "data: [DONE]\n\n"
                 except EngineDeadError as e:
                     yield sse_error(e)
@@ -480,8 +475,8 @@ def build_app(state: ServerState) -> FastAPI:
             )
             for j, out in enumerate(ro.outputs)
         ]
-        pt, ct = len(ro.prompt_token_ids), sum(len(o.token_ids) for o in ro.outputs)
-        usage = UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
-        return ChatCompletionResponse(id=rid, model=state.model_name, choices=choices, usage=usage).model_dump()
+        return ChatCompletionResponse(
+            id=rid, model=state.model_name, choices=choices, usage=usage_of([ro])
+        ).model_dump()
 
     return app
