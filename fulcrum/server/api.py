@@ -254,6 +254,22 @@ def build_app(state: ServerState) -> FastAPI:
         """Headers are sent once a stream starts: an engine failure ends it with an error event."""
         return sse(ErrorResponse(error=ErrorInfo(message=str(e), type="InternalServerError", code=500)).model_dump())
 
+    def sse_response(events: AsyncIterator[str], it: AsyncIterator) -> StreamingResponse:
+        """Stream `events`, then `[DONE]`; an engine failure ends the stream with an error event, and
+        however it ends (a client gone included) the request iterator `it` is closed, aborting its requests."""
+
+        async def body():
+            try:
+                async for event in events:
+                    yield event
+                yield "data: [DONE]\n\n"
+            except EngineDeadError as e:
+                yield sse_error(e)
+            finally:
+                await it.aclose()
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
     def prompts_of(req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         p = req.prompt
         tok = state.engine.tokenizer
@@ -338,36 +354,30 @@ def build_app(state: ServerState) -> FastAPI:
             async def stream():
                 sent: dict[int, int] = {}  # choice index -> tokens already streamed
                 finished = {}  # prompt index -> its final output
-                try:
-                    item = first
-                    while item is not None:
-                        i, ro, deltas = item
-                        for j, delta in deltas.items():
-                            out = ro.outputs[j]
-                            idx = i * n + j
-                            text = delta if idx in sent else echo[i] + delta
-                            done = sent.get(idx, 0)
-                            lp = None
-                            if req.logprobs is not None:
-                                new_ids, new_lps = out.token_ids[done:], out.logprobs[done:]
-                                lp = completion_logprobs(new_ids, new_lps, 0, req.logprobs).model_dump()
-                            sent[idx] = len(out.token_ids)
-                            choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
-                            if out.finish_reason:
-                                choice["stop_reason"] = out.stop_reason
-                            yield chunk([choice])
-                        if ro.finished:
-                            finished[i] = ro
-                        item = await first_item(it)
-                    if include_usage:
-                        yield chunk([], usage_of(finished.values()))
-                    yield "data: [DONE]\n\n"
-                except EngineDeadError as e:
-                    yield sse_error(e)
-                finally:
-                    await it.aclose()
+                item = first
+                while item is not None:
+                    i, ro, deltas = item
+                    for j, delta in deltas.items():
+                        out = ro.outputs[j]
+                        idx = i * n + j
+                        text = delta if idx in sent else echo[i] + delta
+                        done = sent.get(idx, 0)
+                        lp = None
+                        if req.logprobs is not None:
+                            new_ids, new_lps = out.token_ids[done:], out.logprobs[done:]
+                            lp = completion_logprobs(new_ids, new_lps, 0, req.logprobs).model_dump()
+                        sent[idx] = len(out.token_ids)
+                        choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+                        if out.finish_reason:
+                            choice["stop_reason"] = out.stop_reason
+                        yield chunk([choice])
+                    if ro.finished:
+                        finished[i] = ro
+                    item = await first_item(it)
+                if include_usage:
+                    yield chunk([], usage_of(finished.values()))
 
-            return StreamingResponse(stream(), media_type="text/event-stream")
+            return sse_response(stream(), it)
 
         async def collect():
             last = {}
@@ -428,32 +438,26 @@ def build_app(state: ServerState) -> FastAPI:
                 return sse(body)
 
             async def stream():
-                try:
-                    for j in range(req.n):
-                        yield chunk([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))])
-                    seen = {}
-                    item, ro = first, None
-                    while item is not None:
-                        _, ro, deltas = item
-                        for j, delta in deltas.items():
-                            out = ro.outputs[j]
-                            done = seen.get(j, 0)
-                            lp = chat_logprobs(out.token_ids[done:], out.logprobs[done:], k) if req.logprobs else None
-                            seen[j] = len(out.token_ids)
-                            choice = ChatStreamChoice(
-                                index=j, delta=DeltaMessage(content=delta), logprobs=lp, finish_reason=out.finish_reason
-                            )
-                            yield chunk([choice])
-                        item = await first_item(it)
-                    if include_usage and ro is not None:
-                        yield chunk([], usage_of([ro]))
-                    yield "data: [DONE]\n\n"
-                except EngineDeadError as e:
-                    yield sse_error(e)
-                finally:
-                    await it.aclose()
+                for j in range(req.n):
+                    yield chunk([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))])
+                seen = {}
+                item, ro = first, None
+                while item is not None:
+                    _, ro, deltas = item
+                    for j, delta in deltas.items():
+                        out = ro.outputs[j]
+                        done = seen.get(j, 0)
+                        lp = chat_logprobs(out.token_ids[done:], out.logprobs[done:], k) if req.logprobs else None
+                        seen[j] = len(out.token_ids)
+                        choice = ChatStreamChoice(
+                            index=j, delta=DeltaMessage(content=delta), logprobs=lp, finish_reason=out.finish_reason
+                        )
+                        yield chunk([choice])
+                    item = await first_item(it)
+                if include_usage and ro is not None:
+                    yield chunk([], usage_of([ro]))
 
-            return StreamingResponse(stream(), media_type="text/event-stream")
+            return sse_response(stream(), it)
 
         async def collect():
             last, item = None, first
