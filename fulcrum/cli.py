@@ -151,7 +151,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info")
     add_engine_args(s)
     s.set_defaults(func=_serve)
+
+    from fulcrum.bench.cli import add_bench_parser
+    from fulcrum.plan.cli import add_plan_parser
+
+    add_bench_parser(sub)
+    add_plan_parser(sub).set_defaults(measure=_measure_engine)
     return p
+
+
+def _measure_engine(**kwargs):
+    """`fulcrum plan --validate` measures with the engine; plan/ itself never imports it, so the CLI joins them."""
+    from fulcrum.engine.speed import measure_speed
+
+    return measure_speed(**kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,1 @@
+"""`fulcrum bench`: a load generator that measures any OpenAI-compatible server over HTTP."""
