@@ -21,6 +21,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache (CPU default 2)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-chunked-prefill", action="store_true", help="compute each prompt in one step, never split")
     g.add_argument("--seed", type=int, default=0, help="engine seed")
 
 
@@ -36,6 +37,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_memory=int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching,
+        enable_chunked_prefill=not args.no_chunked_prefill,
         seed=args.seed,
     )
 

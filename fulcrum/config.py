@@ -124,6 +124,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache; default: 2 GiB on CPU, profiled on CUDA
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
     seed: int = 0
     device: str | None = None  # None = cuda when present, else cpu
 

@@ -30,6 +30,7 @@ class EngineCore:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.model_config.max_model_len,
                 block_size=config.block_size,
+                enable_chunked_prefill=config.enable_chunked_prefill,
             ),
             self.kv,
         )

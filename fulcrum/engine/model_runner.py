@@ -76,7 +76,9 @@ class ModelRunner:
         of `gpu_memory_utilization` of the card."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        n = min(self.config.max_num_batched_tokens, self.model_config.max_model_len)
+        n = self.model_config.max_model_len
+        if self.config.enable_chunked_prefill:
+            n = min(self.config.max_num_batched_tokens, n)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
         hidden = self.model(ids, pos, AttentionMetadata.for_prompts([n]))

@@ -26,6 +26,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     block_size: int = 16
+    # Off: a prompt is computed in one step, never split (the step budget grows to max_model_len),
+    # so a long prompt stalls the decodes that share its step. Kept to measure what chunking buys.
+    enable_chunked_prefill: bool = True
+
+    @property
+    def token_budget(self) -> int:
+        if self.enable_chunked_prefill:
+            return self.max_num_batched_tokens
+        return max(self.max_num_batched_tokens, self.max_model_len)
 
 
 @dataclass
@@ -96,7 +105,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.token_budget
         scheduled: list[ScheduledRequest] = []
 
         i = 0
@@ -120,6 +129,8 @@ class Scheduler:
             req = self.waiting.peek()
             computed, num_cached = ([], 0) if req.num_computed_tokens else self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_cached, budget)
+            if not self.config.enable_chunked_prefill and n < req.num_tokens - num_cached:
+                break  # the whole prompt waits for a step with room for it
             if not self.kv.allocate_slots(req, n, computed):
                 break
             self.waiting.pop()

@@ -6,9 +6,9 @@ from fulcrum.engine.scheduler import Scheduler, SchedulerConfig
 from fulcrum.sampling_params import SamplingParams
 
 
-def make(budget=32, seqs=8, blocks=100):
+def make(budget=32, seqs=8, blocks=100, **kw):
     kv = KVCacheManager(blocks, 4)
-    return Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, block_size=4), kv)
+    return Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, block_size=4, **kw), kv)
 
 
 def run_step(s, out):
@@ -29,6 +29,20 @@ def test_long_prompt_is_chunked_and_decodes_keep_going():
         assert sizes["long"] == 32 - 3  # the prompt gets the rest of the budget
         assert out.num_batched_tokens <= 32
         run_step(s, out)
+
+
+def test_without_chunked_prefill_a_long_prompt_runs_whole_in_one_step():
+    s = make(budget=32, enable_chunked_prefill=False, max_model_len=200)
+    short = [Request(f"s{i}", [1] * 6, SamplingParams(max_tokens=50)) for i in range(3)]
+    for r in short:
+        s.add_request(r)
+    run_step(s, s.schedule())
+    s.add_request(Request("long", [2] * 100, SamplingParams(max_tokens=5)))
+    out = s.schedule()
+    sizes = {x.request.request_id: x.num_new_tokens for x in out.scheduled}
+    assert sizes == {"s0": 1, "s1": 1, "s2": 1, "long": 100}  # the decodes wait for the whole prompt
+    run_step(s, out)
+    assert s.schedule().num_batched_tokens == 4  # then all four decode
 
 
 def test_priority_then_arrival_order():
