@@ -1,11 +1,240 @@
-"""Arguments of `fulcrum bench serve` and `fulcrum bench compare`."""
+"""`fulcrum bench serve` (load a server, report) and `fulcrum bench compare` (results side by side)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import datetime
+import math
+import os
+import signal
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from fulcrum.bench.workloads import WORKLOADS, LengthDist
+
+
+def _list(kind):
+    def parse(text: str):
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+
+    return parse
 
 
 def add_bench_parser(sub) -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="measure an OpenAI-compatible server: latency, throughput, goodput, cost")
-    b.add_subparsers(dest="bench_verb", required=True)
+    verbs = b.add_subparsers(dest="bench_verb", required=True)
+
+    s = verbs.add_parser("serve", help="load a running server and report TTFT, TPOT, ITL, throughput, goodput")
+    g = s.add_argument_group("server")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (with or without /v1)")
+    g.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
+    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds before a request counts as failed")
+    g = s.add_argument_group("load (a list is a sweep)")
+    load = g.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=_list(int), help="closed loop: users, e.g. 1,4,16,64")
+    load.add_argument("--request-rate", type=_list(float), help="open loop: requests/s, e.g. 2,4,8 or inf")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
+    g.add_argument("--max-concurrency", type=int, default=None, help="open loop: cap on requests in flight")
+    g.add_argument("--num-prompts", type=int, default=None, help="requests (conversations) per run; default 100")
+    g.add_argument("--duration", type=float, default=None, help="seconds per run (no new requests after it)")
+    g.add_argument("--warmup", type=int, default=0, help="requests sent first and not counted")
+    g.add_argument("--seed", type=int, default=0)
+    g = s.add_argument_group("workload")
+    g.add_argument("--workload", choices=WORKLOADS, default="random")
+    g.add_argument(
+        "--input-len", type=LengthDist.parse, default=LengthDist.parse(256), help="N, uniform:A:B, normal:M:S"
+    )
+    g.add_argument("--output-len", type=LengthDist.parse, default=LengthDist.parse(128), help="as --input-len")
+    g.add_argument("--num-groups", type=int, default=8, help="shared-prefix: groups sharing a system prompt")
+    g.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens of the shared prompt")
+    g.add_argument("--long-fraction", type=float, default=0.1, help="long-prefill: share of long prompts")
+    g.add_argument("--long-input-len", type=LengthDist.parse, default=LengthDist.parse(4096))
+    g.add_argument("--turns", type=int, default=4, help="multi-turn: user turns per conversation")
+    g.add_argument("--dataset", default=None, help="jsonl: a file of prompts or ShareGPT-style conversations")
+    g.add_argument("--tokenizer", default=None, help="HF folder for exact prompt lengths and token counts")
+    g.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens (vLLM's extension)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g = s.add_argument_group("report")
+    g.add_argument("--slo", default=None, help="goodput SLOs, e.g. ttft=200ms,tpot=50ms,e2e=5s")
+    g.add_argument("--price-per-hour", type=float, default=None, help="dollars per replica-hour, for cost per token")
+    g.add_argument("--replicas", type=int, default=1)
+    g.add_argument("--out", default=None, help="JSON result with every request's timings")
+    g.add_argument("--csv", default=None, help="CSV, one row per run")
+    g.add_argument("--plot", default=None, help="folder for PNG plots")
+    g.add_argument("--quiet", action="store_true", help="no live progress display")
+    s.set_defaults(func=run_serve)
+
+    c = verbs.add_parser("compare", help="compare `bench serve --out` results side by side, with ratios")
+    c.add_argument("results", nargs="+", help="JSON files; ratios are against the first")
+    c.set_defaults(func=run_compare)
     return b
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from fulcrum.bench.compare import compare_tables
+    from fulcrum.bench.report import console
+
+    try:
+        tables = compare_tables(args.results)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for t in tables:
+        console().print(t)
+    return 0
+
+
+def load_specs(args: argparse.Namespace) -> list:
+    from fulcrum.bench.loadgen import LoadSpec
+
+    num = args.num_prompts if args.num_prompts is not None else (None if args.duration else 100)
+    common = dict(num_prompts=num, duration=args.duration, warmup=args.warmup)
+    if args.concurrency:
+        return [LoadSpec(concurrency=c, **common) for c in args.concurrency]
+    rates = args.request_rate or [math.inf]
+    return [
+        LoadSpec(request_rate=r, burstiness=args.burstiness, max_concurrency=args.max_concurrency, **common)
+        for r in rates
+    ]
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from fulcrum.bench.metrics import parse_slo
+    from fulcrum.bench.workloads import TextMaker, WorkloadSpec
+
+    try:
+        loads = load_specs(args)
+        slo = parse_slo(args.slo)
+        tokenizer = _tokenizer(args)
+        spec = WorkloadSpec(
+            name=args.workload,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            num_groups=args.num_groups,
+            prefix_len=args.prefix_len,
+            long_fraction=args.long_fraction,
+            long_input_len=args.long_input_len,
+            turns=args.turns,
+            dataset=args.dataset,
+            seed=args.seed,
+        )
+        from fulcrum.bench.workloads import sessions
+
+        next(sessions(spec, TextMaker(tokenizer)))  # bad workload settings fail here, before any load
+    except Exception as e:  # noqa: BLE001 - every setup error is the user's to fix
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(args, loads, spec, slo, TextMaker(tokenizer)))
+
+
+def _tokenizer(args: argparse.Namespace):
+    path = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
+    if path is None:
+        return None
+    from fulcrum.utils.tokenizer import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+async def _serve(args, loads, spec, slo, text) -> int:
+    import aiohttp
+
+    from fulcrum.bench import report
+    from fulcrum.bench.client import Target, discover_model
+    from fulcrum.bench.loadgen import LoadGenerator
+    from fulcrum.bench.metrics import summarize, summarize_by_tag
+    from fulcrum.bench.workloads import sessions
+
+    console = report.console(stderr=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+    extra = {"temperature": args.temperature}
+    if args.ignore_eos:
+        extra["ignore_eos"] = True
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    doc = {
+        "tool": "fulcrum bench serve",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "base_url": args.base_url,
+        "endpoint": args.endpoint,
+        "workload": {k: str(v) if isinstance(v, LengthDist) else v for k, v in asdict(spec).items()},
+        "prompt_lengths": "exact (tokenizer)" if text.exact else "approximate (words, no tokenizer)",
+        "runs": [],
+    }
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
+        try:
+            model = args.model or await discover_model(http, args.base_url, headers)
+        except (aiohttp.ClientError, RuntimeError, OSError) as e:
+            console.print(f"[red]error:[/] cannot reach {args.base_url}: {e}")
+            return 2
+        doc["model"] = model
+        target = Target(args.base_url, model, args.endpoint, args.api_key)
+        count = (lambda s: len(text.tokenizer.encode(s, add_special_tokens=False))) if text.exact else None
+        for i, load in enumerate(loads):
+            per_session = spec.turns if spec.name == "multi-turn" else 1
+            with _progress(console, load, per_session, args.quiet) as on_result:
+                gen = LoadGenerator(
+                    http, target, extra=extra, count_tokens=count, timeout=args.timeout,
+                    on_result=on_result, seed=args.seed + i,
+                )  # fmt: skip
+                # each point of a sweep draws fresh prompts, so a prefix cache cannot serve one point from another
+                run = await gen.run(load, sessions(replace(spec, seed=spec.seed + i), text), stop)
+            kw = dict(slo=slo, price_per_hour=args.price_per_hour, replicas=args.replicas)
+            entry = {
+                "label": load.label,
+                "load": load.as_dict(),
+                "duration_s": run.duration,
+                "peak_concurrency": run.peak_concurrency,
+                "interrupted": run.interrupted,
+                "summary": summarize(run.results, run.duration, **kw),
+                "by_tag": summarize_by_tag(run.results, run.duration, **kw),
+                "requests": report.request_records(run.results),
+            }
+            doc["runs"].append(entry)
+            report.print_run(report.console(), entry)
+            if args.out:  # after every point, so an interrupted sweep keeps what it measured
+                report.write_json(args.out, doc)
+            if run.interrupted:
+                break
+    if len(doc["runs"]) > 1:
+        report.console().print(report.sweep_table(doc["runs"]))
+    if args.csv:
+        report.write_csv(args.csv, doc["runs"])
+    if args.plot:
+        for p in report.write_plots(args.plot, doc["runs"]):
+            console.print(f"plot: {p}")
+    return 130 if doc["runs"] and doc["runs"][-1]["interrupted"] else 0
+
+
+@contextlib.contextmanager
+def _progress(console, load, per_session: int, quiet: bool):
+    """A live progress line (requests done, in flight, failed); a no-op when quiet."""
+    if quiet:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        total = load.num_prompts * per_session if load.num_prompts else None
+        task = progress.add_task(load.label, total=total)
+        failed = 0
+
+        def on_result(r, inflight: int) -> None:
+            nonlocal failed
+            failed += not r.ok
+            desc = f"{load.label}: {inflight} in flight, {failed} failed"
+            progress.update(task, advance=1, description=desc)
+
+        yield on_result

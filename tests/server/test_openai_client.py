@@ -5,7 +5,7 @@ import asyncio
 import openai
 import pytest
 
-from tests.server.conftest import MODEL
+from tests.servers import MODEL
 
 
 @pytest.fixture(scope="module")

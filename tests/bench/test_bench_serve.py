@@ -1,0 +1,130 @@
+"""`fulcrum bench serve` end to end against a real `fulcrum serve` on loopback: every workload, both
+endpoints, the JSON/CSV/plot outputs, `bench compare`, and Ctrl-C keeping a partial result."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fulcrum.cli import main
+from fulcrum.config import DEFAULT_MODEL
+from tests.servers import start_server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = start_server(tmp_path_factory.mktemp("srv"))
+    yield s
+    s.stop()
+
+
+def bench(server, tmp_path, *args) -> dict:
+    out = tmp_path / "result.json"
+    common = ["bench", "serve", "--base-url", server.url, "--quiet", "--out", str(out), "--ignore-eos"]
+    assert main([*common, *args]) == 0
+    return json.loads(out.read_text())
+
+
+WORKLOADS = {
+    "random": ["--input-len", "uniform:8:40", "--output-len", "6"],
+    "shared-prefix": ["--num-groups", "2", "--prefix-len", "64", "--input-len", "8", "--output-len", "4"],
+    "long-prefill": ["--long-fraction", "0.5", "--long-input-len", "300", "--input-len", "12", "--output-len", "6"],
+    "multi-turn": ["--turns", "3", "--input-len", "10", "--output-len", "5"],
+}
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_each_workload_against_fulcrum_serve(server, tmp_path, workload, endpoint):
+    doc = bench(
+        server, tmp_path, "--workload", workload, "--endpoint", endpoint, "--num-prompts", "4",
+        "--concurrency", "2", "--tokenizer", str(DEFAULT_MODEL), *WORKLOADS[workload],
+    )  # fmt: skip
+    (run,) = doc["runs"]
+    s = run["summary"]
+    per_session = 3 if workload == "multi-turn" else 1
+    assert s["completed"] == 4 * per_session and s["failed"] == 0
+    assert s["token_source"] == {"usage": 4 * per_session}  # counted from the server's usage
+    assert doc["model"] == "shakespeare" and run["peak_concurrency"] == 2
+    assert s["ttft_ms"]["p50"] > 0 and s["output_throughput"] > 0
+    assert len(run["requests"]) == 4 * per_session
+    r = run["requests"][0]
+    assert len(r["chunk_times"]) >= 1 and r["e2e"] >= r["ttft"] > 0
+    if workload == "long-prefill":
+        assert set(run["by_tag"]) <= {"short", "long"} and run["by_tag"]
+    if workload == "multi-turn":
+        assert set(run["by_tag"]) == {"turn 1", "turn 2", "turn 3"}
+        turns = {q["tag"]: q["prompt_tokens"] for q in run["requests"] if q["session"] == 0}
+        assert turns["turn 1"] < turns["turn 2"] < turns["turn 3"]  # the history grows
+    if workload == "random":
+        assert all(o == 6 for o in (q["output_tokens"] for q in run["requests"]))
+
+
+def test_jsonl_workload_without_tokenizer(server, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "ROMEO:", "max_tokens": 5}\n{"prompt": "JULIET:", "max_tokens": 3}\n')
+    doc = bench(server, tmp_path, "--workload", "jsonl", "--dataset", str(data), "--num-prompts", "4")
+    s = doc["runs"][0]["summary"]
+    assert s["completed"] == 4 and s["output_tokens"] == 5 + 3 + 5 + 3
+    assert doc["prompt_lengths"].startswith("approximate")
+
+
+def test_sweep_outputs_csv_plots_and_compare(server, tmp_path, capsys):
+    plots, table = tmp_path / "plots", tmp_path / "sweep.csv"
+    doc = bench(
+        server, tmp_path, "--concurrency", "1,4", "--num-prompts", "8", "--input-len", "16", "--output-len", "8",
+        "--slo", "ttft=10s,tpot=1s", "--price-per-hour", "2.5", "--csv", str(table), "--plot", str(plots),
+    )  # fmt: skip
+    assert [r["label"] for r in doc["runs"]] == ["concurrency 1", "concurrency 4"]
+    assert [r["peak_concurrency"] for r in doc["runs"]] == [1, 4]
+    for r in doc["runs"]:
+        s = r["summary"]
+        assert s["goodput"] == pytest.approx(s["request_throughput"])  # generous SLOs: every request meets them
+        assert s["cost_per_1m_output_tokens"] == pytest.approx(2.5 / (s["output_throughput"] * 3600) * 1e6)
+    rows = list(csv.DictReader(table.open()))
+    assert [r["label"] for r in rows] == ["concurrency 1", "concurrency 4"] and "ttft_p99_ms" in rows[0]
+    assert {p.name for p in plots.iterdir()} == {
+        "latency_vs_throughput.png",
+        "ttft_distribution.png",
+        "itl_distribution.png",
+    }
+    capsys.readouterr()
+    other = tmp_path / "other.json"
+    (tmp_path / "result.json").rename(other)
+    doc2 = bench(
+        server, tmp_path, "--concurrency", "1,4", "--num-prompts", "8", "--input-len", "16", "--output-len", "8"
+    )
+    assert doc2["runs"]
+    assert main(["bench", "compare", str(other), str(tmp_path / "result.json")]) == 0
+    out = capsys.readouterr().out
+    assert "concurrency 4" in out and "result / other" in out and "x" in out
+
+
+def test_unreachable_server_and_bad_arguments_fail_cleanly(tmp_path, capsys):
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--quiet", "--num-prompts", "1"]) == 2
+    assert "cannot reach" in capsys.readouterr().err
+    assert main(["bench", "serve", "--workload", "jsonl", "--quiet"]) == 2
+    assert "needs --dataset" in capsys.readouterr().err
+    assert main(["bench", "serve", "--slo", "ttft=soon", "--quiet"]) == 2
+    assert main(["bench", "compare", str(tmp_path / "missing.json")]) == 2
+
+
+def test_ctrl_c_writes_the_partial_result(server, tmp_path):
+    out = tmp_path / "partial.json"
+    cmd = [sys.executable, "-m", "fulcrum.cli", "bench", "serve", "--base-url", server.url, "--quiet"]
+    cmd += ["--concurrency", "2", "--num-prompts", "200", "--input-len", "8", "--output-len", "200"]
+    cmd += ["--ignore-eos", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ})
+    time.sleep(6)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr.decode()
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["interrupted"] and 0 < len(run["requests"]) < 200
+    assert run["summary"]["failures"].get("interrupted", 0) <= 2  # the requests in flight
+    assert b"partial result" in stdout

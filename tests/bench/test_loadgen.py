@@ -1,0 +1,152 @@
+"""The load generator against a scripted server: closed and open loops, duration, interruption,
+multi-turn history, and every way a server can misbehave recorded as a failure, never a crash."""
+
+import asyncio
+
+import aiohttp
+import numpy as np
+import pytest
+
+from fulcrum.bench.client import Target
+from fulcrum.bench.loadgen import LoadGenerator, LoadSpec, arrival_gaps
+from fulcrum.bench.metrics import summarize
+from fulcrum.bench.workloads import Session
+from tests.bench.fake_server import FakeServer, serving, stream, text_chunk, usage_chunk
+
+QUICK = stream((0.0, text_chunk("x")), (0.0, text_chunk("y")), (0.0, usage_chunk(3, 2)), done_at=0.0)
+HELD = stream((0.05, text_chunk("x")), (0.0, text_chunk("y")), (0.0, usage_chunk(3, 2)), done_at=0.0)
+SLOW = stream(*[(0.05, text_chunk("x"))] * 100, done_at=0.0)
+
+
+def run(scripts, load, sessions, endpoint="completions", stop_after=None, **kw):
+    async def main():
+        fake = FakeServer(scripts)
+        async with serving(fake) as url, aiohttp.ClientSession() as http:
+            gen = LoadGenerator(http, Target(url, "fake-model", endpoint), **kw)
+            stop = asyncio.Event()
+            if stop_after is not None:
+                asyncio.get_running_loop().call_later(stop_after, stop.set)
+            return await gen.run(load, sessions, stop), fake
+
+    return asyncio.run(main())
+
+
+def singles(names):
+    return [Session(i, [n], [4], [1]) for i, n in enumerate(names)]
+
+
+def test_misbehaving_servers_become_failures_by_class():
+    scripts = {
+        "ok": QUICK,
+        "error-body": ("status", 503, '{"error": {"message": "overloaded", "type": "ServiceUnavailableError"}}'),
+        "not-json-error": ("status", 502, "<html>bad gateway</html>"),
+        "malformed": stream((0.0, text_chunk("x")), (0.0, b"{not json"), done_at=0.0),
+        "not-an-object": stream((0.0, b"[1, 2]"), done_at=0.0),
+        "error-event": stream((0.0, text_chunk("x")), (0.0, {"error": {"message": "engine died"}}), done_at=0.0),
+        "dropped": [*stream((0.0, text_chunk("x"))), (0.0, b"DROP")],
+        "no-done": stream((0.0, text_chunk("x")), (0.0, usage_chunk(1, 1))),
+        "empty": stream((0.0, usage_chunk(1, 0)), done_at=0.0),
+        "too-slow": stream((2.0, text_chunk("x")), done_at=0.0),
+        "no-usage": stream((0.0, text_chunk("x")), (0.01, text_chunk("y")), (0.01, text_chunk("z")), done_at=0.0),
+    }
+    names = list(scripts)
+    result, _ = run(scripts, LoadSpec(concurrency=4, num_prompts=len(names)), singles(names), timeout=0.5)
+    by_name = {names[r.session]: r for r in result.results}
+    assert len(by_name) == len(names)  # every request recorded, the run finished
+    expected = {
+        "error-body": "http_503",
+        "not-json-error": "http_502",
+        "malformed": "malformed_chunk",
+        "not-an-object": "malformed_chunk",
+        "error-event": "server_error",
+        "dropped": "connection",
+        "no-done": "incomplete_stream",
+        "empty": "no_content",
+        "too-slow": "timeout",
+    }
+    assert {n: by_name[n].error for n in expected} == expected
+    assert by_name["error-body"].error_detail == "overloaded"
+    assert "bad gateway" in by_name["not-json-error"].error_detail
+    assert by_name["ok"].ok and by_name["ok"].token_source == "usage"
+    # without usage and without a tokenizer, tokens are counted as content chunks (and said so)
+    assert by_name["no-usage"].ok and by_name["no-usage"].output_tokens == 3
+    assert by_name["no-usage"].token_source == "chunks"
+    s = summarize(result.results, result.duration)
+    assert s["completed"] == 2 and s["failed"] == 9 and s["failures"]["malformed_chunk"] == 2
+
+
+def test_tokenizer_fallback_counts_generated_text():
+    scripts = {"*": stream((0.0, text_chunk("one two")), (0.0, text_chunk(" three")), done_at=0.0)}
+    result, _ = run(
+        scripts, LoadSpec(concurrency=1, num_prompts=1), singles(["a"]), count_tokens=lambda s: len(s.split())
+    )
+    (r,) = result.results
+    assert r.output_tokens == 3 and r.token_source == "tokenizer"
+
+
+def test_closed_loop_keeps_exactly_n_requests_in_flight():
+    result, fake = run({"*": HELD}, LoadSpec(concurrency=4, num_prompts=16), singles(["r"] * 16))
+    assert len(result.results) == 16 and all(r.ok for r in result.results)
+    assert result.peak_concurrency == 4 and fake.peak == 4
+
+
+def test_open_loop_cap_on_requests_in_flight():
+    load = LoadSpec(request_rate=float("inf"), max_concurrency=3, num_prompts=12)
+    result, fake = run({"*": HELD}, load, singles(["r"] * 12))
+    assert len(result.results) == 12 and result.peak_concurrency == 3 and fake.peak == 3
+
+
+def test_open_loop_all_at_once_without_cap():
+    result, fake = run({"*": HELD}, LoadSpec(request_rate=float("inf"), num_prompts=10), singles(["r"] * 10))
+    assert fake.peak == 10 and max(r.start for r in result.results) < 0.05
+
+
+def test_open_loop_arrivals_follow_the_rate():
+    result, _ = run({"*": QUICK}, LoadSpec(request_rate=50, num_prompts=30), singles(["r"] * 30), seed=3)
+    starts = sorted(r.start for r in result.results)
+    expected = np.cumsum([0.0, *[g for g, _ in zip(arrival_gaps(50, 1.0, np.random.default_rng(3)), range(29))]])
+    assert np.allclose(starts, expected, atol=0.05)
+
+
+@pytest.mark.parametrize("burstiness", [1.0, 0.25, 4.0])
+def test_arrival_gaps_have_the_rate_and_burstiness(burstiness):
+    gaps = np.array([g for g, _ in zip(arrival_gaps(8.0, burstiness, np.random.default_rng(0)), range(40000))])
+    assert gaps.mean() == pytest.approx(1 / 8, rel=0.03)
+    # gamma: squared coefficient of variation = 1 / shape (1 for Poisson arrivals; burstier below 1)
+    assert gaps.var() / gaps.mean() ** 2 == pytest.approx(1 / burstiness, rel=0.08)
+
+
+def test_duration_stops_new_requests():
+    sessions = (Session(i, ["r"], [4], [1]) for i in range(10**6))
+    result, _ = run({"*": HELD}, LoadSpec(concurrency=2, num_prompts=None, duration=0.4), sessions)
+    assert 4 <= len(result.results) <= 20
+    assert max(r.start for r in result.results) < 0.4 and not result.interrupted
+
+
+def test_stop_keeps_a_partial_result_and_marks_requests_in_flight():
+    load = LoadSpec(concurrency=2, num_prompts=6)
+    result, _ = run({"quick": QUICK, "slow": SLOW}, load, singles(["quick", "quick", "slow", "slow"]), stop_after=0.5)
+    assert result.interrupted and result.duration < 3
+    errors = sorted(str(r.error) for r in result.results)
+    assert errors == ["None", "None", "interrupted", "interrupted"]
+
+
+def test_multi_turn_sends_the_growing_history_with_the_replies():
+    scripts = {"*": stream((0.0, text_chunk("reply")), done_at=0.0)}
+    conv = Session(0, ["hi", "and then?", "bye"], [4, 4, 4], [1, 2, 1], system="be brief")
+    _, fake = run(scripts, LoadSpec(concurrency=1, num_prompts=1), [conv], endpoint="chat")
+    roles = [[m["role"] for m in b["messages"]] for b in fake.bodies]
+    assert roles == [
+        ["system", "user"],
+        ["system", "user", "assistant", "user"],
+        ["system", "user", "assistant", "user", "assistant", "user"],
+    ]
+    assert fake.bodies[2]["messages"][2]["content"] == "reply"
+    assert all(b["stream"] and b["stream_options"] == {"include_usage": True} for b in fake.bodies)
+
+
+def test_a_failed_turn_ends_its_conversation():
+    scripts = {"hi": ("status", 400, '{"error": {"message": "bad"}}'), "*": QUICK}
+    conv = Session(0, ["hi", "more"], [4, 4], [1, 1])
+    result, fake = run(scripts, LoadSpec(concurrency=1, num_prompts=1), [conv], endpoint="chat")
+    assert len(fake.bodies) == 1 and [r.error for r in result.results] == ["http_400"]
