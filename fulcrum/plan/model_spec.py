@@ -1,0 +1,243 @@
+"""A model's shape from its config.json alone: parameter counts (total and, for MoE, active) and KV-cache bytes,
+for GQA/MQA, an explicit head_dim, DeepSeek's MLA, sliding-window layers and mixture-of-experts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+from fulcrum.config import head_dim, layer_sliding_windows
+from fulcrum.errors import ModelLoadError
+
+PRESETS = Path(__file__).with_name("presets.json")
+DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5, "fp4": 0.5}
+# config.json's torch_dtype / dtype, in plan's names
+CONFIG_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention: the cache holds one compressed latent (+ the shared RoPE key) per token."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
+class MoE:
+    num_experts: int
+    experts_per_token: int
+    expert_intermediate: int
+    shared_intermediate: int = 0  # always-on shared expert(s), summed
+    dense_layers: int = 0  # leading layers with a dense MLP (DeepSeek's first_k_dense_replace)
+    biases: bool = False  # gpt-oss: biases on the experts' projections
+    router_bias: bool = False  # gpt-oss's router bias, DeepSeek-V3's score-correction bias
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    total: int
+    active: int  # per token: everything but the routed experts a token does not use
+    embedding: int
+    lm_head: int  # 0 when tied to the embedding
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    num_layers: int
+    hidden: int
+    vocab: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    tied: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    sinks: bool
+    mlp_bias: bool
+    windows: tuple[int | None, ...]  # per layer: sliding window, None = full attention
+    dtype: str
+    mla: MLA | None = None
+    moe: MoE | None = None
+
+    @property
+    def attention_kind(self) -> str:
+        if self.mla:
+            return f"MLA (latent {self.mla.kv_lora_rank} + RoPE key {self.mla.qk_rope_head_dim} per token)"
+        if self.num_kv_heads == 1:
+            return f"MQA ({self.num_heads} query heads, 1 KV head)"
+        if self.num_kv_heads < self.num_heads:
+            return f"GQA ({self.num_heads} query heads, {self.num_kv_heads} KV heads)"
+        return f"MHA ({self.num_heads} heads)"
+
+    def details(self) -> list[str]:
+        """Everything about the architecture that changes memory or speed, in words."""
+        out = [self.attention_kind]
+        if self.head_dim * self.num_heads != self.hidden and not self.mla:
+            out.append(f"explicit head_dim {self.head_dim} (hidden/heads would be {self.hidden // self.num_heads})")
+        sliding = [w for w in self.windows if w]
+        if sliding:
+            out.append(f"{len(sliding)} of {self.num_layers} layers slide over {sliding[0]} tokens")
+        if self.moe:
+            m = self.moe
+            shared = f", shared expert {m.shared_intermediate}" if m.shared_intermediate else ""
+            dense = f", first {m.dense_layers} layers dense" if m.dense_layers else ""
+            out.append(f"MoE: {m.experts_per_token} of {m.num_experts} experts per token{shared}{dense}")
+        out.append("tied embeddings" if self.tied else "untied embeddings")
+        return out
+
+
+def from_config(cfg: dict, name: str = "model") -> ModelSpec:
+    cfg = cfg.get("text_config", cfg)  # multimodal configs keep the language model's fields there
+    ns = SimpleNamespace(**cfg)
+    mla = None
+    if cfg.get("kv_lora_rank"):
+        mla = MLA(
+            cfg.get("q_lora_rank"),
+            cfg["kv_lora_rank"],
+            cfg["qk_nope_head_dim"],
+            cfg["qk_rope_head_dim"],
+            cfg["v_head_dim"],
+        )
+    experts = cfg.get("num_local_experts") or cfg.get("n_routed_experts") or cfg.get("num_experts")
+    moe = None
+    if experts and experts > 1:
+        expert_i = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+        shared = cfg.get("n_shared_experts", 0) * expert_i + cfg.get("shared_expert_intermediate_size", 0)
+        moe = MoE(
+            num_experts=experts,
+            experts_per_token=cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 1,
+            expert_intermediate=expert_i,
+            shared_intermediate=shared,
+            dense_layers=cfg.get("first_k_dense_replace", 0),
+            biases=cfg.get("model_type") == "gpt_oss",
+            router_bias=cfg.get("model_type") in ("gpt_oss", "deepseek_v3"),
+        )
+    model_type = cfg.get("model_type", "")
+    stated = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").removeprefix("torch.")
+    return ModelSpec(
+        name=name,
+        num_layers=cfg["num_hidden_layers"],
+        hidden=cfg["hidden_size"],
+        vocab=cfg["vocab_size"],
+        num_heads=cfg["num_attention_heads"],
+        num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        head_dim=head_dim(ns),
+        intermediate=cfg["intermediate_size"],
+        tied=bool(cfg.get("tie_word_embeddings", False)),
+        # Qwen2 puts biases on q, k, v only; attention_bias (Llama, gpt-oss) means q, k, v and o
+        qkv_bias=bool(cfg.get("attention_bias")) or model_type in ("qwen2", "qwen2_moe"),
+        o_bias=bool(cfg.get("attention_bias")),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        sinks=model_type == "gpt_oss",
+        mlp_bias=bool(cfg.get("mlp_bias")),
+        windows=tuple(layer_sliding_windows(ns)) if not mla else (None,) * cfg["num_hidden_layers"],
+        dtype=CONFIG_DTYPES.get(stated, "bf16"),
+        mla=mla,
+        moe=moe,
+    )
+
+
+def load_presets() -> dict[str, dict]:
+    return {k: v for k, v in json.loads(PRESETS.read_text()).items() if not k.startswith("_")}
+
+
+def load_model_spec(model: str | Path) -> ModelSpec:
+    """MODEL is a built-in preset name, a Hugging Face folder (its config.json is read; never its weights),
+    or a config.json file."""
+    presets = load_presets()
+    key = str(model).lower()
+    if key in presets:
+        return from_config(presets[key]["config"], name=key)
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.exists():
+            raise ModelLoadError(f"{model} is a folder without config.json; plan needs the model's config.json")
+    elif not path.exists():
+        raise ModelLoadError(
+            f"{model!r} is neither a model folder, a config.json, nor a preset; presets: {', '.join(presets)}"
+        )
+    name = path.parent.name if path.name == "config.json" else path.stem
+    return from_config(json.loads(path.read_text()), name=name)
+
+
+# -- parameters ------------------------------------------------------------------------------------
+
+
+def attention_params(s: ModelSpec) -> int:
+    """One layer's attention projections, norms inside attention and biases."""
+    h = s.hidden
+    if s.mla:
+        m = s.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank:
+            q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * s.num_heads * qk
+        else:
+            q = h * s.num_heads * qk
+        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+        kv += m.kv_lora_rank * s.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + s.num_heads * m.v_head_dim * h
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    n = h * q + 2 * h * kv + q * h
+    n += (q + 2 * kv) * s.qkv_bias + h * s.o_bias + 2 * s.head_dim * s.qk_norm + s.num_heads * s.sinks
+    return n
+
+
+def _mlp(h: int, i: int, bias: bool = False) -> int:
+    """A gated MLP (gate, up, down), optionally with biases."""
+    return 3 * h * i + (2 * i + h) * bias
+
+
+def mlp_params(s: ModelSpec) -> tuple[int, int]:
+    """(total, active per token) of the MLPs of all layers."""
+    if not s.moe:
+        n = s.num_layers * _mlp(s.hidden, s.intermediate, s.mlp_bias)
+        return n, n
+    m = s.moe
+    dense = m.dense_layers * _mlp(s.hidden, s.intermediate)
+    router = s.hidden * m.num_experts + m.num_experts * m.router_bias
+    expert = _mlp(s.hidden, m.expert_intermediate, m.biases)
+    shared = _mlp(s.hidden, m.shared_intermediate) if m.shared_intermediate else 0
+    sparse = s.num_layers - m.dense_layers
+    total = dense + sparse * (router + m.num_experts * expert + shared)
+    active = dense + sparse * (router + m.experts_per_token * expert + shared)
+    return total, active
+
+
+def parameter_counts(s: ModelSpec) -> ParamCount:
+    norms = s.num_layers * 2 * s.hidden + s.hidden  # two RMSNorms per layer, one final
+    attn = s.num_layers * attention_params(s)
+    mlp_total, mlp_active = mlp_params(s)
+    emb = s.vocab * s.hidden
+    head = 0 if s.tied else emb
+    base = norms + attn + emb + head
+    return ParamCount(total=base + mlp_total, active=base + mlp_active, embedding=emb, lm_head=head)
+
+
+# -- KV cache --------------------------------------------------------------------------------------
+
+
+def kv_bytes_per_token_layer(s: ModelSpec, kv_dtype: str) -> float:
+    if s.mla:  # the latent and the RoPE key, shared by all heads
+        return (s.mla.kv_lora_rank + s.mla.qk_rope_head_dim) * DTYPE_BYTES[kv_dtype]
+    return 2 * s.num_kv_heads * s.head_dim * DTYPE_BYTES[kv_dtype]
+
+
+def kv_bytes_per_token(s: ModelSpec, kv_dtype: str = "bf16") -> float:
+    """What one more token costs in every layer (a sliding layer's cost stops growing past its window)."""
+    return s.num_layers * kv_bytes_per_token_layer(s, kv_dtype)
+
+
+def kv_bytes_per_sequence(s: ModelSpec, length: int, kv_dtype: str = "bf16") -> float:
+    """One sequence of `length` tokens; sliding-window layers keep only their window."""
+    per = kv_bytes_per_token_layer(s, kv_dtype)
+    return sum(per * min(length, w or length) for w in s.windows)
