@@ -1,10 +1,122 @@
-"""Arguments of `fulcrum plan`."""
+"""Arguments of `fulcrum plan`, and the command: a model's memory, GPU count, roofline speed and cost per token
+on a hardware entry, or `--validate` against a measured run on this machine."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+
+from rich.console import Console
+
+from fulcrum.config import DEFAULT_MODEL
+from fulcrum.errors import FulcrumError
+from fulcrum.plan.advice import what_to_do
+from fulcrum.plan.catalog import get_hardware, load_catalog
+from fulcrum.plan.memory import MemoryAssumptions, plan_memory
+from fulcrum.plan.model_spec import DTYPE_BYTES, load_model_spec, load_presets
+from fulcrum.plan.report import Plan, plot, render, to_json
+from fulcrum.plan.roofline import Efficiency, batch_sizes, decode_step, prefill
+
+WEIGHT_DTYPES = ["bf16", "fp16", "fp8", "int8", "int4", "fp4", "fp32"]
+KV_DTYPES = ["bf16", "fp16", "fp8", "int8", "fp32"]
 
 
 def add_plan_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("plan", help="memory, GPU count, roofline speed and cost per token for a model on hardware")
+    p = sub.add_parser(
+        "plan",
+        help="memory, GPU count, roofline speed and cost per token for a model on hardware",
+        description="Plan from config.json alone (weights are never read). Presets: " + ", ".join(load_presets()),
+    )
+    p.add_argument("--model", default=None, help="HF folder, config.json, or a preset (default: the bundled model)")
+    p.add_argument("--hardware", default="H100-SXM", help="a catalog name, or 'local' (this machine, measured)")
+    p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default=None, help="default: the checkpoint's")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
+    p.add_argument("--context", type=int, default=32768, help="tokens per sequence for the memory plan")
+    p.add_argument("--concurrency", type=int, default=64, help="concurrent sequences of --context tokens")
+    p.add_argument("--input-len", type=int, default=None, help="prompt tokens for prefill (1024; 512 to validate)")
+    p.add_argument("--output-len", type=int, default=None, help="output tokens (256; 64 to validate)")
+    p.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: the fewest GPUs that fit)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline parallel size")
+    p.add_argument("--price-per-hour", type=float, default=None, help="dollars per GPU-hour, for cost per 1M tokens")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--plot", default=None, metavar="FILE", help="save TPOT and throughput against batch size")
+    p.add_argument("--validate", action="store_true", help="predict on this machine, then measure fulcrum's engine")
+    p.set_defaults(func=run_plan)
     return p
+
+
+def build_plan(args: argparse.Namespace) -> Plan:
+    spec = load_model_spec(args.model or DEFAULT_MODEL)
+    wdtype = args.weight_dtype or spec.dtype
+    catalog = load_catalog()
+    if args.hardware.lower() == "local":
+        from fulcrum.plan.local import local_hardware
+
+        hw = local_hardware(wdtype if wdtype in ("fp32", "bf16", "fp16") else "bf16")
+        eff = Efficiency(bandwidth=1.0, compute=1.0)
+    else:
+        hw = get_hardware(args.hardware, catalog)
+        eff = Efficiency()
+    mem = plan_memory(spec, hw, wdtype, args.kv_dtype, args.context, args.concurrency)
+    tp = args.tp or (mem.suggested_tp if mem.min_gpus else 1)
+    pp = args.pp or (mem.suggested_pp if mem.min_gpus and not args.tp else 1)
+    if (tp, pp) != (1, 1):
+        mem = plan_memory(spec, hw, wdtype, args.kv_dtype, args.context, args.concurrency, tp, pp)
+    context = args.input_len + args.output_len // 2
+    limit = max(1, args.concurrency)
+    decode = [
+        decode_step(spec, hw, wdtype, args.kv_dtype, b, context, tp, pp, eff, args.price_per_hour)
+        for b in batch_sizes(limit)
+    ]
+    notes = [
+        f"weights {wdtype} ({DTYPE_BYTES[wdtype]:g} bytes/parameter), matmuls in {hw.compute_format(wdtype)}",
+        *MemoryAssumptions().describe(),
+        *eff.describe(),
+        *hw.notes,
+    ]
+    return Plan(
+        spec=spec,
+        hardware=hw,
+        memory=mem,
+        prefill=prefill(spec, hw, wdtype, args.input_len, tp, pp, eff),
+        decode=decode,
+        advice=what_to_do(spec, hw, mem, catalog),
+        assumptions=notes,
+        price_per_hour=args.price_per_hour,
+        decode_max_batch=plan_memory(spec, hw, wdtype, args.kv_dtype, context, 1, tp, pp).max_concurrency,
+    )
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    # wide enough for the tables when the output goes to a file or a pipe
+    console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 120)
+    try:
+        if args.validate:
+            from fulcrum.plan.validate import validate
+
+            result = validate(
+                str(args.model or DEFAULT_MODEL),
+                args.measure,
+                input_len=args.input_len or 512,
+                output_len=args.output_len or 64,
+                batch_sizes=(1, 2),
+                console=console,
+            )
+            if args.json:
+                import json
+
+                print(json.dumps(result, indent=1, default=str))
+            return 0
+        args.input_len, args.output_len = args.input_len or 1024, args.output_len or 256
+        plan = build_plan(args)
+    except (FulcrumError, ValueError) as e:
+        print(f"fulcrum plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(to_json(plan))
+    else:
+        render(plan, console)
+    if args.plot:
+        plot(plan, args.plot)
+        console.print(f"plot saved to {args.plot}")
+    return 0

@@ -1,0 +1,95 @@
+"""`fulcrum plan --validate`: predict the engine's prefill and decode speed on this machine from the model's
+config and measured hardware figures, then run the engine and put the two side by side."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+from fulcrum.plan.local import local_hardware
+from fulcrum.plan.model_spec import ModelSpec, load_model_spec
+from fulcrum.plan.roofline import Efficiency, decode_step, prefill, step_overhead, weight_bytes_read
+
+# The local figures are measured at the workload's own shapes with the engine's kernels, so they already are
+# what the kernels reach: no further efficiency factor. (Single machine: no all-reduce.)
+LOCAL_EFFICIENCY = Efficiency(bandwidth=1.0, compute=1.0, allreduce_latency_s=0.0)
+
+
+@dataclass
+class Comparison:
+    quantity: str
+    predicted: float
+    measured: float
+
+    @property
+    def error(self) -> float:
+        return (self.predicted - self.measured) / self.measured
+
+
+def _working_set(spec: ModelSpec) -> int:
+    # the probe reads as many bytes as a decode step does (at least a few MiB, at most 1 GiB: beyond the caches
+    # more bytes change nothing but the probe's time)
+    return int(min(max(weight_bytes_read(spec, spec.dtype, 1), 4 << 20), 1 << 30))
+
+
+def validate(
+    model: str,
+    measure: Callable[..., dict],
+    input_len: int = 512,
+    output_len: int = 64,
+    batch_sizes: tuple[int, ...] = (1,),
+    decode_prompt_len: int = 32,
+    console: Console | None = None,
+) -> dict:
+    c = console or Console()
+    spec = load_model_spec(model)
+    dtype = spec.dtype
+    c.print(f"[bold]validate[/bold] {spec.name} ({dtype}) on this machine: predicting from config.json ...")
+    hw = local_hardware(dtype, _working_set(spec), matmul_shape=(input_len, spec.hidden, spec.intermediate))
+    context = decode_prompt_len + output_len // 2  # the mean KV length over the measured decode
+    pred_prefill = prefill(spec, hw, dtype, input_len, eff=LOCAL_EFFICIENCY)
+    pred_decode = {b: decode_step(spec, hw, dtype, dtype, b, context, eff=LOCAL_EFFICIENCY) for b in batch_sizes}
+    for note in hw.notes:
+        c.print("  " + note)
+    over = step_overhead(spec, hw)
+    c.print(f"  per-step framework overhead predicted: {over * 1e3:.2f} ms (op latency x fulcrum's op count)")
+
+    c.print("running fulcrum's engine ...")
+    got = measure(
+        model=model,
+        device="cpu",
+        input_len=input_len,
+        output_len=output_len,
+        batch_sizes=tuple(batch_sizes),
+        decode_prompt_len=decode_prompt_len,
+    )
+    rows = [
+        Comparison(f"prefill {input_len} tokens (tokens/s)", pred_prefill.tokens_per_s, got["prefill_tokens_per_s"])
+    ]
+    for b, p in pred_decode.items():
+        m = got["decode"][b]
+        rows.append(Comparison(f"decode batch {b}: TPOT (ms)", p.tpot_s * 1e3, m["tpot_s"] * 1e3))
+        rows.append(Comparison(f"decode batch {b}: tokens/s", p.tokens_per_s, m["tokens_per_s"]))
+
+    t = Table(title=f"{spec.name}: predicted (roofline + overhead) against measured (engine)")
+    for col in ("quantity", "predicted", "measured", "error"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(r.quantity, f"{r.predicted:,.2f}", f"{r.measured:,.2f}", f"{r.error:+.0%}")
+    c.print(t)
+    d1 = pred_decode[batch_sizes[0]]
+    c.print(
+        f"decode batch {batch_sizes[0]} predicted: {d1.bytes_per_step / 1e6:,.1f} MB read per step at "
+        f"{hw.bandwidth / 1e9:.1f} GB/s = {d1.bytes_per_step / hw.bandwidth * 1e3:.2f} ms, plus {over * 1e3:.2f} ms "
+        f"overhead; engine weights {got['weight_bytes'] / 1e6:,.1f} MB, {got['threads']} threads"
+    )
+    return {
+        "model": spec.name,
+        "dtype": dtype,
+        "hardware": {"bandwidth_gbs": hw.bandwidth / 1e9, "flops": hw.flops, "op_latency_us": hw.op_latency_s * 1e6},
+        "comparisons": [{**r.__dict__, "error": r.error} for r in rows],
+        "measured": got,
+    }

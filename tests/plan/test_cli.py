@@ -1,0 +1,56 @@
+"""`fulcrum plan` as a user runs it: presets, folders, JSON, a plot, errors, and --validate on the bundled model."""
+
+import json
+
+from rich.console import Console
+
+from fulcrum.cli import _measure_engine, main
+from fulcrum.config import DEFAULT_MODEL
+from fulcrum.plan.validate import validate
+
+
+def test_plan_json_for_a_preset(capsys):
+    assert main(["plan", "--model", "llama-3.1-70b", "--hardware", "H100-SXM", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    m = d["memory"]
+    assert m["kv_per_token"] == 327680 and m["min_gpus"] == 4 and (m["tp"], m["pp"]) == (4, 1)
+    assert m["fits"] is False  # 64 sequences of 32k do not fit on 4 cards
+    assert "KV cache limits concurrency" in d["advice"][0]
+    assert [p["batch"] for p in d["decode"]] == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_plan_table_for_the_bundled_folder_and_a_plot(capsys, tmp_path):
+    out = tmp_path / "plot.png"
+    assert (
+        main(["plan", "--model", str(DEFAULT_MODEL), "--hardware", "L4", "--price-per-hour", "0.8", "--plot", str(out)])
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "tiny-shakespeare-target" in text and "Fits on one L4" in text and "$ / 1M output tokens" in text
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_with_a_config_json_and_quantized_weights(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text((DEFAULT_MODEL / "config.json").read_text())
+    assert main(["plan", "--model", str(cfg), "--weight-dtype", "int4", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["memory"]["weight_bytes"] == 6820096 * 0.5
+
+
+def test_plan_errors_a_user_can_act_on(capsys):
+    assert main(["plan", "--model", "llama-3.1-8b", "--hardware", "TPU-v9"]) == 2
+    assert "known: H100-SXM" in capsys.readouterr().err
+    assert main(["plan", "--model", "nope"]) == 2
+    assert "presets: llama-3.1-8b" in capsys.readouterr().err
+
+
+def test_validate_on_the_bundled_model_predicts_and_measures():
+    result = validate(str(DEFAULT_MODEL), _measure_engine, input_len=128, output_len=16, console=Console(quiet=True))
+    rows = {r["quantity"]: r for r in result["comparisons"]}
+    tpot = rows["decode batch 1: TPOT (ms)"]
+    # timings vary with what else runs on the machine: the error itself is for the committed logs, not a test
+    assert tpot["predicted"] > 0 and tpot["measured"] > 0
+    assert tpot["error"] == (tpot["predicted"] - tpot["measured"]) / tpot["measured"]
+    assert set(result["measured"]["decode"]) == {1}
+    assert result["measured"]["weight_bytes"] == 6820096 * 4  # the engine loaded what the config describes
