@@ -29,6 +29,9 @@ class Hardware:
     # CUDA graphs are taken as 0, the local CPU measures it
     step_overhead_s: float = 0.0
     op_latency_s: float = 0.0  # per framework op, where it was measured (local)
+    # measured weight-streaming rate by batch rows, where it depends on them (a CPU's GEMV does more arithmetic per
+    # byte as rows grow, and the engine switches kernels); batches not listed stream at `bandwidth`
+    bandwidth_by_batch: dict[int, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def compute_format(self, weight_dtype: str) -> str:
@@ -37,6 +40,9 @@ class Hardware:
         if weight_dtype in ("fp8", "fp4", "fp32") and weight_dtype in self.flops:
             return weight_dtype
         return "fp16" if weight_dtype == "fp16" and "fp16" in self.flops else "bf16"
+
+    def stream_bandwidth(self, batch: int) -> float:
+        return self.bandwidth_by_batch.get(batch, self.bandwidth)
 
     def peak_flops(self, weight_dtype: str) -> float:
         return self.flops[self.compute_format(weight_dtype)]

@@ -52,7 +52,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if args.hardware.lower() == "local":
         from fulcrum.plan.local import local_hardware
 
-        hw = local_hardware(wdtype if wdtype in ("fp32", "bf16", "fp16") else "bf16")
+        hw = local_hardware(spec, wdtype, matmul_tokens=args.input_len)
         eff = Efficiency(bandwidth=1.0, compute=1.0)
     else:
         hw = get_hardware(args.hardware, catalog)

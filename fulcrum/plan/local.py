@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from fulcrum.plan.catalog import Hardware
+from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec
+from fulcrum.plan.roofline import weight_bytes_read
 from fulcrum.quant import cpu_gemv
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -32,21 +34,41 @@ def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return cpu_gemv.linear(x, w) if x.device.type == "cpu" else F.linear(x, w)
 
 
-def measure_bandwidth(dtype: str, working_set: int, in_features: int = 2048, repeats: int = 7) -> float:
-    """Bytes/s of a batch-1 GEMV over `working_set` bytes of weights. A working set that fits in the last-level
-    cache streams faster than DRAM, as a small model's weights do in decode; so the probe reads as much as
-    the model does."""
+def decode_matrices(spec: ModelSpec, dtype: str, budget: int = 1 << 30) -> list[tuple[int, int]]:
+    """The weight matrices one decode step streams, as (out, in) shapes in the order the model reads them: per
+    layer q/k/v, o, gate/up and down, then the LM head. Small matrices stream slower than large ones (per-call
+    cost, threads splitting fewer rows), so the probe uses the model's own. Layers repeat until `budget` bytes;
+    past the caches more bytes only lengthen the probe. MoE and MLA models get generic 16 MiB matrices."""
+    itemsize = DTYPE_BYTES[dtype]
+    if spec.moe or spec.mla:
+        total = min(weight_bytes_read(spec, dtype, 1), budget)
+        rows = int(MATRIX_BYTES // (2048 * itemsize))
+        return [(rows, 2048)] * max(1, round(total / (rows * 2048 * itemsize)))
+    h, hd = spec.hidden, spec.head_dim
+    layer = [
+        ((spec.num_heads + 2 * spec.num_kv_heads) * hd, h),
+        (h, spec.num_heads * hd),
+        (2 * spec.intermediate, h),
+        (h, spec.intermediate),
+    ]
+    layer_bytes = sum(o * i for o, i in layer) * itemsize
+    head_bytes = spec.vocab * h * itemsize
+    layers = max(1, min(spec.num_layers, int((budget - head_bytes) // layer_bytes)))
+    return layer * layers + [(spec.vocab, h)]
+
+
+def measure_bandwidth(dtype: str, matrices: list[tuple[int, int]], batch: int = 1, repeats: int = 7) -> float:
+    """Bytes/s of weights streamed by `batch`-row GEMVs over `matrices`, one after another as decode reads them.
+    A working set that fits in the last-level cache streams faster than DRAM, as a small model's weights do."""
     dt = TORCH_DTYPES[dtype]
-    rows = max(1, min(MATRIX_BYTES, working_set) // (in_features * dt.itemsize))
-    n = max(1, round(working_set / (rows * in_features * dt.itemsize)))
-    mats = [torch.randn(rows, in_features).to(dt) for _ in range(n)]
-    x = torch.randn(1, in_features).to(dt)
+    mats = [torch.randn(o, i).to(dt) for o, i in matrices]
+    xs = {i: torch.randn(batch, i).to(dt) for _, i in matrices}
 
     def run():
         for w in mats:
-            _linear(x, w)
+            _linear(xs[w.shape[1]], w)
 
-    return n * rows * in_features * dt.itemsize / _median_time(run, repeats)
+    return sum(w.numel() * dt.itemsize for w in mats) / _median_time(run, repeats)
 
 
 def measure_matmul_flops(dtype: str, m: int, k: int, n: int, repeats: int = 5) -> float:
@@ -121,12 +143,24 @@ def memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def local_hardware(dtype: str = "bf16", working_set: int = 1 << 30, matmul_shape=(512, 2048, 2048)) -> Hardware:
-    """This machine as a catalog entry, for the dtype the model runs in (CPUs have no fp8/fp4 matmuls)."""
+def local_hardware(
+    spec: ModelSpec,
+    dtype: str = "bf16",
+    matmul_tokens: int = 512,
+    batch_sizes: tuple[int, ...] = (1,),
+) -> Hardware:
+    """This machine as a catalog entry, measured at `spec`'s shapes in the dtype the model runs in (CPUs have
+    no fp8/fp4 matmuls): decode's weight streaming, and a prefill MLP matmul of `matmul_tokens` tokens."""
     dtype = dtype if dtype in TORCH_DTYPES else "bf16"
-    bw = measure_bandwidth(dtype, working_set)
+    matrices = decode_matrices(spec, dtype)
+    working_set = sum(o * i for o, i in matrices) * DTYPE_BYTES[dtype]
+    matmul_shape = (matmul_tokens, spec.hidden, spec.intermediate)
+    by_batch = {b: measure_bandwidth(dtype, matrices, batch=b) for b in sorted({1, *batch_sizes})}
+    bw = by_batch[1]
     flops = measure_matmul_flops(dtype, *matmul_shape)
     op = measure_op_latency()
+    kernel = "fulcrum GEMV kernel" if cpu_gemv.available() else "F.linear"
+    streams = ", ".join(f"batch {b}: {v / 1e9:.1f} GB/s" for b, v in by_batch.items())
     return Hardware(
         name="local",
         memory_bytes=memory_bytes(),
@@ -136,9 +170,10 @@ def local_hardware(dtype: str = "bf16", working_set: int = 1 << 30, matmul_shape
         formats=(dtype,),
         source=f"measured on this machine, {torch.get_num_threads()} threads",
         op_latency_s=op,
+        bandwidth_by_batch=by_batch,
         notes=[
-            f"bandwidth {bw / 1e9:.1f} GB/s: batch-1 GEMV over {working_set / 2**20:.0f} MiB of {dtype} weights "
-            f"({'fulcrum GEMV kernel' if cpu_gemv.available() else 'F.linear'}), median of 7",
+            f"weight streaming ({streams}): GEMVs over the model's {len(matrices)} weight matrices, "
+            f"{working_set / 2**20:.0f} MiB of {dtype}, through the engine's decode path ({kernel} up to {cpu_gemv.MAX_ROWS} rows, F.linear beyond), median of 7",
             f"matmul {flops / 1e9:.0f} GFLOP/s {dtype} at {'x'.join(map(str, matmul_shape))}, median of 5",
             f"framework op {op * 1e6:.1f} us: an eager decoder layer 64 wide at batch 1, per profiled op",
         ],

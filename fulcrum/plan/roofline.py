@@ -121,7 +121,7 @@ def decode_step(
     kv = batch * kv_bytes_per_sequence(spec, context, kv_dtype) * replicas
     nbytes = weight_bytes_read(spec, weight_dtype, batch) + kv
     flops = 2 * matmul_params(spec) * batch + attention_flops(spec, batch, context, causal=False)
-    t_mem = nbytes / (tp * hw.bandwidth * eff.bandwidth)
+    t_mem = nbytes / (tp * hw.stream_bandwidth(batch) * eff.bandwidth)
     t_compute = flops / (tp * hw.peak_flops(weight_dtype) * eff.compute)
     overhead = step_overhead(spec, hw) + _comm(spec, hw, batch, tp, eff)
     tpot = max(t_mem, t_compute) + overhead

@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from fulcrum.plan.local import local_hardware
-from fulcrum.plan.model_spec import ModelSpec, load_model_spec
-from fulcrum.plan.roofline import Efficiency, decode_step, prefill, step_overhead, weight_bytes_read
+from fulcrum.plan.model_spec import load_model_spec
+from fulcrum.plan.roofline import Efficiency, decode_step, prefill, step_overhead
 
 # The local figures are measured at the workload's own shapes with the engine's kernels, so they already are
 # what the kernels reach: no further efficiency factor. (Single machine: no all-reduce.)
@@ -29,12 +29,6 @@ class Comparison:
         return (self.predicted - self.measured) / self.measured
 
 
-def _working_set(spec: ModelSpec) -> int:
-    # the probe reads as many bytes as a decode step does (at least a few MiB, at most 1 GiB: beyond the caches
-    # more bytes change nothing but the probe's time)
-    return int(min(max(weight_bytes_read(spec, spec.dtype, 1), 4 << 20), 1 << 30))
-
-
 def validate(
     model: str,
     measure: Callable[..., dict],
@@ -48,7 +42,7 @@ def validate(
     spec = load_model_spec(model)
     dtype = spec.dtype
     c.print(f"[bold]validate[/bold] {spec.name} ({dtype}) on this machine: predicting from config.json ...")
-    hw = local_hardware(dtype, _working_set(spec), matmul_shape=(input_len, spec.hidden, spec.intermediate))
+    hw = local_hardware(spec, dtype, matmul_tokens=input_len, batch_sizes=batch_sizes)
     context = decode_prompt_len + output_len // 2  # the mean KV length over the measured decode
     pred_prefill = prefill(spec, hw, dtype, input_len, eff=LOCAL_EFFICIENCY)
     pred_decode = {b: decode_step(spec, hw, dtype, dtype, b, context, eff=LOCAL_EFFICIENCY) for b in batch_sizes}
@@ -89,7 +83,11 @@ def validate(
     return {
         "model": spec.name,
         "dtype": dtype,
-        "hardware": {"bandwidth_gbs": hw.bandwidth / 1e9, "flops": hw.flops, "op_latency_us": hw.op_latency_s * 1e6},
+        "hardware": {
+            "bandwidth_gbs_by_batch": {b: v / 1e9 for b, v in hw.bandwidth_by_batch.items()},
+            "flops": hw.flops,
+            "op_latency_us": hw.op_latency_s * 1e6,
+        },
         "comparisons": [{**r.__dict__, "error": r.error} for r in rows],
         "measured": got,
     }

@@ -54,3 +54,11 @@ def test_validate_on_the_bundled_model_predicts_and_measures():
     assert tpot["error"] == (tpot["predicted"] - tpot["measured"]) / tpot["measured"]
     assert set(result["measured"]["decode"]) == {1}
     assert result["measured"]["weight_bytes"] == 6820096 * 4  # the engine loaded what the config describes
+
+
+def test_plan_on_local_hardware_measures_this_machine(capsys):
+    assert main(["plan", "--hardware", "local", "--json", "--concurrency", "4"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    hw = d["hardware"]
+    assert hw["name"] == "local" and hw["bandwidth"] > 1e9 and hw["op_latency_s"] > 0
+    assert d["memory"]["fits"] is True and d["decode"][0]["overhead_s"] > 0
