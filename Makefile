@@ -16,7 +16,7 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(VENV)/.installed $@
 
-.PHONY: install install-dev serve test test-slow lint format bench
+.PHONY: install install-dev serve test test-slow lint format bench bench-serve
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
@@ -44,3 +44,7 @@ bench: install-dev
 	$(BIN)/python benchmarks/bench_throughput.py --model bundled
 	$(BIN)/python benchmarks/bench_throughput.py --model qwen05
 	$(BIN)/python benchmarks/bench_prefix_cache.py --model qwen05
+
+# fulcrum bench serve against fulcrum serve: concurrency sweep, prefix caching, chunked prefill
+bench-serve: install-dev
+	$(BIN)/python benchmarks/bench_serve_levers.py

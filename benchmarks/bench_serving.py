@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,7 +16,14 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import add_model_args, model_folder, print_table, save_json, workload  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_model_args,
+    fulcrum_server,
+    model_folder,
+    print_table,
+    save_json,
+    workload,
+)
 
 
 def offline(folder, reqs, args) -> float:
@@ -89,42 +94,9 @@ def main() -> None:
     off = offline(folder, reqs, args)
     print(f"offline: {off:.1f} tok/s", flush=True)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "fulcrum.cli",
-        "serve",
-        str(folder),
-        "--port",
-        str(port),
-        "--dtype",
-        args.dtype,
-        "--device",
-        args.device,
-        "--max-num-seqs",
-        str(args.concurrency),
-        "--kv-cache-memory",
-        str(args.kv_cache_gb),
-        "--log-level",
-        "warning",
-    ]
-    server = subprocess.Popen(cmd)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+    flags = ["--dtype", args.dtype, "--device", args.device, "--max-num-seqs", str(args.concurrency)]
+    with fulcrum_server(folder, *flags, "--kv-cache-memory", str(args.kv_cache_gb)) as url:
         srv = asyncio.run(served(url, reqs, args.concurrency))
-    finally:
-        server.terminate()
-        server.wait(60)
     rows = [
         ("offline LLM.generate", f"{off:.1f}"),
         (f"fulcrum serve, {args.concurrency} streaming clients", f"{srv:.1f}"),
