@@ -36,6 +36,15 @@ def server_flags(args, folder: Path) -> list[str]:
     return ["--dtype", args.dtype, "--device", args.device, "--kv-cache-memory", str(args.kv_cache_gb)]
 
 
+def on_off(args, folder, res: Path, load: list[str], variants: dict[str, list[str]]) -> list[dict]:
+    """The same load against one fresh server per variant of flags; the run of each, in order."""
+    runs = []
+    for name, flags in variants.items():
+        with fulcrum_server(folder, *server_flags(args, folder), *flags) as url:
+            runs.append(bench(url, res / f"{name}.json", *load)["runs"][0])
+    return runs
+
+
 def sweep(args, folder, res: Path) -> list[str]:
     with fulcrum_server(folder, *server_flags(args, folder), "--max-num-seqs", "64") as url:
         doc = bench(
@@ -62,11 +71,8 @@ def prefix(args, folder, res: Path) -> list[str]:
     load = ["--workload", "shared-prefix", "--num-groups", "4", "--prefix-len", str(args.prefix_len)]
     load += ["--input-len", "32", "--output-len", "16", "--num-prompts", "64", "--concurrency", "4"]
     load += ["--tokenizer", str(folder)]
-    docs = {}
-    for name, flags in (("prefix-cache-on", []), ("prefix-cache-off", ["--no-prefix-caching"])):
-        with fulcrum_server(folder, *server_flags(args, folder), *flags) as url:
-            docs[name] = bench(url, res / f"{name}.json", *load)["runs"][0]["summary"]
-    on, off = docs["prefix-cache-on"], docs["prefix-cache-off"]
+    variants = {"prefix-cache-on": [], "prefix-cache-off": ["--no-prefix-caching"]}
+    on, off = (run["summary"] for run in on_off(args, folder, res, load, variants))
     return [
         f"shared-prefix ({args.prefix_len}-token system prompts, 4 groups, 64 requests, concurrency 4):",
         f"  TTFT mean: {on['ttft_ms']['mean']:.1f} ms with prefix caching, {off['ttft_ms']['mean']:.1f} ms without"
@@ -81,11 +87,8 @@ def chunked(args, folder, res: Path) -> list[str]:
     load += ["--input-len", "32", "--output-len", "32", "--num-prompts", "80", "--concurrency", "8"]
     load += ["--tokenizer", str(folder), "--seed", "1"]
     budget = ["--max-num-batched-tokens", str(args.chunk)]
-    short = {}
-    for name, flags in (("chunked-on", budget), ("chunked-off", [*budget, "--no-chunked-prefill"])):
-        with fulcrum_server(folder, *server_flags(args, folder), *flags) as url:
-            short[name] = bench(url, res / f"{name}.json", *load)["runs"][0]["by_tag"]["short"]
-    on, off = short["chunked-on"], short["chunked-off"]
+    variants = {"chunked-on": budget, "chunked-off": [*budget, "--no-chunked-prefill"]}
+    on, off = (run["by_tag"]["short"] for run in on_off(args, folder, res, load, variants))
     return [
         f"long-prefill (20% {args.long_len}-token prompts among 32-token chats, concurrency 8, chunk {args.chunk}):",
         f"  short requests' ITL p99: {on['itl_ms']['p99']:.1f} ms with chunked prefill, "
