@@ -50,10 +50,10 @@ def build_plan(args: argparse.Namespace) -> Plan:
     wdtype = args.weight_dtype or spec.dtype
     catalog = load_catalog()
     if args.hardware.lower() == "local":
-        from fulcrum.plan.local import local_hardware
+        from fulcrum.plan.local import LOCAL_EFFICIENCY, local_hardware
 
         hw = local_hardware(spec, wdtype, matmul_tokens=args.input_len)
-        eff = Efficiency(bandwidth=1.0, compute=1.0)
+        eff = LOCAL_EFFICIENCY
     else:
         hw = get_hardware(args.hardware, catalog)
         eff = Efficiency()

@@ -12,11 +12,16 @@ import torch.nn.functional as F
 
 from fulcrum.plan.catalog import Hardware
 from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec
-from fulcrum.plan.roofline import weight_bytes_read
+from fulcrum.plan.roofline import Efficiency, weight_bytes_read
 from fulcrum.quant import cpu_gemv
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-MATRIX_BYTES = 16 << 20  # bandwidth probe: weight matrices of this size, read one after another like layers
+MATRIX_BYTES = 16 << 20
+# The local figures are measured at the workload's own shapes with the engine's kernels, so they already are
+# what the kernels reach: no further efficiency factor. (One machine: no all-reduce.)
+LOCAL_EFFICIENCY = Efficiency(
+    bandwidth=1.0, compute=1.0, allreduce_latency_s=0.0
+)  # bandwidth probe: weight matrices of this size, read one after another like layers
 
 
 def _median_time(fn, repeats: int) -> float:

@@ -9,13 +9,9 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
-from fulcrum.plan.local import local_hardware
+from fulcrum.plan.local import LOCAL_EFFICIENCY, local_hardware
 from fulcrum.plan.model_spec import load_model_spec
-from fulcrum.plan.roofline import Efficiency, decode_step, prefill, step_overhead
-
-# The local figures are measured at the workload's own shapes with the engine's kernels, so they already are
-# what the kernels reach: no further efficiency factor. (Single machine: no all-reduce.)
-LOCAL_EFFICIENCY = Efficiency(bandwidth=1.0, compute=1.0, allreduce_latency_s=0.0)
+from fulcrum.plan.roofline import decode_step, prefill, step_overhead
 
 
 @dataclass
