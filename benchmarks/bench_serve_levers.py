@@ -45,6 +45,18 @@ def on_off(args, folder, res: Path, load: list[str], variants: dict[str, list[st
     return runs
 
 
+def compare_plots(res: Path, name: str, variants: list[str], tag: str | None = None) -> None:
+    """TTFT and ITL distributions of the variants overlaid (only requests tagged `tag`, when given)."""
+    from fulcrum.bench.report import write_plots
+
+    runs = []
+    for v in variants:
+        run = json.loads((res / f"{v}.json").read_text())["runs"][0]
+        reqs = [q for q in run["requests"] if tag is None or q["tag"] == tag]
+        runs.append({**run, "label": v + (f" ({tag} requests)" if tag else ""), "requests": reqs})
+    write_plots(res / name, runs, sweep=False)
+
+
 def sweep(args, folder, res: Path) -> list[str]:
     with fulcrum_server(folder, *server_flags(args, folder), "--max-num-seqs", "64") as url:
         doc = bench(
@@ -73,6 +85,7 @@ def prefix(args, folder, res: Path) -> list[str]:
     load += ["--tokenizer", str(folder)]
     variants = {"prefix-cache-on": [], "prefix-cache-off": ["--no-prefix-caching"]}
     on, off = (run["summary"] for run in on_off(args, folder, res, load, variants))
+    compare_plots(res, "prefix", list(variants))
     return [
         f"shared-prefix ({args.prefix_len}-token system prompts, 4 groups, 64 requests, concurrency 4):",
         f"  TTFT mean: {on['ttft_ms']['mean']:.1f} ms with prefix caching, {off['ttft_ms']['mean']:.1f} ms without"
@@ -89,6 +102,7 @@ def chunked(args, folder, res: Path) -> list[str]:
     budget = ["--max-num-batched-tokens", str(args.chunk)]
     variants = {"chunked-on": budget, "chunked-off": [*budget, "--no-chunked-prefill"]}
     on, off = (run["by_tag"]["short"] for run in on_off(args, folder, res, load, variants))
+    compare_plots(res, "chunked", list(variants), tag="short")
     return [
         f"long-prefill (20% {args.long_len}-token prompts among 32-token chats, concurrency 8, chunk {args.chunk}):",
         f"  short requests' ITL p99: {on['itl_ms']['p99']:.1f} ms with chunked prefill, "

@@ -104,13 +104,28 @@ def sweep_table(runs: list[dict]) -> Table:
 
 
 def request_records(results) -> list[dict]:
-    """Every request's timings (texts are left out: they can be large and say nothing about speed)."""
-    return [{k: v for k, v in asdict(r).items() if k != "text"} for r in results]
+    """Every request's timings, to the microsecond (texts are left out: large, and nothing about speed)."""
+    us = lambda v: round(v, 6) if isinstance(v, float) else v  # noqa: E731
+    records = []
+    for r in results:
+        d = {k: us(v) for k, v in asdict(r).items() if k != "text"}
+        d["chunk_times"] = [us(t) for t in r.chunk_times]
+        records.append(d)
+    return records
 
 
 def write_json(path: str | Path, doc: dict) -> None:
+    """The summaries indented for reading, each request on one line."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(doc, indent=1))
+    text = json.dumps(doc, indent=1)
+    if any(run.get("requests") for run in doc.get("runs", [])):
+        # lay the requests out as placeholders, then put each one's compact JSON in its place
+        placeholder = "\x00request\x00"  # no JSON string of a request or setting holds a NUL
+        runs = [{**run, "requests": [placeholder] * len(run["requests"])} for run in doc["runs"]]
+        parts = json.dumps({**doc, "runs": runs}, indent=1).split(json.dumps(placeholder))
+        records = [json.dumps(q, separators=(",", ":")) for run in doc["runs"] for q in run["requests"]]
+        text = "".join(p + r for p, r in zip(parts, [*records, ""]))
+    Path(path).write_text(text)
 
 
 def flat_summary(run: dict) -> dict:
@@ -137,7 +152,7 @@ def write_csv(path: str | Path, runs: list[dict]) -> None:
         w.writerows(rows)
 
 
-def write_plots(folder: str | Path, runs: list[dict]) -> list[Path]:
+def write_plots(folder: str | Path, runs: list[dict], sweep: bool = True) -> list[Path]:
     """Latency against throughput (for sweeps), and the TTFT and ITL distributions of each run."""
     import matplotlib
 
@@ -147,7 +162,7 @@ def write_plots(folder: str | Path, runs: list[dict]) -> list[Path]:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    if len(runs) > 1:
+    if sweep and len(runs) > 1:
         fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
         x = [r["summary"]["output_throughput"] for r in runs]
         for ax, (metric, name) in zip(axes, (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E latency"))):
