@@ -62,6 +62,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--tokenizer", default=None, help="HF folder for exact prompt lengths and token counts")
     g.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens (vLLM's extension)")
     g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--no-stream-usage", action="store_true", help="don't ask for usage (servers that refuse it)")
     g = s.add_argument_group("report")
     g.add_argument("--slo", default=None, help="goodput SLOs, e.g. ttft=200ms,tpot=50ms,e2e=5s")
     g.add_argument("--price-per-hour", type=float, default=None, help="dollars per replica-hour, for cost per token")
@@ -161,6 +162,8 @@ async def _serve(args, loads, spec, slo, text) -> int:
     extra = {"temperature": args.temperature}
     if args.ignore_eos:
         extra["ignore_eos"] = True
+    if args.no_stream_usage:
+        extra["stream_options"] = None  # output tokens then come from --tokenizer, else from the chunks
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     doc = {
         "tool": "fulcrum bench serve",

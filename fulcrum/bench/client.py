@@ -84,7 +84,8 @@ async def discover_model(session: aiohttp.ClientSession, base_url: str, headers:
 
 
 def build_payload(target: Target, messages: list[dict], max_tokens: int, extra: dict) -> dict:
-    """The request body: chat messages as they are, or for /v1/completions their text joined."""
+    """The request body: chat messages as they are, or for /v1/completions their text joined. Usage is
+    asked for in the stream unless `extra` says otherwise (`stream_options: None`, for servers that refuse it)."""
     body = {
         "model": target.model,
         "max_tokens": max_tokens,
@@ -92,6 +93,8 @@ def build_payload(target: Target, messages: list[dict], max_tokens: int, extra: 
         "stream_options": {"include_usage": True},
         **extra,
     }
+    if body["stream_options"] is None:
+        del body["stream_options"]
     if target.endpoint == "chat":
         body["messages"] = messages
     else:

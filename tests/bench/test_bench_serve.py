@@ -74,6 +74,14 @@ def test_jsonl_workload_without_tokenizer(server, tmp_path):
     assert doc["prompt_lengths"].startswith("approximate")
 
 
+def test_without_stream_usage_the_tokenizer_counts(server, tmp_path):
+    args = ["--num-prompts", "3", "--input-len", "8", "--output-len", "6", "--no-stream-usage"]
+    doc = bench(server, tmp_path, *args, "--tokenizer", str(DEFAULT_MODEL))
+    s = doc["runs"][0]["summary"]
+    assert s["token_source"] == {"tokenizer": 3}
+    assert 3 * 4 <= s["output_tokens"] <= 3 * 8  # re-tokenized text: close to the 6 tokens generated
+
+
 def test_sweep_outputs_csv_plots_and_compare(server, tmp_path, capsys):
     plots, table = tmp_path / "plots", tmp_path / "sweep.csv"
     doc = bench(
