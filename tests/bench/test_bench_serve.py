@@ -136,3 +136,16 @@ def test_ctrl_c_writes_the_partial_result(server, tmp_path):
     assert run["interrupted"] and 0 < len(run["requests"]) < 200
     assert run["summary"]["failures"].get("interrupted", 0) <= 2  # the requests in flight
     assert b"partial result" in stdout
+
+
+def test_open_loop_sweep_and_duration(server, tmp_path):
+    doc = bench(
+        server, tmp_path, "--request-rate", "20,inf", "--burstiness", "0.5", "--max-concurrency", "3",
+        "--num-prompts", "6", "--input-len", "8", "--output-len", "4", "--warmup", "2",
+    )  # fmt: skip
+    assert [r["label"] for r in doc["runs"]] == ["rate 20/s (burstiness 0.5)", "rate inf/s (burstiness 0.5)"]
+    assert all(r["summary"]["completed"] == 6 and r["peak_concurrency"] <= 3 for r in doc["runs"])
+    assert doc["runs"][1]["load"]["request_rate"] == "inf"
+    doc = bench(server, tmp_path, "--concurrency", "2", "--duration", "2", "--input-len", "8", "--output-len", "4")
+    (run,) = doc["runs"]
+    assert run["summary"]["completed"] >= 4 and max(q["start"] for q in run["requests"]) < 2
