@@ -36,24 +36,30 @@ def _llama3_scale(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, -1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
+    """cos and sin of every position, once per model (not per layer: at 128k positions a table is 64 MB).
+    The model looks them up once per forward; each layer's attention applies them with `apply_rotary`."""
+
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, params)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        # float32 tables; cast to the activations' dtype at use, as the reference does
+        half = head_dim // 2
+        # rotate-half negates the first half of the rotated vector: fold that sign into sin
+        sign = torch.cat((-torch.ones(half), torch.ones(half)))
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("sin", emb.sin() * sign, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim], positions: [tokens]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for `positions` [T], shaped [T, 1, head_dim] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]; rotate-half as a roll by half."""
+    half = q.shape[-1] // 2
+    return q * cos + q.roll(half, -1) * sin, k * cos + k.roll(half, -1) * sin
