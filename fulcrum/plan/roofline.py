@@ -11,11 +11,12 @@ from fulcrum.plan.memory import kv_shards
 from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec, kv_bytes_per_sequence, parameter_counts
 from fulcrum.utils.cost import cost_per_million_tokens
 
-# Framework ops one fulcrum engine step launches on CPU (eager PyTorch), counted with torch.profiler on a decode
-# step of the Llama/Qwen2 models: 75 per decoder layer (+1 with a q/k/v bias), 49 per step (embedding, final norm,
-# logits, sampler, input tensors). Used only where the hardware states an op latency (the local CPU).
-OPS_PER_LAYER = 75
-OPS_PER_STEP = 49
+# Framework ops one fulcrum engine step launches on CPU (eager PyTorch), counted with torch.profiler (top-level aten
+# ops) on a decode step of the bundled Llama (8 layers) and the Qwen2.5-0.5B shape (24 layers, q/k/v bias): 65 per
+# decoder layer (+1 with a q/k/v bias), 55 per step (embedding, rotary lookup, final norm, logits, sampler, inputs).
+# Used only where the hardware states an op latency (the local CPU); recount when the model code changes.
+OPS_PER_LAYER = 65
+OPS_PER_STEP = 55
 
 
 @dataclass(frozen=True)
