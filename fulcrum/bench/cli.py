@@ -109,12 +109,13 @@ def load_specs(args: argparse.Namespace) -> list:
 
 def run_serve(args: argparse.Namespace) -> int:
     from fulcrum.bench.metrics import parse_slo
-    from fulcrum.bench.workloads import TextMaker, WorkloadSpec
+    from fulcrum.bench.workloads import TextMaker, WorkloadSpec, sessions
+    from fulcrum.errors import FulcrumError
 
     try:
         loads = load_specs(args)
         slo = parse_slo(args.slo)
-        tokenizer = _tokenizer(args)
+        text = TextMaker(_tokenizer(args))
         spec = WorkloadSpec(
             name=args.workload,
             input_len=args.input_len,
@@ -127,13 +128,11 @@ def run_serve(args: argparse.Namespace) -> int:
             dataset=args.dataset,
             seed=args.seed,
         )
-        from fulcrum.bench.workloads import sessions
-
-        next(sessions(spec, TextMaker(tokenizer)))  # bad workload settings fail here, before any load
-    except Exception as e:  # noqa: BLE001 - every setup error is the user's to fix
+        next(sessions(spec, text))  # bad workload settings fail here, before any load
+    except (ValueError, OSError, FulcrumError) as e:  # a bad setting, file or tokenizer: the user's to fix
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(args, loads, spec, slo, TextMaker(tokenizer)))
+    return asyncio.run(_serve(args, loads, spec, slo, text))
 
 
 def _tokenizer(args: argparse.Namespace):
