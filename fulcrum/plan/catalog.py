@@ -32,6 +32,9 @@ class Hardware:
     # measured weight-streaming rate by batch rows, where it depends on them (a CPU's GEMV does more arithmetic per
     # byte as rows grow, and the engine switches kernels); batches not listed stream at `bandwidth`
     bandwidth_by_batch: dict[int, float] = field(default_factory=dict)
+    # FLOP/s of a prompt's causal attention where measured (local: on CPU it runs far below the matmul rate, its
+    # softmax and masking being memory-bound); elsewhere attention is taken at the matmul peak
+    attention_flops: float | None = None
     notes: list[str] = field(default_factory=list)
 
     def compute_format(self, weight_dtype: str) -> str:
@@ -46,6 +49,9 @@ class Hardware:
 
     def peak_flops(self, weight_dtype: str) -> float:
         return self.flops[self.compute_format(weight_dtype)]
+
+    def attention_rate(self, weight_dtype: str) -> float:
+        return self.attention_flops or self.peak_flops(weight_dtype)
 
 
 def load_catalog(path: Path = CATALOG) -> dict[str, Hardware]:

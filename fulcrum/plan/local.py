@@ -10,9 +10,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from fulcrum.layers.attention import Attention, AttentionMetadata
 from fulcrum.plan.catalog import Hardware
 from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec
-from fulcrum.plan.roofline import Efficiency, weight_bytes_read
+from fulcrum.plan.roofline import Efficiency, attention_flops, weight_bytes_read
 from fulcrum.quant import cpu_gemv
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -89,6 +90,20 @@ def measure_matmul_flops(dtype: str, m: int, k: int, n: int, repeats: int = 5) -
     return reps * 2 * m * k * n / _median_time(run, repeats)
 
 
+@torch.inference_mode()
+def measure_attention_flops(spec: ModelSpec, dtype: str, tokens: int, repeats: int = 5) -> float:
+    """FLOP/s of one layer's causal self-attention over a `tokens`-token prompt, through fulcrum's attention layer
+    (the kernels the engine picks for that shape), counted as the roofline counts attention FLOPs."""
+    dt = TORCH_DTYPES[dtype]
+    heads, kv_heads, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    layer = Attention(heads, kv_heads, hd, hd**-0.5)
+    q = torch.randn(tokens, heads, hd).to(dt)
+    k, v = torch.randn(tokens, kv_heads, hd).to(dt), torch.randn(tokens, kv_heads, hd).to(dt)
+    meta = AttentionMetadata.for_prompts([tokens])
+    per_layer = attention_flops(spec, tokens, tokens, causal=True) / len(spec.windows)
+    return per_layer / _median_time(lambda: layer(q, k, v, meta), repeats)
+
+
 class _TinyDecoderLayer(torch.nn.Module):
     """An eager decoder layer (RMSNorm, GQA attention with RoPE and a KV-cache write, gated MLP) so narrow that
     its time is all framework overhead: what one op costs when it does nearly no work."""
@@ -163,6 +178,9 @@ def local_hardware(
     by_batch = {b: measure_bandwidth(dtype, matrices, batch=b) for b in sorted({1, *batch_sizes})}
     bw = by_batch[1]
     flops = measure_matmul_flops(dtype, *matmul_shape)
+    # past a couple of thousand tokens the rate is flat, and the probe's score matrices would grow quadratically
+    attention_tokens = min(matmul_tokens, 2048)
+    attention = None if spec.mla else measure_attention_flops(spec, dtype, attention_tokens)
     op = measure_op_latency()
     kernel = "fulcrum GEMV kernel" if cpu_gemv.available() else "F.linear"
     streams = ", ".join(f"batch {b}: {v / 1e9:.1f} GB/s" for b, v in by_batch.items())
@@ -176,10 +194,19 @@ def local_hardware(
         source=f"measured on this machine, {torch.get_num_threads()} threads",
         op_latency_s=op,
         bandwidth_by_batch=by_batch,
+        attention_flops=attention,
         notes=[
             f"weight streaming ({streams}): GEMVs over the model's {len(matrices)} weight matrices, "
             f"{working_set / 2**20:.0f} MiB of {dtype}, through the engine's decode path ({kernel} up to {cpu_gemv.MAX_ROWS} rows, F.linear beyond), median of 7",
             f"matmul {flops / 1e9:.0f} GFLOP/s {dtype} at {'x'.join(map(str, matmul_shape))}, median of 5",
+            *(
+                [
+                    f"causal attention {attention / 1e9:.0f} GFLOP/s {dtype} over {attention_tokens} tokens (fulcrum's "
+                    "attention layer), median of 5"
+                ]
+                if attention
+                else []
+            ),
             f"framework op {op * 1e6:.1f} us: an eager decoder layer 64 wide at batch 1, per profiled op",
         ],
     )

@@ -154,10 +154,12 @@ def prefill(
     """One prompt's prefill: its matmuls and causal attention against peak FLOPS, never faster than reading the
     weights once per chunk; logits only for the last token."""
     head = 2 * spec.vocab * spec.hidden
-    flops = (2 * matmul_params(spec) - head) * tokens + head
-    flops += attention_flops(spec, tokens, tokens, causal=True)
+    matmul = (2 * matmul_params(spec) - head) * tokens + head
+    attention = attention_flops(spec, tokens, tokens, causal=True)
+    flops = matmul + attention
     steps = math.ceil(tokens / chunk_tokens)
-    t_compute = flops / (tp * hw.peak_flops(weight_dtype) * eff.compute)
+    rate = tp * eff.compute
+    t_compute = matmul / (rate * hw.peak_flops(weight_dtype)) + attention / (rate * hw.attention_rate(weight_dtype))
     t_mem = steps * weight_bytes_read(spec, weight_dtype, tokens) / (tp * hw.bandwidth * eff.bandwidth)
     seconds = max(t_compute, t_mem) + steps * (step_overhead(spec, hw) + _comm(spec, hw, tokens, tp, eff))
     return Prefill(tokens, seconds, tokens / seconds, "compute" if t_compute >= t_mem else "memory", flops)

@@ -57,3 +57,16 @@ def test_cost_per_million_tokens_uses_every_gpu_hour():
     spec, hw = load_model_spec("llama-3.1-70b"), get_hardware("H100-SXM")
     d = decode_step(spec, hw, "bf16", "bf16", 32, 1152, tp=4, price_per_hour=2.0)
     assert d.cost_per_million == pytest.approx(cost_per_million_tokens(2.0, d.tokens_per_s, replicas=4))
+
+
+def test_attention_measured_slower_than_matmuls_lengthens_prefill_by_its_own_rate():
+    import dataclasses
+
+    from fulcrum.plan.roofline import attention_flops
+
+    spec, hw = load_model_spec("llama-3.1-8b"), get_hardware("H100-SXM")
+    base = prefill(spec, hw, "bf16", 4096, eff=EXACT)
+    slow = dataclasses.replace(hw, attention_flops=100e12)  # attention at ~1/10 of the matmul peak
+    p = prefill(spec, slow, "bf16", 4096, eff=EXACT)
+    attn = attention_flops(spec, 4096, 4096, causal=True)
+    assert p.seconds == pytest.approx(base.seconds - attn / 989.4e12 + attn / 100e12, rel=1e-6)
