@@ -10,7 +10,7 @@ import math
 import os
 import signal
 import sys
-from dataclasses import asdict, replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from fulcrum.bench.workloads import WORKLOADS, LengthDist
@@ -135,6 +135,10 @@ def run_serve(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(args, loads, spec, slo, text))
 
 
+def _plain(v):
+    return str(v) if isinstance(v, LengthDist) else v
+
+
 def _tokenizer(args: argparse.Namespace):
     path = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
     if path is None:
@@ -156,8 +160,13 @@ async def _serve(args, loads, spec, slo, text) -> int:
     console = report.console(stderr=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_sigint():  # the first Ctrl-C stops the run and keeps what it measured; a second one is the default
+        stop.set()
+        loop.remove_signal_handler(signal.SIGINT)
+
     with contextlib.suppress(NotImplementedError, RuntimeError):
-        loop.add_signal_handler(signal.SIGINT, stop.set)
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
     extra = {"temperature": args.temperature}
     if args.ignore_eos:
         extra["ignore_eos"] = True
@@ -169,20 +178,22 @@ async def _serve(args, loads, spec, slo, text) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "base_url": args.base_url,
         "endpoint": args.endpoint,
-        "workload": {k: str(v) if isinstance(v, LengthDist) else v for k, v in asdict(spec).items()},
+        "workload": {f.name: _plain(getattr(spec, f.name)) for f in fields(spec)},
         "prompt_lengths": "exact (tokenizer)" if text.exact else "approximate (words, no tokenizer)",
         "runs": [],
     }
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
         try:
-            model = args.model or await discover_model(http, args.base_url, headers)
-        except (aiohttp.ClientError, RuntimeError, OSError) as e:
+            model = args.model or await _unless_stopped(discover_model(http, args.base_url, headers), stop)
+        except (aiohttp.ClientError, RuntimeError, OSError, asyncio.TimeoutError) as e:
             console.print(f"[red]error:[/] cannot reach {args.base_url}: {e}")
             return 2
+        except KeyboardInterrupt:
+            return 130
         doc["model"] = model
         target = Target(args.base_url, model, args.endpoint, args.api_key)
-        count = (lambda s: len(text.tokenizer.encode(s, add_special_tokens=False))) if text.exact else None
+        count = text.count if text.exact else None
         for i, load in enumerate(loads):
             per_session = spec.turns if spec.name == "multi-turn" else 1
             with _progress(console, load, per_session, args.quiet) as on_result:
@@ -217,6 +228,17 @@ async def _serve(args, loads, spec, slo, text) -> int:
         for p in report.write_plots(args.plot, doc["runs"]):
             console.print(f"plot: {p}")
     return 130 if doc["runs"] and doc["runs"][-1]["interrupted"] else 0
+
+
+async def _unless_stopped(coro, stop: asyncio.Event):
+    """`coro`'s result, or KeyboardInterrupt when Ctrl-C comes first."""
+    task, waiter = asyncio.ensure_future(coro), asyncio.ensure_future(stop.wait())
+    await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if not task.done():
+        task.cancel()
+        raise KeyboardInterrupt
+    return task.result()
 
 
 @contextlib.contextmanager

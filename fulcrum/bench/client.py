@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 
 
 @dataclass
@@ -32,7 +33,7 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)  # content chunks, seconds since the request started
     prompt_tokens: int | None = None
     output_tokens: int = 0
-    token_source: str = ""  # usage | tokenizer | chunks
+    token_source: str = ""  # usage | tokenizer | chunks (set after the run when the server sent no usage)
     text: str = ""
 
     @property
@@ -41,10 +42,9 @@ class RequestResult:
 
     @property
     def tpot(self) -> float | None:
-        if not self.ok:
+        """None for a failed request and for a single output token (no time per output token to speak of)."""
+        if not self.ok or self.output_tokens <= 1:
             return None
-        if self.output_tokens <= 1:
-            return 0.0
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
@@ -72,15 +72,16 @@ def normalize_base_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-async def discover_model(session: aiohttp.ClientSession, base_url: str, headers: dict) -> str:
+async def discover_model(session: aiohttp.ClientSession, base_url: str, headers: dict, timeout: float = 30) -> str:
     """The first model the server lists under /v1/models."""
-    async with session.get(f"{normalize_base_url(base_url)}/v1/models", headers=headers) as resp:
+    url = f"{normalize_base_url(base_url)}/v1/models"
+    async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
         if resp.status != 200:
             raise RuntimeError(f"GET /v1/models answered {resp.status}: {(await resp.text())[:200]}")
-        data = (await resp.json()).get("data") or []
-    if not data:
-        raise RuntimeError("the server lists no models; pass --model")
-    return data[0]["id"]
+        try:
+            return (await resp.json(content_type=None))["data"][0]["id"]
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise RuntimeError(f"GET /v1/models lists no model ({type(e).__name__}); pass --model") from None
 
 
 def build_payload(target: Target, messages: list[dict], max_tokens: int, extra: dict) -> dict:
@@ -102,11 +103,35 @@ def build_payload(target: Target, messages: list[dict], max_tokens: int, extra: 
     return body
 
 
-def _content_of(choice: dict) -> str:
+def _content_of(choice) -> str:
+    """The text a choice carries: completions' `text`, or chat's `delta` content and reasoning (vLLM and SGLang
+    send `reasoning_content`, Ollama and newer servers `reasoning`). Anything not a string counts as none."""
+    if not isinstance(choice, dict):
+        raise ValueError(f"a choice is not an object: {choice!r:.100}")
     if "text" in choice:
-        return choice.get("text") or ""
-    delta = choice.get("delta") or {}
-    return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+        parts = [choice.get("text")]
+    else:
+        delta = choice.get("delta")
+        delta = delta if isinstance(delta, dict) else {}
+        parts = [delta.get("content"), delta.get("reasoning_content"), delta.get("reasoning")]
+    return "".join(p for p in parts if isinstance(p, str))
+
+
+def _read_chunk(chunk, result: RequestResult) -> str:
+    """Take usage from a parsed chunk into `result`; return its content. Raises ValueError on a shape no
+    OpenAI-compatible server sends."""
+    if not isinstance(chunk, dict):
+        raise ValueError(f"a chunk is not an object: {chunk!r:.100}")
+    usage = chunk.get("usage")
+    if isinstance(usage, dict):
+        if isinstance(usage.get("prompt_tokens"), int):
+            result.prompt_tokens = usage["prompt_tokens"]
+        if isinstance(usage.get("completion_tokens"), int) and usage["completion_tokens"] > 0:
+            result.output_tokens, result.token_source = usage["completion_tokens"], "usage"
+    choices = chunk.get("choices") or []
+    if not isinstance(choices, list):
+        raise ValueError(f"choices is not a list: {choices!r:.100}")
+    return "".join(_content_of(c) for c in choices)
 
 
 async def send(
@@ -115,10 +140,10 @@ async def send(
     body: dict,
     result: RequestResult,
     clock: Callable[[], float] = time.perf_counter,
-    count_tokens: Callable[[str], int] | None = None,
     timeout: float | None = None,
 ) -> RequestResult:
-    """Post `body`, read the stream, fill `result` (timings, tokens, text or the failure)."""
+    """Post `body`, read the stream, fill `result` (timings, usage, text, or the failure). Output tokens come from
+    the server's usage; without it `token_source` stays empty and the caller counts them after the run."""
     st = clock()
     last = st
     text_parts: list[str] = []
@@ -127,7 +152,7 @@ async def send(
         to = aiohttp.ClientTimeout(total=timeout)
         async with http.post(target.url, json=body, headers=target.headers, timeout=to) as resp:
             if resp.status != 200:
-                return _fail(result, f"http_{resp.status}", _error_message(await resp.text()))
+                return _fail(result, f"http_{resp.status}", _error_message(await resp.text(errors="replace")))
             async for raw in resp.content:
                 line = raw.strip()
                 if not line:
@@ -141,18 +166,11 @@ async def send(
                     break
                 try:
                     chunk = json.loads(data)
-                except ValueError:
-                    return _fail(result, "malformed_chunk", data[:200].decode(errors="replace"))
-                if not isinstance(chunk, dict):
-                    return _fail(result, "malformed_chunk", data[:200].decode(errors="replace"))
-                if "error" in chunk:
-                    return _fail(result, "server_error", _error_message(chunk))
-                if usage := chunk.get("usage"):
-                    result.prompt_tokens = usage.get("prompt_tokens")
-                    if usage.get("completion_tokens") is not None:
-                        result.output_tokens = int(usage["completion_tokens"])
-                        result.token_source = "usage"
-                content = "".join(_content_of(c) for c in chunk.get("choices") or [])
+                    if isinstance(chunk, dict) and chunk.get("error"):
+                        return _fail(result, "server_error", _error_message(chunk))
+                    content = _read_chunk(chunk, result)
+                except ValueError as e:  # not JSON, not UTF-8, or a shape no server sends
+                    return _fail(result, "malformed_chunk", f"{e}: {data[:200].decode(errors='replace')}")
                 if content:
                     if result.ttft is None:
                         result.ttft = now - st
@@ -163,7 +181,8 @@ async def send(
         return _fail(result, "timeout", f"no complete answer within {timeout} s")
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
         return _fail(result, "connection", f"{type(e).__name__}: {e}")
-    except aiohttp.ClientError as e:
+    except (aiohttp.ClientError, HttpProcessingError, ValueError) as e:
+        # e.g. an SSE line past aiohttp's line limit (a server that ignored `stream` and sent one huge body)
         return _fail(result, "client_error", f"{type(e).__name__}: {e}")
     result.text = "".join(text_parts)
     if not done:
@@ -171,11 +190,6 @@ async def send(
     if result.ttft is None:
         return _fail(result, "no_content", "the stream carried no content")
     result.e2e = last - st
-    if result.token_source != "usage":
-        if count_tokens is not None:
-            result.output_tokens, result.token_source = count_tokens(result.text), "tokenizer"
-        else:
-            result.output_tokens, result.token_source = len(result.chunk_times), "chunks"
     result.ok = True
     return result
 

@@ -1,14 +1,18 @@
 """The load: a closed loop (N users, each sending its next request when the last one ends) or an
 open loop (arrivals with gamma-distributed gaps: burstiness 1 is a Poisson process, lower is burstier).
 
-A session's turns go one after another, each carrying the history and the replies so far. The run
-stops at `num_prompts` sessions or after `duration` seconds (no new sessions after it), and on `stop`
-(Ctrl-C) the requests in flight are cancelled and recorded as interrupted, so a partial run is kept.
+A session's turns go one after another, each carrying the history and the replies so far. Sessions
+are drawn before the clock starts (prompt text is tokenizer work that would otherwise stall the
+event loop and inflate every in-flight request's ITL); only duration-bound runs draw them during the
+run, in a worker thread. The run stops at `num_prompts` sessions or after `duration` seconds (no new
+sessions after it), and on `stop` (Ctrl-C) the requests in flight are cancelled and recorded as
+interrupted, so a partial run is kept.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import time
@@ -35,14 +39,22 @@ class LoadSpec:
     def __post_init__(self):
         if (self.concurrency is None) == (self.request_rate is None):
             raise ValueError("give either a concurrency (closed loop) or a request rate (open loop)")
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError("concurrency must be >= 1")
-        if self.request_rate is not None and self.request_rate <= 0:
-            raise ValueError("request rate must be > 0")
-        if self.burstiness <= 0:
-            raise ValueError("burstiness must be > 0")
-        if self.num_prompts is None and self.duration is None:
-            raise ValueError("give --num-prompts, --duration or both")
+        checks = {
+            "concurrency must be >= 1": self.concurrency is None or self.concurrency >= 1,
+            "request rate must be > 0": self.request_rate is None or self.request_rate > 0,
+            "burstiness must be > 0": self.burstiness > 0,
+            "max concurrency must be >= 1": self.max_concurrency is None or self.max_concurrency >= 1,
+            "num prompts must be >= 1": self.num_prompts is None or self.num_prompts >= 1,
+            "duration must be > 0": self.duration is None or self.duration > 0,
+            "warmup must be >= 0": self.warmup >= 0,
+            "give --num-prompts, --duration or both": self.num_prompts is not None or self.duration is not None,
+            "an infinite request rate needs --num-prompts (it would start sessions without end)": not (
+                self.num_prompts is None and self.request_rate is not None and math.isinf(self.request_rate)
+            ),
+        }
+        for message, ok in checks.items():
+            if not ok:
+                raise ValueError(message)
 
     @property
     def label(self) -> str:
@@ -74,6 +86,26 @@ def arrival_gaps(rate: float, burstiness: float, rng: np.random.Generator) -> It
         yield 0.0 if math.isinf(rate) else float(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness)))
 
 
+class SessionSource:
+    """The sessions of a run: all drawn up front when their number is known, else drawn in a worker thread."""
+
+    def __init__(self, sessions: Iterable[Session], count: int | None):
+        self._it = iter(sessions)
+        self._ready = list(itertools.islice(self._it, count)) if count is not None else None
+        self._next = 0
+        self._lock: asyncio.Lock | None = None  # one draw at a time: a generator runs in one thread at once
+
+    async def next(self) -> Session | None:
+        if self._ready is not None:
+            if self._next >= len(self._ready):
+                return None
+            self._next += 1
+            return self._ready[self._next - 1]
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:
+            return await asyncio.to_thread(next, self._it, None)
+
+
 class LoadGenerator:
     def __init__(
         self,
@@ -97,75 +129,67 @@ class LoadGenerator:
         it = iter(sessions)
         if load.warmup:
             warm = LoadSpec(concurrency=min(load.warmup, load.concurrency or load.max_concurrency or load.warmup))
-            await self._closed(warm, itertools.islice(it, load.warmup), [], self.clock(), None)
-        if load.num_prompts is not None:
-            it = itertools.islice(it, load.num_prompts)
+            source = SessionSource(it, load.warmup)
+            if await _until_stop(self._closed(warm, source, [], self.clock(), None, report=False), stop):
+                return RunResult(load, 0.0, 0, True)
+        source = SessionSource(it, load.num_prompts)
         results: list[RequestResult] = []
         self.inflight = self.peak = 0
         t0 = self.clock()
         deadline = t0 + load.duration if load.duration else None
         if load.concurrency is not None:
-            work = self._closed(load, it, results, t0, deadline)
+            work = self._closed(load, source, results, t0, deadline)
         else:
-            work = self._open(load, it, results, t0, deadline)
-        main = asyncio.ensure_future(work)
-        interrupted = False
-        if stop is not None:
-            stopper = asyncio.ensure_future(stop.wait())
-            await asyncio.wait([main, stopper], return_when=asyncio.FIRST_COMPLETED)
-            stopper.cancel()
-            if not main.done():
-                interrupted = True
-                main.cancel()
-        try:
-            await main
-        except asyncio.CancelledError:
-            if not interrupted:
-                raise
-        return RunResult(load, self.clock() - t0, self.peak, interrupted, results)
+            work = self._open(load, source, results, t0, deadline)
+        interrupted = await _until_stop(work, stop)
+        duration = self.clock() - t0
+        await self._count_without_usage(results)
+        return RunResult(load, duration, self.peak, interrupted, results)
 
-    async def _closed(self, load, it, results, t0, deadline) -> None:
+    async def _count_without_usage(self, results: list[RequestResult]) -> None:
+        """Output tokens of requests the server gave no usage for: the tokenizer's count of the text, done after
+        the run (tokenizing during it would stall the loop that times the other requests), else the chunks."""
+        for r in results:
+            if r.ok and r.token_source not in ("usage", "tokenizer"):
+                if self.count_tokens is not None:
+                    r.output_tokens, r.token_source = await asyncio.to_thread(self.count_tokens, r.text), "tokenizer"
+                else:
+                    r.output_tokens, r.token_source = len(r.chunk_times), "chunks"
+
+    async def _closed(self, load, source, results, t0, deadline, report: bool = True) -> None:
         async def user():
-            for s in it:  # one shared iterator: each user takes the next session
+            while (s := await source.next()) is not None:  # each user takes the next session
                 if deadline is not None and self.clock() >= deadline:
                     return
-                await self._session(s, results, t0)
+                await self._session(s, results, t0, report=report)
 
-        await self._all([user() for _ in range(load.concurrency)])
+        await _all([user() for _ in range(load.concurrency)])
 
-    async def _open(self, load, it, results, t0, deadline) -> None:
+    async def _open(self, load, source, results, t0, deadline) -> None:
         gaps = arrival_gaps(load.request_rate, load.burstiness, np.random.default_rng(self.seed))
         cap = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
         tasks = []
         next_at = t0
         try:
-            for s in it:
-                if deadline is not None and next_at >= deadline:
+            while (s := await source.next()) is not None:
+                if deadline is not None and max(next_at, self.clock()) >= deadline:
                     break
-                if (wait := next_at - self.clock()) > 0:
-                    await asyncio.sleep(wait)
+                await asyncio.sleep(max(0.0, next_at - self.clock()))  # always yields: requests already out progress
                 tasks.append(asyncio.ensure_future(self._session(s, results, t0, cap)))
                 next_at += next(gaps)
         except asyncio.CancelledError:
             await _cancel_all(tasks)
             raise
-        await self._all(tasks)
+        await _all(tasks)
 
-    async def _all(self, aws) -> None:
-        """Await all; when cancelled, cancel them all and wait until each has recorded its request."""
-        tasks = [asyncio.ensure_future(a) for a in aws]
-        try:
-            await asyncio.gather(*tasks)
-        except asyncio.CancelledError:
-            await _cancel_all(tasks)
-            raise
-
-    async def _session(self, s: Session, results: list, t0: float, cap: asyncio.Semaphore | None = None) -> None:
+    async def _session(self, s: Session, results: list, t0: float, cap=None, report: bool = True) -> None:
         history = [{"role": "system", "content": s.system}] if s.system else []
+        prompt_len = s.system_len  # intended tokens of the whole prompt: system, every turn so far, the replies
         for k, user_text in enumerate(s.user_turns):
             history.append({"role": "user", "content": user_text})
+            prompt_len += s.input_lens[k]
             tag = s.turn_tags[k] if s.turn_tags else s.tag
-            r = RequestResult(session=s.id, turn=k, tag=tag, input_len=s.input_lens[k])
+            r = RequestResult(session=s.id, turn=k, tag=tag, input_len=prompt_len)
             body = build_payload(self.target, history, s.max_tokens[k], self.extra)
             if cap is not None:
                 await cap.acquire()
@@ -173,7 +197,7 @@ class LoadGenerator:
             self.inflight += 1
             self.peak = max(self.peak, self.inflight)
             try:
-                await send(self.http, self.target, body, r, self.clock, self.count_tokens, self.timeout)
+                await send(self.http, self.target, body, r, self.clock, self.timeout)
             except asyncio.CancelledError:
                 r.ok, r.error, r.error_detail = False, "interrupted", "cancelled by the user"
                 raise
@@ -182,11 +206,40 @@ class LoadGenerator:
                 if cap is not None:
                     cap.release()
                 results.append(r)
-                if self.on_result:
+                if self.on_result and report:
                     self.on_result(r, self.inflight)
             if not r.ok:
                 return  # a conversation cannot go on without its reply
             history.append({"role": "assistant", "content": r.text})
+            prompt_len += r.output_tokens if r.token_source == "usage" else len(r.chunk_times)
+
+
+async def _until_stop(work, stop: asyncio.Event | None) -> bool:
+    """Run `work` to its end, or cancel it when `stop` is set first; whether it was stopped."""
+    main = asyncio.ensure_future(work)
+    if stop is None:
+        await main
+        return False
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([main, stopper], return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if main.done():
+        main.result()  # re-raise what went wrong inside
+        return False
+    main.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await main
+    return True
+
+
+async def _all(aws) -> None:
+    """Await all; when cancelled, cancel them all and wait until each has recorded its request."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.gather(*tasks)
+    except asyncio.CancelledError:
+        await _cancel_all(tasks)
+        raise
 
 
 async def _cancel_all(tasks: list[asyncio.Future]) -> None:

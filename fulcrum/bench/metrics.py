@@ -1,7 +1,7 @@
 """The figures of a run, defined as vLLM's `bench serve` defines them; goodput as DistServe does.
 
 - TTFT: request start to the first content chunk. TPOT: (e2e - TTFT) / (output tokens - 1), per
-  request. ITL: every gap between content chunks, pooled over requests. E2E: start to last content chunk.
+  request of two or more output tokens. ITL: every gap between content chunks, pooled over requests. E2E: start to last content chunk.
 - Throughput: completed requests, output tokens and input+output tokens per second of the run.
 - Goodput: completed requests per second that met every SLO given (TTFT, TPOT, E2E).
 - Percentiles: numpy's linear interpolation between the closest ranks.
@@ -55,7 +55,7 @@ def distribution(values: Sequence[float]) -> dict[str, float | None]:
 
 
 def meets_slo(r: RequestResult, slo: dict[str, float]) -> bool:
-    got = {"ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e}
+    got = {"ttft": r.ttft, "tpot": r.tpot or 0.0, "e2e": r.e2e}  # one output token: no TPOT to miss
     return r.ok and all(got[k] <= v for k, v in slo.items())
 
 
@@ -82,7 +82,7 @@ def summarize(
         "total_token_throughput": per_s(in_tokens + out_tokens),
         "token_source": dict(Counter(r.token_source for r in ok)),
         "ttft_ms": distribution([r.ttft for r in ok]),
-        "tpot_ms": distribution([r.tpot for r in ok]),
+        "tpot_ms": distribution([r.tpot for r in ok if r.tpot is not None]),  # as vLLM: requests of 2+ tokens
         "itl_ms": distribution([gap for r in ok for gap in r.itl]),
         "e2e_ms": distribution([r.e2e for r in ok]),
     }

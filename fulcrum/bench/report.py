@@ -165,11 +165,18 @@ def write_plots(folder: str | Path, runs: list[dict], sweep: bool = True) -> lis
     if sweep and len(runs) > 1:
         fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
         x = [r["summary"]["output_throughput"] for r in runs]
+        nan = float("nan")  # a point where no request completed has no latency: a gap in the line
         for ax, (metric, name) in zip(axes, (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E latency"))):
             for p, style in (("p50", "o-"), ("p99", "s--")):
-                ax.plot(x, [r["summary"][metric][p] for r in runs], style, label=p)
+                ax.plot(
+                    x,
+                    [r["summary"][metric][p] if r["summary"][metric][p] is not None else nan for r in runs],
+                    style,
+                    label=p,
+                )
             for xi, r in zip(x, runs):
-                ax.annotate(r["label"].split()[-1], (xi, r["summary"][metric]["p50"]), fontsize=8)
+                if r["summary"][metric]["p50"] is not None:
+                    ax.annotate(r["label"].split()[-1], (xi, r["summary"][metric]["p50"]), fontsize=8)
             ax.set(xlabel="output tokens/s", ylabel=f"{name} (ms)", title=f"{name} against throughput")
             ax.grid(alpha=0.3)
             ax.legend()

@@ -74,6 +74,7 @@ class Session:
     max_tokens: list[int]
     input_lens: list[int]  # intended prompt tokens of each turn's new text (exact with a tokenizer)
     system: str | None = None
+    system_len: int = 0  # intended tokens of the system prompt
     tag: str = ""  # a class of requests reported on its own (long-prefill: "short" / "long")
     turn_tags: list[str] = field(default_factory=list)
 
@@ -154,20 +155,22 @@ def sessions(spec: WorkloadSpec, text: TextMaker) -> Iterator[Session]:
             turns = [text.make(n, rng) for n in lens]
             yield Session(i, turns, outs, lens, turn_tags=[f"turn {k + 1}" for k in range(spec.turns)])
             continue
-        tag, system, dist = "", None, spec.input_len
+        tag, system, system_len, dist = "", None, 0, spec.input_len
         if spec.name == "long-prefill":
             tag = "long" if rng.random() < spec.long_fraction else "short"
             dist = spec.long_input_len if tag == "long" else spec.input_len
         elif spec.name == "shared-prefix":
-            system = prefixes[i % spec.num_groups]
+            system, system_len = prefixes[i % spec.num_groups], spec.prefix_len
         n = dist.sample(rng)
-        yield Session(i, [text.make(n, rng)], [spec.output_len.sample(rng)], [n], system=system, tag=tag)
+        turn, max_tokens = text.make(n, rng), spec.output_len.sample(rng)
+        yield Session(i, [turn], [max_tokens], [n], system=system, system_len=system_len, tag=tag)
 
 
 def _jsonl(spec: WorkloadSpec, text: TextMaker) -> Iterator[Session]:
     """Your own prompts, one JSON object a line: `{"prompt": ..., "max_tokens": N}`, or a ShareGPT-style
     conversation (`conversations` with from/value, or `messages` with role/content) whose first user
-    turn is the prompt and whose first reply sets the output length. The file is replayed in a loop."""
+    turn is the prompt and whose first reply sets the output length. The file is replayed in a loop, each
+    pass in an order drawn from the seed (so the points of a sweep do not repeat each other's prompts)."""
     if not spec.dataset:
         raise ValueError("the jsonl workload needs --dataset FILE")
     path = Path(spec.dataset)
@@ -184,9 +187,14 @@ def _jsonl(spec: WorkloadSpec, text: TextMaker) -> Iterator[Session]:
     items = [it for it in items if it is not None]
     if not items:
         raise ValueError(f"{path} has no usable prompts")
-    for i in itertools.count():
-        prompt, max_tokens = items[i % len(items)]
-        yield Session(i, [prompt], [max_tokens], [text.count(prompt)])
+    rng = np.random.default_rng(spec.seed)
+    counts = [text.count(prompt) for prompt, _ in items]
+    i = 0
+    while True:
+        for j in rng.permutation(len(items)):
+            prompt, max_tokens = items[j]
+            yield Session(i, [prompt], [max_tokens], [counts[j]])
+            i += 1
 
 
 def _jsonl_item(obj: dict, spec: WorkloadSpec, text: TextMaker) -> tuple[str, int] | None:

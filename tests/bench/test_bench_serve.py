@@ -47,6 +47,7 @@ def test_each_workload_against_fulcrum_serve(server, tmp_path, workload, endpoin
     )  # fmt: skip
     (run,) = doc["runs"]
     s = run["summary"]
+    assert doc["workload"]["name"] == workload and isinstance(doc["workload"]["output_len"], str)
     per_session = 3 if workload == "multi-turn" else 1
     assert s["completed"] == 4 * per_session and s["failed"] == 0
     assert s["token_source"] == {"usage": 4 * per_session}  # counted from the server's usage
@@ -149,3 +150,19 @@ def test_open_loop_sweep_and_duration(server, tmp_path):
     doc = bench(server, tmp_path, "--concurrency", "2", "--duration", "2", "--input-len", "8", "--output-len", "4")
     (run,) = doc["runs"]
     assert run["summary"]["completed"] >= 4 and max(q["start"] for q in run["requests"]) < 2
+
+
+def test_ctrl_c_while_the_server_does_not_answer(tmp_path):
+    import socket
+
+    with socket.socket() as silent:  # accepts connections (the kernel does), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        cmd = [sys.executable, "-m", "fulcrum.cli", "bench", "serve", "--base-url", url, "--quiet"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        time.sleep(4)
+        t0 = time.time()
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+        assert proc.returncode == 130 and time.time() - t0 < 5

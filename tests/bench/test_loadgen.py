@@ -150,3 +150,108 @@ def test_a_failed_turn_ends_its_conversation():
     conv = Session(0, ["hi", "more"], [4, 4], [1, 1])
     result, fake = run(scripts, LoadSpec(concurrency=1, num_prompts=1), [conv], endpoint="chat")
     assert len(fake.bodies) == 1 and [r.error for r in result.results] == ["http_400"]
+
+
+def test_chunks_of_shapes_no_server_sends_fail_the_request_not_the_run():
+    big = b'{"choices": [{"index": 0, "text": "' + b"x" * 600_000 + b'"}]}'  # past aiohttp's line limit
+    scripts = {
+        "usage-string": stream((0.0, text_chunk("x")), (0.0, {"choices": [], "usage": "n/a"}), done_at=0.0),
+        "choices-dict": stream((0.0, {"choices": {"text": "x"}}), done_at=0.0),
+        "choice-none": stream((0.0, {"choices": [None]}), done_at=0.0),
+        "delta-string": stream((0.0, {"choices": [{"delta": "x"}]}), done_at=0.0),
+        "content-int": stream((0.0, {"choices": [{"delta": {"content": 5}}]}), done_at=0.0),
+        "huge-line": stream((0.0, big), done_at=0.0),
+        "error-null": stream((0.0, {"error": None, **text_chunk("x")}), done_at=0.0),
+        "zero-usage": stream((0.0, text_chunk("x")), (0.0, text_chunk("y")), (0.0, usage_chunk(3, 0)), done_at=0.0),
+        "ok": QUICK,
+    }
+    names = list(scripts)
+    result, _ = run(scripts, LoadSpec(concurrency=3, num_prompts=len(names)), singles(names))
+    by_name = {names[r.session]: r for r in result.results}
+    assert len(by_name) == len(names)
+    outcome = {n: by_name[n].error for n in names[:6]}
+    assert outcome == {
+        "usage-string": None,  # an unreadable usage is ignored: tokens are counted another way
+        "choices-dict": "malformed_chunk",
+        "choice-none": "malformed_chunk",
+        "delta-string": "no_content",  # nothing readable came
+        "content-int": "no_content",
+        "huge-line": "client_error",
+    }
+    assert by_name["usage-string"].token_source == "chunks"
+    # "error": null is no error, and a zero completion count with content streamed falls back to the chunks
+    assert by_name["error-null"].ok and by_name["ok"].ok
+    assert by_name["zero-usage"].ok and by_name["zero-usage"].output_tokens == 2
+    assert by_name["zero-usage"].token_source == "chunks"
+
+
+def test_reasoning_deltas_are_content():
+    scripts = {
+        "*": stream(
+            (0.02, {"choices": [{"delta": {"role": "assistant"}}]}),
+            (0.02, {"choices": [{"delta": {"reasoning": "hmm"}}]}),
+            (0.02, {"choices": [{"delta": {"reasoning_content": "so"}}]}),
+            (0.02, {"choices": [{"delta": {"content": "yes"}}]}),
+            done_at=0.0,
+        )
+    }
+    result, _ = run(scripts, LoadSpec(concurrency=1, num_prompts=1), singles(["q"]), endpoint="chat")
+    (r,) = result.results
+    assert r.ok and r.text == "hmmsoyes" and len(r.chunk_times) == 3
+    assert r.ttft < r.chunk_times[-1]  # the first reasoning token is the first token
+
+
+def test_sessions_are_drawn_before_the_clock_starts():
+    import time as _time
+
+    def slow_sessions():  # prompt text that takes 20 ms to make, as long tokenized prompts do
+        for i in range(20):
+            _time.sleep(0.02)
+            yield Session(i, ["r"], [2], [1])
+
+    result, _ = run({"*": QUICK}, LoadSpec(request_rate=100, num_prompts=20), slow_sessions(), seed=5)
+    starts = sorted(r.start for r in result.results)
+    expected = np.cumsum([0.0, *[g for g, _ in zip(arrival_gaps(100, 1.0, np.random.default_rng(5)), range(19))]])
+    assert np.allclose(starts, expected, atol=0.015)  # the schedule holds; drawing 0.4 s of prompts did not shift it
+
+
+def test_open_loop_duration_stops_and_an_endless_infinite_rate_is_refused():
+    sessions = (Session(i, ["r"], [4], [1]) for i in range(10**6))
+    result, _ = run({"*": QUICK}, LoadSpec(request_rate=40, num_prompts=None, duration=0.3), sessions)
+    assert 3 <= len(result.results) <= 40 and max(r.start for r in result.results) < 0.3
+    with pytest.raises(ValueError, match="infinite request rate needs --num-prompts"):
+        LoadSpec(request_rate=float("inf"), num_prompts=None, duration=1)
+    for bad in (dict(num_prompts=-1), dict(num_prompts=0), dict(max_concurrency=0), dict(duration=0)):
+        with pytest.raises(ValueError):
+            LoadSpec(request_rate=5, **bad)
+
+
+def test_stop_during_warmup_ends_the_run_at_once():
+    load = LoadSpec(concurrency=1, num_prompts=3, warmup=1)
+    result, fake = run({"*": SLOW}, load, singles(["slow"] * 4), stop_after=0.3)
+    assert result.interrupted and result.results == [] and len(fake.bodies) == 1
+
+
+def test_one_token_requests_have_no_tpot_but_count_for_goodput():
+    from fulcrum.bench.metrics import parse_slo
+
+    scripts = {"one": stream((0.0, text_chunk("x")), (0.0, usage_chunk(1, 1)), done_at=0.0), "two": QUICK}
+    result, _ = run(scripts, LoadSpec(concurrency=1, num_prompts=2), singles(["one", "two"]))
+    one = next(r for r in result.results if r.session == 0)
+    assert one.ok and one.tpot is None
+    s = summarize(result.results, result.duration, slo=parse_slo("tpot=1s"))
+    assert s["completed"] == 2 and s["slo_attainment"] == 1.0
+    assert s["tpot_ms"]["mean"] == pytest.approx(next(r for r in result.results if r.session == 1).tpot * 1e3)
+
+
+def test_plots_of_a_sweep_with_a_point_where_nothing_completed(tmp_path):
+    from fulcrum.bench.report import write_plots
+
+    ok, _ = run({"*": QUICK}, LoadSpec(concurrency=1, num_prompts=2), singles(["r", "r"]))
+    bad, _ = run({"*": ("status", 503, "{}")}, LoadSpec(concurrency=1, num_prompts=2), singles(["r", "r"]))
+    runs = []
+    for label, res in (("concurrency 1", ok), ("concurrency 2", bad)):
+        summary = summarize(res.results, res.duration)
+        requests = [{"ok": r.ok, "ttft": r.ttft, "chunk_times": r.chunk_times} for r in res.results]
+        runs.append({"label": label, "summary": summary, "requests": requests})
+    assert len(write_plots(tmp_path, runs)) == 3

@@ -89,11 +89,19 @@ def test_jsonl_prompts_and_sharegpt(tmp_path, text):
         {"conversations": [{"from": "gpt", "value": "no user turn: skipped"}]},
     ]
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
-    got = take(WorkloadSpec("jsonl", dataset=str(path), output_len=LengthDist.parse(9)), text, 4)
-    assert [s.user_turns[0] for s in got] == ["To be, or not", "Who's there?", "Speak", "To be, or not"]
-    assert got[0].max_tokens == [12]
-    assert got[1].max_tokens == [text.count("Nay, answer me")]  # the reply's length
-    assert got[2].max_tokens == [9]  # no reply: --output-len
+    got = take(WorkloadSpec("jsonl", dataset=str(path), output_len=LengthDist.parse(9)), text, 6)
+    prompts = {"To be, or not", "Who's there?", "Speak"}
+    # each pass sends every usable line once, in an order drawn from the seed
+    assert {s.user_turns[0] for s in got[:3]} == {s.user_turns[0] for s in got[3:]} == prompts
+    by_prompt = {s.user_turns[0]: s.max_tokens for s in got}
+    assert by_prompt["To be, or not"] == [12]
+    assert by_prompt["Who's there?"] == [text.count("Nay, answer me")]  # the reply's length
+    assert by_prompt["Speak"] == [9]  # no reply: --output-len
+    orders = {
+        tuple(s.user_turns[0] for s in take(WorkloadSpec("jsonl", dataset=str(path), seed=k), text, 3))
+        for k in range(8)
+    }
+    assert len(orders) > 1  # the points of a sweep (seed + point) do not replay one order
 
 
 def test_jsonl_errors_name_the_line(tmp_path, text):
