@@ -15,3 +15,8 @@ timeout 300 python3 benchmarks/bench_throughput.py --model qwen05 --device cuda 
   2>&1 | grep -v -e Warning -e "it/s" | tee "$OUT/throughput_qwen05.log"
 timeout 100 python3 benchmarks/bench_prefix_cache.py --model qwen05 --device cuda --out "$OUT/prefix.json" \
   2>&1 | grep -v -e Warning -e "it/s" | tee "$OUT/prefix.log"
+# 3. serving levers through fulcrum bench (needs aiohttp, rich, matplotlib, fastapi, uvicorn, pyzmq, msgspec)
+if python3 -c "import aiohttp, rich, matplotlib, fastapi, uvicorn, zmq, msgspec" 2>/dev/null; then
+  timeout 240 python3 benchmarks/bench_serve_levers.py --model qwen05 --device cuda --dtype bfloat16 \
+    --only sweep,prefix --sweep-prompts 128 --results "$OUT/serve" 2>&1 | tail -20 | tee "$OUT/serve.log"
+fi
