@@ -12,11 +12,12 @@ from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec, kv_bytes_per_sequenc
 from fulcrum.utils.cost import cost_per_million_tokens
 
 # Framework ops one fulcrum engine step launches on CPU (eager PyTorch), counted with torch.profiler (top-level aten
-# ops) on a decode step of the bundled Llama (8 layers) and the Qwen2.5-0.5B shape (24 layers, q/k/v bias): 65 per
-# decoder layer (+1 with a q/k/v bias), 55 per step (embedding, rotary lookup, final norm, logits, sampler, inputs).
-# Used only where the hardware states an op latency (the local CPU); recount when the model code changes.
-OPS_PER_LAYER = 65
-OPS_PER_STEP = 55
+# ops) on a decode step of the bundled Llama (8 layers) and the Qwen2.5-0.5B shape (24 layers, q/k/v bias): 56 per
+# decoder layer (+1 with a q/k/v bias), 60 per step (embedding, rotary lookup, the decode mask built once, final
+# norm, logits, sampler, inputs). Used only where the hardware states an op latency (the local CPU); recount when
+# the model code changes (profile one engine step of two models, count the top-level aten ops, solve for both figures).
+OPS_PER_LAYER = 56
+OPS_PER_STEP = 60
 
 
 @dataclass(frozen=True)
