@@ -29,6 +29,7 @@ class Hardware:
     # CUDA graphs are taken as 0, the local CPU measures it
     step_overhead_s: float = 0.0
     op_latency_s: float = 0.0  # per framework op, where it was measured (local)
+    layer_overhead_s: float = 0.0  # framework cost of one decoder layer beyond its weight reads (local)
     # measured weight-streaming rate by batch rows, where it depends on them (a CPU's GEMV does more arithmetic per
     # byte as rows grow, and the engine switches kernels); batches not listed stream at `bandwidth`
     bandwidth_by_batch: dict[int, float] = field(default_factory=dict)

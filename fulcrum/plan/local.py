@@ -3,6 +3,7 @@ matmul FLOPS at the model's prefill shape, and the latency of one eager framewor
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -10,7 +11,11 @@ import time
 import torch
 import torch.nn.functional as F
 
+from fulcrum.layers.activation import SiluAndMul
 from fulcrum.layers.attention import Attention, AttentionMetadata
+from fulcrum.layers.layernorm import RMSNorm
+from fulcrum.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from fulcrum.layers.rotary import RotaryEmbedding, apply_rotary
 from fulcrum.plan.catalog import Hardware
 from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec
 from fulcrum.plan.roofline import Efficiency, attention_flops, weight_bytes_read
@@ -104,59 +109,113 @@ def measure_attention_flops(spec: ModelSpec, dtype: str, tokens: int, repeats: i
     return per_layer / _median_time(lambda: layer(q, k, v, meta), repeats)
 
 
-class _TinyDecoderLayer(torch.nn.Module):
-    """An eager decoder layer (RMSNorm, GQA attention with RoPE and a KV-cache write, gated MLP) so narrow that
-    its time is all framework overhead: what one op costs when it does nearly no work."""
-
-    def __init__(self, hidden: int = 64, heads: int = 4, kv_heads: int = 2, inter: int = 128, cache: int = 64):
+class _TinyAttention(torch.nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, hd: int, qkv_bias: bool, dtype: torch.dtype):
         super().__init__()
-        self.heads, self.kv_heads, self.hd = heads, kv_heads, hidden // heads
-        self.norm1, self.norm2 = torch.nn.RMSNorm(hidden), torch.nn.RMSNorm(hidden)
-        self.qkv = torch.nn.Linear(hidden, (heads + 2 * kv_heads) * self.hd, bias=False)
-        self.o = torch.nn.Linear(heads * self.hd, hidden, bias=False)
-        self.gate_up = torch.nn.Linear(hidden, 2 * inter, bias=False)
-        self.down = torch.nn.Linear(inter, hidden, bias=False)
-        self.register_buffer("k_cache", torch.zeros(cache, kv_heads, self.hd))
-        self.register_buffer("v_cache", torch.zeros(cache, kv_heads, self.hd))
-        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, self.hd, 2).float() / self.hd))
+        self.qkv_proj = QKVParallelLinear(hidden, hd, heads, kv_heads, bias=qkv_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(heads * hd, hidden, dtype=dtype)
+        self.attn = Attention(heads, kv_heads, hd, hd**-0.5)
+        self.sizes, self.heads, self.kv_heads, self.hd = [heads * hd, kv_heads * hd, kv_heads * hd], heads, kv_heads, hd
 
-    def rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        freqs = pos.float()[:, None] * self.inv_freq
-        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def forward(self, rope, x, meta):
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q, k = apply_rotary(q.view(-1, self.heads, self.hd), k.view(-1, self.kv_heads, self.hd), *rope)
+        o = self.attn(q, k, v.view(-1, self.kv_heads, self.hd), meta)
+        return self.o_proj(o.reshape(-1, self.heads * self.hd))
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(self.norm1(x)).split([self.heads * self.hd, *[self.kv_heads * self.hd] * 2], dim=-1)
-        q = self.rope(q.view(-1, self.heads, self.hd), pos)
-        k = self.rope(k.view(-1, self.kv_heads, self.hd), pos)
-        self.k_cache.index_copy_(0, pos, k)
-        self.v_cache.index_copy_(0, pos, v.view(-1, self.kv_heads, self.hd))
-        n = int(pos[-1]) + 1
-        keys = self.k_cache[:n].transpose(0, 1).repeat_interleave(self.heads // self.kv_heads, 0)
-        vals = self.v_cache[:n].transpose(0, 1).repeat_interleave(self.heads // self.kv_heads, 0)
-        a = F.scaled_dot_product_attention(q.transpose(0, 1), keys, vals)
-        x = x + self.o(a.transpose(0, 1).reshape(x.shape[0], -1))
-        g, u = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(g) * u)
+
+class _TinyMLP(torch.nn.Module):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, hidden, dtype=dtype)
+        self.act = SiluAndMul()
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class _DecoderLayer(torch.nn.Module):
+    """fulcrum's decoder layer at a model's shape, with random weights (the shape of models/llama.py's, built from
+    the same `fulcrum.layers`, since plan may not import models), decoding one token over `context` cached ones."""
+
+    def __init__(self, spec: ModelSpec, dt: torch.dtype, context: int, block: int = 16):
+        super().__init__()
+        hidden, heads, kv_heads, hd = spec.hidden, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.input_layernorm = RMSNorm(hidden, dtype=dt)
+        self.self_attn = _TinyAttention(hidden, heads, kv_heads, hd, spec.qkv_bias, dt)
+        self.post_attention_layernorm = RMSNorm(hidden, dtype=dt)
+        self.mlp = _TinyMLP(hidden, spec.intermediate, dt)
+        for p in self.parameters():
+            p.normal_(0, 0.02)
+        blocks = -(-(context + 1) // block)
+        self.self_attn.attn.k_cache = torch.zeros(blocks, block, kv_heads, hd, dtype=dt)
+        self.self_attn.attn.v_cache = torch.zeros(blocks, block, kv_heads, hd, dtype=dt)
+        self.rope = RotaryEmbedding(hd, context + 1, {"rope_theta": 10000.0})(torch.tensor([context]), dt)
+        self.meta = AttentionMetadata(
+            query_lens=[1],
+            slot_mapping=torch.tensor([context]),
+            decode_token_idx=torch.tensor([0]),
+            decode_block_tables=torch.arange(blocks).view(1, blocks),
+            decode_context_lens=torch.tensor([context + 1]),
+            decode_max_context=context + 1,
+        )
+
+    def linears(self):
+        return [self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj]
+
+    def forward(self, x):
+        x = x + self.self_attn(self.rope, self.input_layernorm(x), self.meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+LAYER_PROBE_BYTES = 256 << 20  # a larger layer is timed at a narrow stand-in shape (its cost is then framework only)
 
 
 @torch.inference_mode()
-def measure_op_latency(repeats: int = 7, iters: int = 200) -> float:
-    """Seconds per framework op of an eager decoder layer at batch 1 (ops counted with the profiler)."""
-    layer = _TinyDecoderLayer()
-    x, pos = torch.randn(1, 64), torch.tensor([10])
+def measure_framework_cost(spec: ModelSpec, dtype: str, context: int, repeats: int = 7) -> tuple[float, float]:
+    """Seconds a decoder layer of this model costs in a batch-1 decode step beyond its weight reads: the layer
+    timed whole, less its four GEMVs timed alone on the same weights in the same run. Also seconds per framework
+    op of the layer (ops counted with the profiler), which prices the step's ops outside the layers."""
+    dt = TORCH_DTYPES.get(dtype, torch.bfloat16)
+    h, hd = spec.hidden, spec.head_dim
+    layer_bytes = (
+        h * (spec.num_heads + 2 * spec.num_kv_heads) * hd + spec.num_heads * hd * h + 3 * h * spec.intermediate
+    )
+    shape = spec
+    if spec.moe or spec.mla or layer_bytes * dt.itemsize > LAYER_PROBE_BYTES:  # no dense GQA layer of its own size
+        shape = dataclasses.replace(spec, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate=128)
+    layer = _DecoderLayer(shape, dt, context)
+    x = torch.randn(1, shape.hidden).to(dt)
+    inputs = [torch.randn(1, lin.input_size).to(dt) for lin in layer.linears()]
+    iters = 20
     from torch.profiler import profile
 
+    layer(x)  # builds the step's shared decode mask, as the first layer of a step does
     with profile() as prof:
-        layer(x, pos)
+        layer(x)
     ops = sum(1 for e in prof.events() if e.cpu_parent is None)
 
-    def run():
+    def whole():
         for _ in range(iters):
-            layer(x, pos)
+            layer(x)
 
-    return _median_time(run, repeats) / (iters * ops)
+    def gemvs():
+        for _ in range(iters):
+            for lin, xi in zip(layer.linears(), inputs):
+                lin(xi)
+
+    whole()
+    gemvs()
+    diffs = []  # back to back, so both see the same memory and caches; the median of the differences
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        whole()
+        t1 = time.perf_counter()
+        gemvs()
+        diffs.append((t1 - t0) - (time.perf_counter() - t1))
+    per_layer = max(statistics.median(diffs) / iters, 0.0)
+    return per_layer, per_layer / ops
 
 
 def memory_bytes() -> float:
@@ -168,6 +227,7 @@ def local_hardware(
     dtype: str = "bf16",
     matmul_tokens: int = 512,
     batch_sizes: tuple[int, ...] = (1,),
+    decode_context: int = 512,
 ) -> Hardware:
     """This machine as a catalog entry, measured at `spec`'s shapes in the dtype the model runs in (CPUs have
     no fp8/fp4 matmuls): decode's weight streaming, and a prefill MLP matmul of `matmul_tokens` tokens."""
@@ -181,7 +241,7 @@ def local_hardware(
     # past a couple of thousand tokens the rate is flat, and the probe's score matrices would grow quadratically
     attention_tokens = min(matmul_tokens, 2048)
     attention = None if spec.mla else measure_attention_flops(spec, dtype, attention_tokens)
-    op = measure_op_latency()
+    layer_s, op = measure_framework_cost(spec, dtype, decode_context)
     kernel = "fulcrum GEMV kernel" if cpu_gemv.available() else "F.linear"
     streams = ", ".join(f"batch {b}: {v / 1e9:.1f} GB/s" for b, v in by_batch.items())
     return Hardware(
@@ -193,6 +253,7 @@ def local_hardware(
         formats=(dtype,),
         source=f"measured on this machine, {torch.get_num_threads()} threads",
         op_latency_s=op,
+        layer_overhead_s=layer_s,
         bandwidth_by_batch=by_batch,
         attention_flops=attention,
         notes=[
@@ -207,6 +268,7 @@ def local_hardware(
                 if attention
                 else []
             ),
-            f"framework op {op * 1e6:.1f} us: an eager decoder layer 64 wide at batch 1, per profiled op",
+            f"framework cost {layer_s * 1e6:.0f} us per decoder layer beyond its GEMVs, {op * 1e6:.1f} us per op: "
+            f"fulcrum's decoder layer at this shape, batch 1 over {decode_context} cached tokens",
         ],
     )

@@ -38,14 +38,16 @@ def validate(
     spec = load_model_spec(model)
     dtype = spec.dtype
     c.print(f"[bold]validate[/bold] {spec.name} ({dtype}) on this machine: predicting from config.json ...")
-    hw = local_hardware(spec, dtype, matmul_tokens=input_len, batch_sizes=batch_sizes)
     context = decode_prompt_len + output_len // 2  # the mean KV length over the measured decode
+    hw = local_hardware(spec, dtype, matmul_tokens=input_len, batch_sizes=batch_sizes, decode_context=context)
     pred_prefill = prefill(spec, hw, dtype, input_len, eff=LOCAL_EFFICIENCY)
     pred_decode = {b: decode_step(spec, hw, dtype, dtype, b, context, eff=LOCAL_EFFICIENCY) for b in batch_sizes}
     for note in hw.notes:
         c.print("  " + note)
     over = step_overhead(spec, hw)
-    c.print(f"  per-step framework overhead predicted: {over * 1e3:.2f} ms (op latency x fulcrum's op count)")
+    c.print(
+        f"  per-step framework overhead predicted: {over * 1e3:.2f} ms (a timed decoder layer x layers + the step's other ops)"
+    )
 
     c.print("running fulcrum's engine ...")
     got = measure(
