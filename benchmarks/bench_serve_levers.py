@@ -32,7 +32,7 @@ def bench(url: str, out: Path, *args: str, plot: Path | None = None) -> dict:
     return json.loads(out.read_text())
 
 
-def server_flags(args, folder: Path) -> list[str]:
+def server_flags(args) -> list[str]:
     return ["--dtype", args.dtype, "--device", args.device, "--kv-cache-memory", str(args.kv_cache_gb)]
 
 
@@ -40,7 +40,7 @@ def on_off(args, folder, res: Path, load: list[str], variants: dict[str, list[st
     """The same load against one fresh server per variant of flags; the run of each, in order."""
     runs = []
     for name, flags in variants.items():
-        with fulcrum_server(folder, *server_flags(args, folder), *flags) as url:
+        with fulcrum_server(folder, *server_flags(args), *flags) as url:
             runs.append(bench(url, res / f"{name}.json", *load)["runs"][0])
     return runs
 
@@ -58,7 +58,7 @@ def compare_plots(res: Path, name: str, variants: list[str], tag: str | None = N
 
 
 def sweep(args, folder, res: Path) -> list[str]:
-    with fulcrum_server(folder, *server_flags(args, folder), "--max-num-seqs", "64") as url:
+    with fulcrum_server(folder, *server_flags(args), "--max-num-seqs", "64") as url:
         doc = bench(
             url, res / "sweep.json", "--tokenizer", str(folder), "--concurrency", args.concurrency,
             "--num-prompts", str(args.sweep_prompts), "--input-len", str(args.input_len),

@@ -153,7 +153,7 @@ async def _serve(args, loads, spec, slo, text) -> int:
 
     from fulcrum.bench import report
     from fulcrum.bench.client import Target, discover_model
-    from fulcrum.bench.loadgen import LoadGenerator
+    from fulcrum.bench.loadgen import LoadGenerator, until_stop
     from fulcrum.bench.metrics import summarize, summarize_by_tag
     from fulcrum.bench.workloads import sessions
 
@@ -185,12 +185,15 @@ async def _serve(args, loads, spec, slo, text) -> int:
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
         try:
-            model = args.model or await _unless_stopped(discover_model(http, args.base_url, headers), stop)
+            model = args.model
+            if model is None:
+                discovery = asyncio.ensure_future(discover_model(http, args.base_url, headers))
+                if await until_stop(discovery, stop):
+                    return 130
+                model = discovery.result()
         except (aiohttp.ClientError, RuntimeError, OSError, asyncio.TimeoutError) as e:
             console.print(f"[red]error:[/] cannot reach {args.base_url}: {e}")
             return 2
-        except KeyboardInterrupt:
-            return 130
         doc["model"] = model
         target = Target(args.base_url, model, args.endpoint, args.api_key)
         count = text.count if text.exact else None
@@ -228,17 +231,6 @@ async def _serve(args, loads, spec, slo, text) -> int:
         for p in report.write_plots(args.plot, doc["runs"]):
             console.print(f"plot: {p}")
     return 130 if doc["runs"] and doc["runs"][-1]["interrupted"] else 0
-
-
-async def _unless_stopped(coro, stop: asyncio.Event):
-    """`coro`'s result, or KeyboardInterrupt when Ctrl-C comes first."""
-    task, waiter = asyncio.ensure_future(coro), asyncio.ensure_future(stop.wait())
-    await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
-    waiter.cancel()
-    if not task.done():
-        task.cancel()
-        raise KeyboardInterrupt
-    return task.result()
 
 
 @contextlib.contextmanager

@@ -130,7 +130,7 @@ class LoadGenerator:
         if load.warmup:
             warm = LoadSpec(concurrency=min(load.warmup, load.concurrency or load.max_concurrency or load.warmup))
             source = SessionSource(it, load.warmup)
-            if await _until_stop(self._closed(warm, source, [], self.clock(), None, report=False), stop):
+            if await until_stop(self._closed(warm, source, [], self.clock(), None, report=False), stop):
                 return RunResult(load, 0.0, 0, True)
         source = SessionSource(it, load.num_prompts)
         results: list[RequestResult] = []
@@ -141,7 +141,7 @@ class LoadGenerator:
             work = self._closed(load, source, results, t0, deadline)
         else:
             work = self._open(load, source, results, t0, deadline)
-        interrupted = await _until_stop(work, stop)
+        interrupted = await until_stop(work, stop)
         duration = self.clock() - t0
         await self._count_without_usage(results)
         return RunResult(load, duration, self.peak, interrupted, results)
@@ -214,8 +214,9 @@ class LoadGenerator:
             prompt_len += r.output_tokens if r.token_source == "usage" else len(r.chunk_times)
 
 
-async def _until_stop(work, stop: asyncio.Event | None) -> bool:
-    """Run `work` to its end, or cancel it when `stop` is set first; whether it was stopped."""
+async def until_stop(work, stop: asyncio.Event | None) -> bool:
+    """Run `work` (a coroutine or task) to its end, or cancel it when `stop` is set first; whether it was
+    stopped. What went wrong inside `work` is raised here."""
     main = asyncio.ensure_future(work)
     if stop is None:
         await main

@@ -45,6 +45,17 @@ def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return cpu_gemv.linear(x, w) if x.device.type == "cpu" else F.linear(x, w)
 
 
+def layer_matrices(spec: ModelSpec) -> list[tuple[int, int]]:
+    """A dense decoder layer's weight matrices, (out, in), in the order decode reads them: q/k/v, o, gate/up, down."""
+    h, hd = spec.hidden, spec.head_dim
+    return [
+        ((spec.num_heads + 2 * spec.num_kv_heads) * hd, h),
+        (h, spec.num_heads * hd),
+        (2 * spec.intermediate, h),
+        (h, spec.intermediate),
+    ]
+
+
 def decode_matrices(spec: ModelSpec, dtype: str, budget: int = 1 << 30) -> list[tuple[int, int]]:
     """The weight matrices one decode step streams, as (out, in) shapes in the order the model reads them: per
     layer q/k/v, o, gate/up and down, then the LM head. Small matrices stream slower than large ones (per-call
@@ -55,17 +66,11 @@ def decode_matrices(spec: ModelSpec, dtype: str, budget: int = 1 << 30) -> list[
         total = min(weight_bytes_read(spec, dtype, 1), budget)
         rows = int(MATRIX_BYTES // (2048 * itemsize))
         return [(rows, 2048)] * max(1, round(total / (rows * 2048 * itemsize)))
-    h, hd = spec.hidden, spec.head_dim
-    layer = [
-        ((spec.num_heads + 2 * spec.num_kv_heads) * hd, h),
-        (h, spec.num_heads * hd),
-        (2 * spec.intermediate, h),
-        (h, spec.intermediate),
-    ]
+    layer = layer_matrices(spec)
     layer_bytes = sum(o * i for o, i in layer) * itemsize
-    head_bytes = spec.vocab * h * itemsize
+    head_bytes = spec.vocab * spec.hidden * itemsize
     layers = max(1, min(spec.num_layers, int((budget - head_bytes) // layer_bytes)))
-    return layer * layers + [(spec.vocab, h)]
+    return layer * layers + [(spec.vocab, spec.hidden)]
 
 
 def measure_bandwidth(dtype: str, matrices: list[tuple[int, int]], batch: int = 1, repeats: int = 7) -> float:
@@ -109,7 +114,7 @@ def measure_attention_flops(spec: ModelSpec, dtype: str, tokens: int, repeats: i
     return per_layer / _median_time(lambda: layer(q, k, v, meta), repeats)
 
 
-class _TinyAttention(torch.nn.Module):
+class _Attention(torch.nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, hd: int, qkv_bias: bool, dtype: torch.dtype):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(hidden, hd, heads, kv_heads, bias=qkv_bias, dtype=dtype)
@@ -124,7 +129,7 @@ class _TinyAttention(torch.nn.Module):
         return self.o_proj(o.reshape(-1, self.heads * self.hd))
 
 
-class _TinyMLP(torch.nn.Module):
+class _MLP(torch.nn.Module):
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], dtype=dtype)
@@ -143,9 +148,9 @@ class _DecoderLayer(torch.nn.Module):
         super().__init__()
         hidden, heads, kv_heads, hd = spec.hidden, spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.input_layernorm = RMSNorm(hidden, dtype=dt)
-        self.self_attn = _TinyAttention(hidden, heads, kv_heads, hd, spec.qkv_bias, dt)
+        self.self_attn = _Attention(hidden, heads, kv_heads, hd, spec.qkv_bias, dt)
         self.post_attention_layernorm = RMSNorm(hidden, dtype=dt)
-        self.mlp = _TinyMLP(hidden, spec.intermediate, dt)
+        self.mlp = _MLP(hidden, spec.intermediate, dt)
         for p in self.parameters():
             p.normal_(0, 0.02)
         blocks = -(-(context + 1) // block)
@@ -178,12 +183,9 @@ def measure_framework_cost(spec: ModelSpec, dtype: str, context: int, repeats: i
     timed whole, less its four GEMVs timed alone on the same weights in the same run. Also seconds per framework
     op of the layer (ops counted with the profiler), which prices the step's ops outside the layers."""
     dt = TORCH_DTYPES.get(dtype, torch.bfloat16)
-    h, hd = spec.hidden, spec.head_dim
-    layer_bytes = (
-        h * (spec.num_heads + 2 * spec.num_kv_heads) * hd + spec.num_heads * hd * h + 3 * h * spec.intermediate
-    )
+    layer_bytes = sum(o * i for o, i in layer_matrices(spec)) * dt.itemsize
     shape = spec
-    if spec.moe or spec.mla or layer_bytes * dt.itemsize > LAYER_PROBE_BYTES:  # no dense GQA layer of its own size
+    if spec.moe or spec.mla or layer_bytes > LAYER_PROBE_BYTES:  # no dense GQA layer of its own size
         shape = dataclasses.replace(spec, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate=128)
     layer = _DecoderLayer(shape, dt, context)
     x = torch.randn(1, shape.hidden).to(dt)
