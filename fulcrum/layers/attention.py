@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fulcrum.layers import cpu_attention
+
 
 @dataclass
 class AttentionMetadata:
@@ -126,6 +128,11 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One query token per sequence, all sequences in one call: q [D, H, hd]."""
+        if cpu_attention.usable(q, self.k_cache, self.num_kv_heads):
+            return cpu_attention.decode(
+                q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                self.scale, self.sliding_window,
+            )  # fmt: skip
         bs = self.k_cache.shape[1]
         nblocks = -(-meta.decode_max_context // bs)
         bt = meta.decode_block_tables[:, :nblocks]

@@ -7,23 +7,17 @@ walks each weight row once with AVX-512 (`vdpbf16ps` for bf16, FMA for fp32), ke
 rows in registers (more rows go 4 at a time over cache-resident blocks of weight rows), fuses the
 bias, writes the input's dtype, and splits output rows over PyTorch's OpenMP thread pool.
 
-It is compiled once per environment with torch's C++ extension loader (cached in ~/.cache/fulcrum;
-the model runner builds it at startup, before a server reports ready) and used only on
-x86 CPUs with AVX-512 BF16; anywhere else, or if the build fails, callers fall back to F.linear.
-Set FULCRUM_CPU_KERNELS=0 to turn it off.
+It is built by `fulcrum.utils.cpu_ext` (the model runner builds it at startup, before a server
+reports ready); where it is not available callers fall back to F.linear.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
-import os
-import time
 
 import torch
 
-log = logging.getLogger(__name__)
+from fulcrum.utils import cpu_ext
 
 # Up to these row counts the kernel beat F.linear over the 0.5B shape's matrices (measured on a
 # 2-core EPYC, 2 threads): bf16 by 1.2-2.6x through 16 rows (even at 24, behind at 32); fp32 by
@@ -146,61 +140,9 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
 """
 
 
-def _cpu_has_avx512_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags and "avx512f" in flags
-
-
-STALE_LOCK_S = 180  # a build takes well under a minute; an older lock was left by a killed process
-
-
-def _build_dir() -> str:
-    """One cache folder per source, flags, torch and interpreter: two virtual environments never
-    rebuild over each other (torch's default folder is shared by name)."""
-    import hashlib
-    import sys
-
-    key = hashlib.sha256("|".join([_SOURCE, " ".join(_FLAGS), torch.__version__, sys.prefix]).encode()).hexdigest()
-    root = os.environ.get("FULCRUM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "fulcrum"))
-    path = os.path.join(root, "kernels", key[:16])
-    os.makedirs(path, exist_ok=True)
-    lock = os.path.join(path, "lock")
-    # torch waits forever on the lock file of a build whose process was killed: clear a stale one
-    if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > STALE_LOCK_S:
-        with contextlib.suppress(OSError):
-            os.remove(lock)
-    return path
-
-
-# -fopenmp matters: at::parallel_for is a header template that runs its `omp parallel` region only
-# when the extension itself is compiled with OpenMP; without it the kernel silently ran on one thread.
-# The extension's libgomp.so.1 resolves to the one torch has already loaded (same soname).
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma", "-fopenmp"]
-
-
 @functools.cache
 def _module():
-    if os.environ.get("FULCRUM_CPU_KERNELS", "1") == "0" or not _cpu_has_avx512_bf16():
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        return load_inline(
-            name="fulcrum_cpu_gemv",
-            cpp_sources=_SOURCE,
-            functions=["gemv", "parallel_threads"],
-            extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=_build_dir(),
-            verbose=False,
-        )
-    except Exception as e:  # no compiler, no headers: stay correct, just slower
-        log.warning("CPU GEMV kernel unavailable, using F.linear: %s", e)
-        return None
+    return cpu_ext.load("fulcrum_cpu_gemv", _SOURCE, ["gemv", "parallel_threads"])
 
 
 def available() -> bool:

@@ -1,0 +1,213 @@
+"""A CPU kernel for decode attention read straight from the paged KV cache.
+
+PyTorch's path for a decode step gathers every sequence's blocks into a padded [D, KVH, L, hd]
+copy (`k_cache[block_tables]`) and runs SDPA with a mask over it. On a 2-core EPYC with 64
+sequences of ~400 tokens that took ~2.7 ms per layer (profiled: 0.5 ms gather, 2.2 ms SDPA), a
+quarter of a throughput run, for ~90 MFLOP and ~13 MB of KV.
+
+This kernel gives one (sequence, KV head) pair to a task: it reads each cached key once through the
+block table, scores it against all query heads of the group in fp32, takes a softmax per head
+(vectorised exp), and sums the values the same way. No gather, no padding, no mask. Built by
+`fulcrum.utils.cpu_ext`; callers fall back to PyTorch where it is not available.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fulcrum.utils import cpu_ext
+
+MAX_GROUP = 16  # query heads per KV head the kernel keeps in its scratch
+_DTYPES = (torch.bfloat16, torch.float32)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <cmath>
+#include <vector>
+
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
+  __m256i h = _mm256_loadu_si256((const __m256i*)p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline void store(float* y, float v) { *y = v; }
+static inline void store(c10::BFloat16* y, float v) { *y = c10::BFloat16(v); }
+
+// e^x for x <= 0: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2; degree-6 polynomial, rel. error ~2e-7
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Calls fn(i, row) for the cached tokens start..ctx-1 in order (i counts from 0), walking the block
+// table once instead of dividing every position by the block size.
+template <typename T, typename Fn>
+static inline void for_each_token(const T* cache, const int64_t* table, int64_t start, int64_t ctx, int64_t bs,
+                                  int64_t kv_stride, Fn fn) {
+  int64_t i = 0;
+  for (int64_t blk = start / bs, off = start % bs; blk * bs < ctx; ++blk, off = 0) {
+    const T* base = cache + table[blk] * bs * kv_stride;
+    const int64_t stop = std::min(bs, ctx - blk * bs);
+    for (int64_t j = off; j < stop; ++j) fn(i++, base + j * kv_stride);
+  }
+}
+
+template <typename T, int HD>
+static void attend(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t start, int64_t ctx,
+                   int64_t bs, int64_t kv_stride, int64_t g, float scale, float* scores, T* out, int64_t q_stride) {
+  constexpr int C = HD / 16;
+  const int64_t n = ctx - start;
+  // queries of the group in fp32, scaled: [g][C] vectors (from L1 when they outnumber the registers)
+  __m512 qv[16][C];
+  for (int64_t h = 0; h < g; ++h)
+    for (int c = 0; c < C; ++c) qv[h][c] = _mm512_mul_ps(load16(q + h * q_stride + 16 * c), _mm512_set1_ps(scale));
+  // scores [g, n]: each key is read and widened once, then scored against the g heads
+  for_each_token(kc, table, start, ctx, bs, kv_stride, [&](int64_t i, const T* k) {
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load16(k + 16 * c);
+    for (int64_t h = 0; h < g; ++h) {
+      __m512 acc = _mm512_mul_ps(qv[h][0], kv[0]);
+      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[h][c], kv[c], acc);
+      scores[h * n + i] = _mm512_reduce_add_ps(acc);
+    }
+  });
+  // softmax per head, in place
+  for (int64_t h = 0; h < g; ++h) {
+    float* s = scores + h * n;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+    const __m512 m = _mm512_set1_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+      __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+      _mm512_storeu_ps(s + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (t < n) {
+      __mmask16 mask = (__mmask16)((1u << (n - t)) - 1);
+      __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), m));
+      e = _mm512_maskz_mov_ps(mask, e);
+      _mm512_mask_storeu_ps(s + t, mask, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+    for (t = 0; t < n; ++t) s[t] *= inv;
+  }
+  // out [g, HD]: one value read, g weighted sums; groups of up to 4 heads keep their sums in registers
+  for (int64_t h0 = 0; h0 < g; h0 += 4) {
+    const int64_t hn = std::min<int64_t>(4, g - h0);
+    __m512 acc[4][C];
+    for (int64_t h = 0; h < hn; ++h) for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
+    for_each_token(vc, table, start, ctx, bs, kv_stride, [&](int64_t i, const T* v) {
+      __m512 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load16(v + 16 * c);
+      for (int64_t h = 0; h < hn; ++h) {
+        const __m512 p = _mm512_set1_ps(scores[(h0 + h) * n + i]);
+        for (int c = 0; c < C; ++c) acc[h][c] = _mm512_fmadd_ps(p, vv[c], acc[h][c]);
+      }
+    });
+    for (int64_t h = 0; h < hn; ++h) {
+      alignas(64) float tmp[HD];
+      for (int c = 0; c < C; ++c) _mm512_store_ps(tmp + 16 * c, acc[h][c]);
+      for (int d = 0; d < HD; ++d) store(out + (h0 + h) * q_stride + d, tmp[d]);
+    }
+  }
+}
+
+template <typename T, int HD>
+static void run(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                torch::Tensor ctx_lens, double scale, int64_t window, torch::Tensor out) {
+  const int64_t D = q.size(0), H = q.size(1), KVH = k_cache.size(2), bs = k_cache.size(1), g = H / KVH;
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(k_cache.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = ctx_lens.data_ptr<int64_t>();
+  const int64_t width = tables.size(1), kv_stride = KVH * HD;
+  int64_t max_ctx = 0;
+  for (int64_t i = 0; i < D; ++i) max_ctx = std::max(max_ctx, lp[i]);
+  at::parallel_for(0, D * KVH, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> scores(g * max_ctx);
+    for (int64_t task = b; task < e; ++task) {
+      const int64_t i = task / KVH, kvh = task % KVH, ctx = lp[i];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      attend<T, HD>(qp + (i * H + kvh * g) * HD, kp + kvh * HD, vp + kvh * HD, tp + i * width, start, ctx, bs,
+                    kv_stride, g, float(scale), scores.data(), op + (i * H + kvh * g) * HD, HD);
+    }
+  });
+}
+
+// q [D, H, hd]; k/v cache [blocks, block_size, KVH, hd]; tables [D, width] int64; ctx_lens [D] int64.
+// Returns [D, H, hd] in q's dtype. window <= 0: no sliding window.
+torch::Tensor decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                     torch::Tensor ctx_lens, double scale, int64_t window) {
+  auto out = torch::empty_like(q);
+  const int64_t hd = q.size(2);
+  const bool bf16 = q.scalar_type() == torch::kBFloat16;
+#define CASE(HD)                                                                                       \
+  case HD:                                                                                             \
+    if (bf16) run<c10::BFloat16, HD>(q, k_cache, v_cache, tables, ctx_lens, scale, window, out);      \
+    else run<float, HD>(q, k_cache, v_cache, tables, ctx_lens, scale, window, out);                   \
+    break;
+  switch (hd) {
+    CASE(16) CASE(32) CASE(64) CASE(80) CASE(96) CASE(128) CASE(160) CASE(256)
+    default: TORCH_CHECK(false, "decode attention: unsupported head_dim ", hd);
+  }
+#undef CASE
+  return out;
+}
+"""
+
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 160, 256)
+
+
+@functools.cache
+def _module():
+    return cpu_ext.load("fulcrum_cpu_attention", _SOURCE, ["decode"])
+
+
+def available() -> bool:
+    return _module() is not None
+
+
+def usable(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int) -> bool:
+    """CPU, bf16/fp32 cache and queries alike, a supported head size and group, contiguous tensors."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in _DTYPES
+        and k_cache.dtype == q.dtype
+        and q.shape[-1] in HEAD_DIMS
+        and q.shape[1] // num_kv_heads <= MAX_GROUP
+        and k_cache.is_contiguous()
+        and available()
+    )
+
+
+def decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """q [D, H, hd] (one token per sequence) over each sequence's first context_lens cached tokens."""
+    return _module().decode(q.contiguous(), k_cache, v_cache, block_tables, context_lens, scale, sliding_window or 0)

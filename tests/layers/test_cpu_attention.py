@@ -1,0 +1,82 @@
+"""The CPU decode-attention kernel reads the paged cache through block tables and gives attention's
+result: checked against a float64 softmax(q k^T) v over each sequence's gathered tokens."""
+
+import pytest
+import torch
+
+from fulcrum.layers import cpu_attention
+from fulcrum.layers.attention import Attention, AttentionMetadata
+
+pytestmark = pytest.mark.skipif(
+    not cpu_attention.available(), reason="needs an x86 CPU with AVX-512 BF16 and a compiler"
+)
+
+
+def paged(ctxs, heads, kv_heads, head_dim, block, dtype, seed=0):
+    """A cache with each sequence's blocks scattered in shuffled order, and its tables."""
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = sum(-(-c // block) for c in ctxs) + 3
+    kc = torch.randn(n_blocks, block, kv_heads, head_dim, generator=g).to(dtype)
+    vc = torch.randn(n_blocks, block, kv_heads, head_dim, generator=g).to(dtype)
+    order = torch.randperm(n_blocks, generator=g).tolist()
+    tables, i = [], 0
+    for c in ctxs:
+        k = -(-c // block)
+        tables.append(order[i : i + k])
+        i += k
+    width = max(len(t) for t in tables)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(len(ctxs), heads, head_dim, generator=g).to(dtype)
+    return q, kc, vc, tables, torch.tensor(ctxs)
+
+
+def reference(q, kc, vc, tables, ctxs, scale, window):
+    heads, kv_heads, block = q.shape[1], kc.shape[2], kc.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for j, c in enumerate(ctxs.tolist()):
+        blocks = tables[j, : -(-c // block)]
+        ks = kc[blocks].flatten(0, 1)[:c].double().repeat_interleave(heads // kv_heads, 1)
+        vs = vc[blocks].flatten(0, 1)[:c].double().repeat_interleave(heads // kv_heads, 1)
+        start = max(0, c - window) if window else 0
+        scores = torch.einsum("hd,thd->ht", q[j].double(), ks[start:]) * scale
+        out[j] = torch.einsum("ht,thd->hd", scores.softmax(-1), vs[start:])
+    return out
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize(
+    "ctxs, heads, kv_heads, head_dim, block, window",
+    [
+        ([1, 17, 300], 14, 2, 64, 16, None),  # Qwen2.5-0.5B's grouping, partial last blocks, one-token context
+        ([40, 5], 8, 8, 128, 16, None),  # no GQA
+        ([100, 1, 33, 64], 32, 8, 80, 32, None),
+        ([70, 9], 4, 1, 256, 16, None),  # MQA, the widest head
+        ([1, 50, 300], 14, 2, 64, 16, 32),  # sliding window
+    ],
+)
+def test_matches_attention_over_gathered_tokens(dtype, tol, ctxs, heads, kv_heads, head_dim, block, window):
+    q, kc, vc, tables, lens = paged(ctxs, heads, kv_heads, head_dim, block, dtype)
+    assert cpu_attention.usable(q, kc, kv_heads)
+    got = cpu_attention.decode(q, kc, vc, tables, lens, head_dim**-0.5, window)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert (got.double() - reference(q, kc, vc, tables, lens, head_dim**-0.5, window)).abs().max() < tol
+
+
+def test_attention_layer_gives_the_same_with_and_without_the_kernel(monkeypatch):
+    q, kc, vc, tables, lens = paged([5, 123, 64], 14, 2, 64, 16, torch.float32)
+    layer = Attention(14, 2, 64, 0.125)
+    layer.k_cache, layer.v_cache = kc, vc
+    meta = AttentionMetadata(
+        query_lens=[1, 1, 1], decode_block_tables=tables, decode_context_lens=lens, decode_max_context=123
+    )
+    with_kernel = layer._decode(q, meta)
+    monkeypatch.setattr(cpu_attention, "usable", lambda *a: False)
+    without = layer._decode(q, AttentionMetadata(**{**meta.__dict__, "shared": {}}))
+    assert torch.allclose(with_kernel, without, atol=1e-5)
+
+
+def test_unsupported_shapes_fall_back():
+    q, kc, _, _, _ = paged([4], 2, 1, 48, 16, torch.float32)  # head_dim 48 has no kernel
+    assert not cpu_attention.usable(q, kc, 1)
+    q, kc, _, _, _ = paged([4], 4, 1, 64, 16, torch.float16)
+    assert not cpu_attention.usable(q, kc, 1)
