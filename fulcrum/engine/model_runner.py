@@ -15,6 +15,7 @@ from fulcrum.layers.attention import Attention, AttentionMetadata
 from fulcrum.layers.sampler import Sampler, SamplingMetadata
 from fulcrum.models.loader import load_model
 from fulcrum.quant import cpu_gemv
+from fulcrum.utils.hugepages import huge_page_empty, move_parameters_to_huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ class ModelRunner:
         self.device = torch.device(engine_config.device)
         torch.manual_seed(engine_config.seed)
         self.model = load_model(model_config, self.device)
+        if self.device.type == "cpu":
+            move_parameters_to_huge_pages(self.model)  # a decode step streams them all: fewer TLB misses
         self.vocab_size = model_config.hf_config.vocab_size
         self.block_size = engine_config.block_size
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -54,7 +57,10 @@ class ModelRunner:
                 "or lower max_model_len"
             )
         shape = (2, len(self.attn_layers), self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=model_config.dtype, device=self.device)
+        if self.device.type == "cpu":
+            self.kv_cache = huge_page_empty(shape, model_config.dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=model_config.dtype, device=self.device)
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.sampler = Sampler()

@@ -1,0 +1,64 @@
+"""CPU memory on transparent huge pages, for the weights and the KV cache.
+
+A CPU decode step streams every weight once; with 4 KiB pages that stream takes a TLB miss every
+4 KiB. On the 2-core EPYC here, moving the 0.5B shape's weights onto 2 MiB pages raised the
+rate of the decoder layers' GEMVs from ~25 to ~28-33 GB/s and the LM head's from ~29 to ~37-45 GB/s
+(measured in one process, alternating). PyTorch's CPU allocator asks for huge pages only when
+THP_MEM_ALLOC_ENABLE is set before its first allocation, which a library cannot arrange, so these
+helpers map an anonymous region themselves and `madvise(MADV_HUGEPAGE)` it. Where the kernel's THP
+mode is "never" (or the call is missing) the memory is ordinary pages: still correct.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+
+import torch
+from torch import nn
+
+HUGE_PAGE = 2 << 20
+ALIGN = 64  # each tensor starts on a cache line
+
+
+def huge_page_bytes(nbytes: int) -> torch.Tensor:
+    """A zeroed uint8 CPU tensor of `nbytes`, starting on a 2 MiB boundary, backed by huge pages where
+    the kernel grants them. The tensor keeps the mapping alive."""
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # THP off in this kernel: ordinary pages
+            region.madvise(mmap.MADV_HUGEPAGE)
+    buf = torch.frombuffer(region, dtype=torch.uint8)
+    start = -buf.data_ptr() % HUGE_PAGE
+    return buf[start : start + nbytes]
+
+
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor on huge pages (anonymous mappings start zeroed)."""
+    n = 1
+    for s in shape:
+        n *= s
+    return huge_page_bytes(n * dtype.itemsize).view(dtype).view(shape)
+
+
+def move_parameters_to_huge_pages(model: nn.Module) -> int:
+    """Copy every CPU parameter of `model` into one huge-page region, in registration order (the
+    order a forward reads them); tied parameters stay tied. Returns the bytes moved."""
+    params, seen = [], set()
+    for p in model.parameters():  # parameters() yields a shared tensor once
+        if p.device.type == "cpu" and id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
+    if not total:
+        return 0
+    arena = huge_page_bytes(total)
+    for p, off in zip(params, offsets):
+        nbytes = p.numel() * p.element_size()
+        new = arena[off : off + nbytes].view(p.dtype).view(p.shape)
+        new.copy_(p.data)
+        p.data = new
+    return total

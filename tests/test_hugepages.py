@@ -1,0 +1,32 @@
+"""Weights and the KV cache on huge pages keep their values, their ties and their alignment."""
+
+import torch
+from torch import nn
+
+from fulcrum.utils.hugepages import HUGE_PAGE, huge_page_empty, move_parameters_to_huge_pages
+
+
+def test_huge_page_tensor_is_zeroed_aligned_and_outlives_its_mapping_handle():
+    t = huge_page_empty((3, 1000, 7), torch.bfloat16)
+    assert t.shape == (3, 1000, 7) and t.dtype == torch.bfloat16
+    assert t.data_ptr() % HUGE_PAGE == 0
+    assert t.abs().sum() == 0
+    t.fill_(2)
+    assert t.float().sum() == 2 * 3 * 1000 * 7
+
+
+def test_moved_parameters_keep_values_and_ties():
+    torch.manual_seed(0)
+    emb = nn.Embedding(50, 8)
+    model = nn.ModuleDict({"emb": emb, "proj": nn.Linear(8, 3), "head": nn.Linear(8, 50, bias=False)})
+    model["head"].weight = emb.weight  # tied, as tie_word_embeddings does
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moved = move_parameters_to_huge_pages(model)
+    assert moved >= sum(p.numel() * p.element_size() for p in model.parameters())
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) and p.data_ptr() % 64 == 0
+    assert model["head"].weight is model["emb"].weight
+    model["emb"].weight.data[0, 0] = 123.0
+    assert model["head"].weight[0, 0] == 123.0
+    x = torch.randn(2, 8)
+    assert torch.allclose(model["proj"](x), x @ before["proj.weight"].T + before["proj.bias"])
