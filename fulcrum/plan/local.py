@@ -20,6 +20,7 @@ from fulcrum.plan.catalog import Hardware
 from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec
 from fulcrum.plan.roofline import Efficiency, attention_flops, weight_bytes_read
 from fulcrum.quant import cpu_gemv
+from fulcrum.utils.hugepages import huge_page_empty
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MATRIX_BYTES = 16 << 20
@@ -77,7 +78,11 @@ def measure_bandwidth(dtype: str, matrices: list[tuple[int, int]], batch: int = 
     """Bytes/s of weights streamed by `batch`-row GEMVs over `matrices`, one after another as decode reads them.
     A working set that fits in the last-level cache streams faster than DRAM, as a small model's weights do."""
     dt = TORCH_DTYPES[dtype]
-    mats = [torch.randn(o, i).to(dt) for o, i in matrices]
+    mats = []
+    for o, i in matrices:  # on huge pages, as the engine places its CPU weights
+        w = huge_page_empty((o, i), dt)
+        w.copy_(torch.randn(o, i))
+        mats.append(w)
     xs = {i: torch.randn(batch, i).to(dt) for _, i in matrices}
 
     def run():
@@ -179,32 +184,39 @@ LAYER_PROBE_BYTES = 256 << 20  # a larger layer is timed at a narrow stand-in sh
 
 @torch.inference_mode()
 def measure_framework_cost(spec: ModelSpec, dtype: str, context: int, repeats: int = 7) -> tuple[float, float]:
-    """Seconds a decoder layer of this model costs in a batch-1 decode step beyond its weight reads: the layer
-    timed whole, less its four GEMVs timed alone on the same weights in the same run. Also seconds per framework
-    op of the layer (ops counted with the profiler), which prices the step's ops outside the layers."""
+    """Seconds a decoder layer of this model costs in a batch-1 decode step beyond its weight reads: a stack of
+    distinct layers (as many of the model's as fit in LAYER_PROBE_BYTES, up to 8) run one after another as a
+    step runs them, less their GEMVs timed alone on the same weights in the same run; per layer. One layer timed
+    over and over read low: its weights and code stay hot in a way a step's layers do not. Also seconds per
+    framework op of a layer (ops counted with the profiler), which prices the step's ops outside the layers."""
     dt = TORCH_DTYPES.get(dtype, torch.bfloat16)
     layer_bytes = sum(o * i for o, i in layer_matrices(spec)) * dt.itemsize
     shape = spec
     if spec.moe or spec.mla or layer_bytes > LAYER_PROBE_BYTES:  # no dense GQA layer of its own size
         shape = dataclasses.replace(spec, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate=128)
-    layer = _DecoderLayer(shape, dt, context)
+        layer_bytes = sum(o * i for o, i in layer_matrices(shape)) * dt.itemsize
+    n = max(1, min(spec.num_layers, 8, LAYER_PROBE_BYTES // max(layer_bytes, 1)))
+    layers = [_DecoderLayer(shape, dt, context) for _ in range(n)]
     x = torch.randn(1, shape.hidden).to(dt)
-    inputs = [torch.randn(1, lin.input_size).to(dt) for lin in layer.linears()]
-    iters = 20
+    linears = [(lin, torch.randn(1, lin.input_size).to(dt)) for layer in layers for lin in layer.linears()]
+    iters = max(1, 20 // n)
     from torch.profiler import profile
 
-    layer(x)  # builds the step's shared decode mask, as the first layer of a step does
+    for layer in layers:
+        layer(x)  # builds the step's shared decode mask, as the first layer of a step does
     with profile() as prof:
-        layer(x)
+        layers[0](x)
     ops = sum(1 for e in prof.events() if e.cpu_parent is None)
 
     def whole():
         for _ in range(iters):
-            layer(x)
+            h = x
+            for layer in layers:
+                h = layer(h)
 
     def gemvs():
         for _ in range(iters):
-            for lin, xi in zip(layer.linears(), inputs):
+            for lin, xi in linears:
                 lin(xi)
 
     whole()
@@ -216,7 +228,7 @@ def measure_framework_cost(spec: ModelSpec, dtype: str, context: int, repeats: i
         t1 = time.perf_counter()
         gemvs()
         diffs.append((t1 - t0) - (time.perf_counter() - t1))
-    per_layer = max(statistics.median(diffs) / iters, 0.0)
+    per_layer = max(statistics.median(diffs) / (iters * n), 0.0)
     return per_layer, per_layer / ops
 
 
