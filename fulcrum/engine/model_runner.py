@@ -11,6 +11,7 @@ import torch
 from fulcrum.config import EngineConfig, ModelConfig
 from fulcrum.engine.scheduler import ScheduledRequest, SchedulerOutput
 from fulcrum.errors import FulcrumError
+from fulcrum.layers import cpu_attention, cpu_norm
 from fulcrum.layers.attention import Attention, AttentionMetadata
 from fulcrum.layers.sampler import Sampler, SamplingMetadata
 from fulcrum.models.loader import load_model
@@ -65,7 +66,9 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.sampler = Sampler()
         if self.device.type == "cpu":
-            cpu_gemv.available()  # build or load the CPU kernel now, not in the middle of the first request
+            # build or load the CPU kernels now, not in the middle of the first request
+            for kernel in (cpu_gemv, cpu_attention, cpu_norm):
+                kernel.available()
 
     # -- KV cache size ---------------------------------------------------------------------------
 
