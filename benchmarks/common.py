@@ -5,9 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -106,28 +103,7 @@ def model_folder(args: argparse.Namespace) -> Path:
 @contextlib.contextmanager
 def fulcrum_server(folder: Path, *flags: str, log_path: Path | None = None):
     """`fulcrum serve` on a free loopback port, healthy before it is yielded (its base URL), stopped after."""
-    import httpx
+    from fulcrum.server.process import start
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "fulcrum.cli", "serve", str(folder), "--port", str(port), "--log-level", "warning"]
-    log = open(log_path, "w") if log_path else None  # noqa: SIM115 - open for the server's lifetime
-    server = subprocess.Popen([*cmd, *flags], stdout=log, stderr=subprocess.STDOUT if log else None)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            if server.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"fulcrum serve did not start ({' '.join(cmd)})")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        yield url
-    finally:
-        server.terminate()
-        server.wait(60)
-        if log:
-            log.close()
+    with start(folder, "--log-level", "warning", *flags, log_path=log_path) as server:
+        yield server.url

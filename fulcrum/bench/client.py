@@ -18,6 +18,11 @@ import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError
 
 
+def gaps(times: list[float]) -> list[float]:
+    """Inter-token latencies: the gaps between consecutive content chunks."""
+    return [b - a for a, b in zip(times, times[1:])]
+
+
 @dataclass
 class RequestResult:
     session: int
@@ -38,7 +43,7 @@ class RequestResult:
 
     @property
     def itl(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+        return gaps(self.chunk_times)
 
     @property
     def tpot(self) -> float | None:

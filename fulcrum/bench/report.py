@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -12,13 +11,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from fulcrum.bench.client import gaps
 from fulcrum.bench.metrics import LATENCIES, PERCENTILES
+from fulcrum.utils.console import wide_console
 
 
 def console(stderr: bool = False) -> Console:
-    """Wide enough for the sweep table when the output is a file or a pipe (rich assumes 80 columns)."""
-    stream = sys.stderr if stderr else sys.stdout
-    return Console(stderr=stderr, width=None if stream.isatty() else 150)
+    """Wide enough for the sweep table when the output is a file or a pipe."""
+    return wide_console(stderr, width=150)
 
 
 def _ms(v) -> str:
@@ -191,7 +191,7 @@ def write_plots(folder: str | Path, runs: list[dict], sweep: bool = True) -> lis
             if metric == "ttft":
                 vals = sorted(q["ttft"] * 1e3 for q in ok)
             else:
-                vals = sorted((b - a) * 1e3 for q in ok for a, b in zip(q["chunk_times"], q["chunk_times"][1:]))
+                vals = sorted(g * 1e3 for q in ok for g in gaps(q["chunk_times"]))
             if vals:
                 ax.plot(vals, [(i + 1) / len(vals) for i in range(len(vals))], label=r["label"])
         ax.set(xlabel=f"{name} (ms)", ylabel="fraction of " + ("requests" if metric == "ttft" else "gaps"))

@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rich.console import Console
-
 from fulcrum.config import DEFAULT_MODEL
 from fulcrum.errors import FulcrumError
 from fulcrum.plan.advice import what_to_do
@@ -16,6 +14,7 @@ from fulcrum.plan.memory import MemoryAssumptions, plan_memory
 from fulcrum.plan.model_spec import DTYPE_BYTES, load_model_spec, load_presets
 from fulcrum.plan.report import Plan, plot, render, to_json
 from fulcrum.plan.roofline import Efficiency, batch_sizes, decode_step, prefill
+from fulcrum.utils.console import wide_console
 
 WEIGHT_DTYPES = ["bf16", "fp16", "fp8", "int8", "int4", "fp4", "fp32"]
 KV_DTYPES = ["bf16", "fp16", "fp8", "int8", "fp32"]
@@ -89,7 +88,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
 
 def run_plan(args: argparse.Namespace) -> int:
     # wide enough for the tables when the output goes to a file or a pipe
-    console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 120)
+    console = wide_console(stderr=args.json, width=120)
     try:
         if args.validate:
             from fulcrum.plan.validate import validate

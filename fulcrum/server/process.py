@@ -1,0 +1,79 @@
+"""`fulcrum serve` in a child process on a free loopback port: for tests, benchmarks and scripts that need a
+real server. `start` returns once /health answers 200, and raises with the server's log if it exits or never
+becomes healthy."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    port: int
+    log_path: str | None  # None: the server writes to this process's stdout
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        if self.log_path is None:
+            return "(the server's output went to stdout)"
+        return Path(self.log_path).read_text()
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM (the server drains), then SIGKILL after `timeout` seconds; the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start(model: str | Path, *flags: str, log_path: str | Path | None = None, timeout: float = 300) -> ServerProcess:
+    port = free_port()
+    cmd = [sys.executable, "-m", "fulcrum.cli", "serve", str(model), "--port", str(port), *flags]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if log_path is None:
+        proc = subprocess.Popen(cmd, env=env)
+    else:
+        with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = ServerProcess(proc, port, None if log_path is None else str(log_path))
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"fulcrum serve exited early ({' '.join(cmd)}):\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    server.stop()
+    raise RuntimeError(f"fulcrum serve did not become healthy in {timeout:.0f} s ({' '.join(cmd)}):\n{server.log()}")
