@@ -89,7 +89,10 @@ def decode_weight_bytes(model) -> int:
     return total
 
 
-def batch1_decode(folder, dtype, device, vocab, kv, rounds: int = 5, n_tokens: int = 48) -> list[dict]:
+BATCH1_TOKENS = 48  # per batch-1 round: the first comes from the prefill, the rest are timed decode steps
+
+
+def batch1_decode(folder, dtype, device, vocab, kv, rounds: int = 5, n_tokens: int = BATCH1_TOKENS) -> list[dict]:
     """Batch-1 decode tok/s, each round beside a bandwidth probe taken just before it.
 
     This VM's read bandwidth moves between ~30 and ~60 GB/s from one minute to the next, so a probe
@@ -177,7 +180,7 @@ def main() -> None:
     if args.device == "cpu":
         print_table(
             f"batch-1 decode against the bandwidth roofline (weights {weights / 1e9:.2f} GB per token; "
-            "each round: bandwidth probe, then 47 decode steps)",
+            f"each round: bandwidth probe, then {BATCH1_TOKENS - 1} decode steps)",
             [
                 (i + 1, f"{r['bandwidth_gbs']:.1f}", f"{r['roofline_tok_s']:.1f}", f"{r['tok_s']:.1f}",
                  f"{100 * r['roofline_fraction']:.0f}%", f"{r['tok_s'] * weights / 1e9:.1f}")

@@ -22,21 +22,11 @@ from fulcrum.utils import cpu_ext
 MAX_GROUP = 16  # query heads per KV head the kernel keeps in its scratch
 _DTYPES = (torch.bfloat16, torch.float32)
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <immintrin.h>
+_SOURCE = (
+    cpu_ext.PRELUDE
+    + r"""
 #include <cmath>
 #include <vector>
-
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
-  __m256i h = _mm256_loadu_si256((const __m256i*)p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline void store(float* y, float v) { *y = v; }
-static inline void store(c10::BFloat16* y, float v) { *y = c10::BFloat16(v); }
 
 // e^x for x <= 0: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2; degree-6 polynomial, rel. error ~2e-7
 static inline __m512 exp16(__m512 x) {
@@ -174,6 +164,7 @@ torch::Tensor decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
   return out;
 }
 """
+)
 
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 160, 256)
 

@@ -17,10 +17,9 @@ import torch
 
 from fulcrum.utils import cpu_ext
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
+_SOURCE = (
+    cpu_ext.PRELUDE
+    + r"""
 #include <cmath>
 
 template <typename T>
@@ -49,6 +48,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 }
 
 """
+)
 
 _DTYPES = (torch.bfloat16, torch.float32)
 MAX_ELEMENTS = 16 * 4096
@@ -63,12 +63,13 @@ def available() -> bool:
     return _module() is not None
 
 
-def usable(x: torch.Tensor) -> bool:
-    """CPU, bf16/fp32, contiguous, and few rows: the scalar loop beats PyTorch's 7 ops only on
-    decode-sized inputs (2.5 against 17.5 us on one [1, 896] row; slower at 512 rows)."""
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """CPU, bf16/fp32 alike in input and weight, contiguous, and few rows: the scalar loop beats PyTorch's
+    7 ops only on decode-sized inputs (2.5 against 17.5 us on one [1, 896] row; slower at 512 rows)."""
     return (
         x.device.type == "cpu"
         and x.dtype in _DTYPES
+        and weight.dtype == x.dtype
         and x.is_contiguous()
         and x.numel() <= MAX_ELEMENTS
         and available()

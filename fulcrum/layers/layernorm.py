@@ -15,7 +15,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_norm.usable(x) and x.dtype == self.weight.dtype:
+        if cpu_norm.usable(x, self.weight):
             return cpu_norm.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()

@@ -23,12 +23,10 @@ from fulcrum.quant import cpu_gemv
 from fulcrum.utils.hugepages import huge_page_empty
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-MATRIX_BYTES = 16 << 20
+MATRIX_BYTES = 16 << 20  # bandwidth probe: weight matrices of this size, read one after another like layers
 # The local figures are measured at the workload's own shapes with the engine's kernels, so they already are
 # what the kernels reach: no further efficiency factor. (One machine: no all-reduce.)
-LOCAL_EFFICIENCY = Efficiency(
-    bandwidth=1.0, compute=1.0, allreduce_latency_s=0.0
-)  # bandwidth probe: weight matrices of this size, read one after another like layers
+LOCAL_EFFICIENCY = Efficiency(bandwidth=1.0, compute=1.0, allreduce_latency_s=0.0)
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -57,6 +55,10 @@ def layer_matrices(spec: ModelSpec) -> list[tuple[int, int]]:
     ]
 
 
+def matrices_bytes(matrices: list[tuple[int, int]], itemsize: int) -> int:
+    return sum(o * i for o, i in matrices) * itemsize
+
+
 def decode_matrices(spec: ModelSpec, dtype: str, budget: int = 1 << 30) -> list[tuple[int, int]]:
     """The weight matrices one decode step streams, as (out, in) shapes in the order the model reads them: per
     layer q/k/v, o, gate/up and down, then the LM head. Small matrices stream slower than large ones (per-call
@@ -68,7 +70,7 @@ def decode_matrices(spec: ModelSpec, dtype: str, budget: int = 1 << 30) -> list[
         rows = int(MATRIX_BYTES // (2048 * itemsize))
         return [(rows, 2048)] * max(1, round(total / (rows * 2048 * itemsize)))
     layer = layer_matrices(spec)
-    layer_bytes = sum(o * i for o, i in layer) * itemsize
+    layer_bytes = matrices_bytes(layer, itemsize)
     head_bytes = spec.vocab * spec.hidden * itemsize
     layers = max(1, min(spec.num_layers, int((budget - head_bytes) // layer_bytes)))
     return layer * layers + [(spec.vocab, spec.hidden)]
@@ -89,7 +91,7 @@ def measure_bandwidth(dtype: str, matrices: list[tuple[int, int]], batch: int = 
         for w in mats:
             _linear(xs[w.shape[1]], w)
 
-    return sum(w.numel() * dt.itemsize for w in mats) / _median_time(run, repeats)
+    return matrices_bytes(matrices, dt.itemsize) / _median_time(run, repeats)
 
 
 def measure_matmul_flops(dtype: str, m: int, k: int, n: int, repeats: int = 5) -> float:
@@ -190,11 +192,11 @@ def measure_framework_cost(spec: ModelSpec, dtype: str, context: int, repeats: i
     over and over read low: its weights and code stay hot in a way a step's layers do not. Also seconds per
     framework op of a layer (ops counted with the profiler), which prices the step's ops outside the layers."""
     dt = TORCH_DTYPES.get(dtype, torch.bfloat16)
-    layer_bytes = sum(o * i for o, i in layer_matrices(spec)) * dt.itemsize
+    layer_bytes = matrices_bytes(layer_matrices(spec), dt.itemsize)
     shape = spec
     if spec.moe or spec.mla or layer_bytes > LAYER_PROBE_BYTES:  # no dense GQA layer of its own size
         shape = dataclasses.replace(spec, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate=128)
-        layer_bytes = sum(o * i for o, i in layer_matrices(shape)) * dt.itemsize
+        layer_bytes = matrices_bytes(layer_matrices(shape), dt.itemsize)
     n = max(1, min(spec.num_layers, 8, LAYER_PROBE_BYTES // max(layer_bytes, 1)))
     layers = [_DecoderLayer(shape, dt, context) for _ in range(n)]
     x = torch.randn(1, shape.hidden).to(dt)
@@ -203,7 +205,7 @@ def measure_framework_cost(spec: ModelSpec, dtype: str, context: int, repeats: i
     from torch.profiler import profile
 
     for layer in layers:
-        layer(x)  # builds the step's shared decode mask, as the first layer of a step does
+        layer(x)  # warm-up; on PyTorch's decode path each layer also builds its decode mask here, once
     with profile() as prof:
         layers[0](x)
     ops = sum(1 for e in prof.events() if e.cpu_parent is None)
@@ -247,7 +249,7 @@ def local_hardware(
     no fp8/fp4 matmuls): decode's weight streaming, and a prefill MLP matmul of `matmul_tokens` tokens."""
     dtype = dtype if dtype in TORCH_DTYPES else "bf16"
     matrices = decode_matrices(spec, dtype)
-    working_set = sum(o * i for o, i in matrices) * DTYPE_BYTES[dtype]
+    working_set = matrices_bytes(matrices, DTYPE_BYTES[dtype])
     matmul_shape = (matmul_tokens, spec.hidden, spec.intermediate)
     by_batch = {b: measure_bandwidth(dtype, matrices, batch=b) for b in sorted({1, *batch_sizes})}
     bw = by_batch[1]

@@ -14,7 +14,7 @@ from fulcrum.utils.cost import cost_per_million_tokens
 # Framework ops of one fulcrum decode step outside its decoder layers (embedding, rotary lookup, the decode mask,
 # final norm, logits, sampler, input tensors), counted with torch.profiler on the bundled Llama and the
 # Qwen2.5-0.5B shape; priced at the measured op latency where there is one (the local CPU). The layers themselves
-# are priced whole, by timing one (`local.measure_framework_cost`).
+# are priced whole, by timing a stack of them (`local.measure_framework_cost`).
 OPS_PER_STEP = 60
 
 

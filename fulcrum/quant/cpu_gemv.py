@@ -24,17 +24,10 @@ from fulcrum.utils import cpu_ext
 # 1.8-6x through 32 rows, where it runs at the FMA peak and oneDNN/MKL's fp32 GEMM does not.
 MAX_ROWS = {torch.bfloat16: 16, torch.float32: 32}
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <immintrin.h>
+_SOURCE = (
+    cpu_ext.PRELUDE
+    + r"""
 #include <atomic>
-#include <cstring>
-
-static inline float bf16_to_f32(uint16_t v) { uint32_t u = uint32_t(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
-static inline void store(float* y, float v) { *y = v; }
-static inline void store(c10::BFloat16* y, float v) { *y = c10::BFloat16(v); }  // round to nearest even, as .to()
 
 // One weight row at a time against M input rows held in registers (M accumulator chains).
 // Measured on a 2-core EPYC: walking several weight rows at once streams slower (12-14 GB/s
@@ -148,6 +141,7 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
   return y;
 }
 """
+)
 
 
 @functools.cache

@@ -24,6 +24,24 @@ log = logging.getLogger(__name__)
 # when the extension itself is compiled with OpenMP; without it every kernel silently ran on one
 # thread. The extension's libgomp.so.1 resolves to the one torch has already loaded (same soname).
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+# Headers and helpers every kernel source starts with: loads and stores that widen bf16 to fp32 and round
+# fp32 back to the tensor's dtype (round to nearest even, as `.to()` does).
+PRELUDE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <cstring>
+
+static inline float bf16_to_f32(uint16_t v) { uint32_t u = uint32_t(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
+  __m256i h = _mm256_loadu_si256((const __m256i*)p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline void store(float* y, float v) { *y = v; }
+static inline void store(c10::BFloat16* y, float v) { *y = c10::BFloat16(v); }
+"""
 STALE_LOCK_S = 180  # a build takes well under a minute; an older lock was left by a killed process
 
 

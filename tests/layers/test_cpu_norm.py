@@ -22,12 +22,14 @@ def test_matches_reference(dtype, tol, shape):
     w = (torch.randn(shape[-1], generator=g) * 0.1 + 1).to(dtype)
     norm = RMSNorm(shape[-1], eps=1e-6, dtype=dtype)
     norm.weight.data.copy_(w)
-    assert cpu_norm.usable(x)
+    assert cpu_norm.usable(x, w)
     got = norm(x)
     assert got.dtype == dtype and got.shape == x.shape
     assert ((got.float() - reference(x, w, 1e-6).float()).abs() / (1 + x.float().abs())).max() < tol
 
 
 def test_large_inputs_use_pytorch():
-    assert not cpu_norm.usable(torch.randn(512, 896))
-    assert not cpu_norm.usable(torch.randn(4, 896).t())  # not contiguous
+    w = torch.ones(896)
+    assert not cpu_norm.usable(torch.randn(512, 896), w)
+    assert not cpu_norm.usable(torch.randn(896, 4).t(), w)  # not contiguous
+    assert not cpu_norm.usable(torch.randn(1, 896), w.bfloat16())  # weight of another dtype
