@@ -20,9 +20,12 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
-# The OpenAI-compatible server on the bundled model, http://127.0.0.1:8000/v1
+# The OpenAI-compatible server on the bundled model, http://$(HOST):$(PORT)/v1 (another port: make serve PORT=8001)
+# plain = (not ?=): a HOST or PORT exported by the shell (zsh, a PaaS) does not change them; the command line does
+HOST = 127.0.0.1
+PORT = 8000
 serve: install
-	$(BIN)/fulcrum serve --host 127.0.0.1 --port 8000
+	$(BIN)/fulcrum serve --host $(HOST) --port $(PORT)
 
 lint: install-dev
 	$(BIN)/ruff check fulcrum tests scripts

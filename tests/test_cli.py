@@ -1,7 +1,12 @@
-"""`fulcrum generate` as a user runs it: a subprocess, the bundled model, text on stdout."""
+"""`fulcrum generate` and `fulcrum serve` as a user runs them: a subprocess, the bundled model, what it prints."""
 
+import shutil
+import socket
 import subprocess
 import sys
+import time
+
+from fulcrum.config import DEFAULT_MODEL
 
 
 def run(*args):
@@ -22,3 +27,25 @@ def test_generate_streams_the_bundled_model_greedy():
 def test_generate_rejects_bad_sampling_values():
     res = run("--prompt", "Hi", "--temperature", "-1")
     assert res.returncode == 2 and "temperature" in res.stderr
+
+
+def test_serve_on_a_taken_port_fails_at_once_without_loading_the_model(tmp_path):
+    # weights that cannot load: an error about the port, not about the weights, shows the port came first
+    model = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL, model)
+    (model / "model.safetensors").write_bytes(b"not safetensors")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        res = subprocess.run(
+            [sys.executable, "-m", "fulcrum.cli", "serve", str(model), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert res.returncode != 0
+    assert f"error: port {port} on 127.0.0.1 is already in use; pick another with --port" in res.stderr
+    assert "safetensors" not in res.stderr and "fulcrum serving" not in res.stdout
+    assert time.monotonic() - t0 < 30  # the time to start Python and import torch, no more

@@ -1,9 +1,11 @@
-"""`fulcrum serve`: start the engine core, then uvicorn; exit non-zero if the engine dies."""
+"""`fulcrum serve`: take the port, start the engine core, then uvicorn; exit non-zero if the engine dies."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
 import sys
 
 import uvicorn
@@ -25,6 +27,28 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
+def bind_port(host: str, port: int) -> socket.socket:
+    """The server's address, bound before the model loads so that a taken port fails at once, not after the load.
+    uvicorn gets this very socket and listens on it once the engine is up (until then connections are refused, as
+    before). Only another SO_REUSEADDR socket that is not listening yet, such as a second server starting at the
+    same moment, can still bind the port meanwhile; whichever listens second then fails with the same message."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    # as uvicorn does: a restart may rebind while the last run's connections sit in TIME_WAIT
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _bind_error(e: OSError, host: str, port: int) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return f"error: port {port} on {host} is already in use; pick another with --port"
+    return f"error: cannot listen on {host}:{port}: {e.strerror or e}"
+
+
 def serve(
     config: EngineConfig,
     host: str = "127.0.0.1",
@@ -36,6 +60,29 @@ def serve(
     drain_timeout: float = 30.0,
     log_level: str = "info",
 ) -> int:
+    try:
+        sock = bind_port(host, port)
+    except OSError as e:
+        print(_bind_error(e, host, port), file=sys.stderr)
+        return 1
+    with sock:
+        return _run(
+            sock, config, api_key, served_model_name, metrics_compat, max_waiting_requests, drain_timeout, log_level
+        )
+
+
+def _run(
+    sock: socket.socket,
+    config: EngineConfig,
+    api_key: str | None,
+    served_model_name: str | None,
+    metrics_compat: str | None,
+    max_waiting_requests: int,
+    drain_timeout: float,
+    log_level: str,
+) -> int:
+    host, port = sock.getsockname()[:2]  # the port is the system's choice under --port 0
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(asctime)s %(name)s %(message)s")
     engine = AsyncLLM(config, max_waiting_requests=max_waiting_requests)
     name = served_model_name or engine.model_config.path.name
@@ -62,16 +109,17 @@ def serve(
     async def main():
         ready = await engine.start()
         print(
-            f"fulcrum serving {name} on http://{host}:{port} | KV cache: {ready.num_blocks} blocks x "
+            f"fulcrum serving {name} on {url} | KV cache: {ready.num_blocks} blocks x "
             f"{ready.block_size} tokens = {ready.num_blocks * ready.block_size} tokens | "
             f"max_model_len {ready.max_model_len}",
             flush=True,
         )
-        await server.serve()
+        await server.serve(sockets=[sock])
 
     try:
         asyncio.run(main())
     except Exception as e:
-        print(f"error: {e}", file=sys.stderr)
+        in_use = isinstance(e, OSError) and e.errno == errno.EADDRINUSE  # the listen itself, see bind_port
+        print(_bind_error(e, host, port) if in_use else f"error: {e}", file=sys.stderr)
         return 1
     return exit_code["code"]
