@@ -11,13 +11,14 @@ from fulcrum.errors import FulcrumError
 from fulcrum.plan.advice import what_to_do
 from fulcrum.plan.catalog import get_hardware, load_catalog
 from fulcrum.plan.memory import MemoryAssumptions, plan_memory
-from fulcrum.plan.model_spec import DTYPE_BYTES, load_model_spec, load_presets
+from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec, load_model_spec, load_presets
 from fulcrum.plan.report import Plan, plot, render, to_json
 from fulcrum.plan.roofline import Efficiency, batch_sizes, decode_step, prefill
 from fulcrum.utils.console import wide_console
 
 WEIGHT_DTYPES = ["bf16", "fp16", "fp8", "int8", "int4", "fp4", "fp32"]
 KV_DTYPES = ["bf16", "fp16", "fp8", "int8", "fp32"]
+DEFAULT_CONTEXT = 32768  # tokens per sequence when --context is not given and the model allows as many
 
 
 def add_plan_parser(sub) -> argparse.ArgumentParser:
@@ -30,7 +31,13 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--hardware", default="H100-SXM", help="a catalog name, or 'local' (this machine, measured)")
     p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default=None, help="default: the checkpoint's")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
-    p.add_argument("--context", type=int, default=32768, help="tokens per sequence for the memory plan")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help=f"tokens per sequence for the memory plan (default: {DEFAULT_CONTEXT}, or the model's "
+        "max_position_embeddings when smaller)",
+    )
     p.add_argument("--concurrency", type=int, default=64, help="concurrent sequences of --context tokens")
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens for prefill (1024; 512 to validate)")
     p.add_argument("--output-len", type=int, default=None, help="output tokens (256; 64 to validate)")
@@ -44,8 +51,22 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def plan_context(spec: ModelSpec, asked: int | None) -> tuple[int, str]:
+    """The context of the memory plan, and a line for the output that says where it came from."""
+    limit = spec.max_position_embeddings
+    if asked:
+        over = f", beyond the model's max_position_embeddings ({limit:,})" if limit and asked > limit else ""
+        return asked, f"context {asked:,} tokens per sequence (--context){over}"
+    if limit and limit < DEFAULT_CONTEXT:
+        context, source = limit, "the model's max_position_embeddings"
+    else:
+        context, source = DEFAULT_CONTEXT, "the default"
+    return context, f"context {context:,} tokens per sequence: {source} (--context to change)"
+
+
 def build_plan(args: argparse.Namespace) -> Plan:
     spec = load_model_spec(args.model or DEFAULT_MODEL)
+    seq_len, context_note = plan_context(spec, args.context)
     wdtype = args.weight_dtype or spec.dtype
     catalog = load_catalog()
     if args.hardware.lower() == "local":
@@ -56,11 +77,11 @@ def build_plan(args: argparse.Namespace) -> Plan:
     else:
         hw = get_hardware(args.hardware, catalog)
         eff = Efficiency()
-    mem = plan_memory(spec, hw, wdtype, args.kv_dtype, args.context, args.concurrency)
+    mem = plan_memory(spec, hw, wdtype, args.kv_dtype, seq_len, args.concurrency)
     tp = args.tp or (mem.suggested_tp if mem.min_gpus else 1)
     pp = args.pp or (mem.suggested_pp if mem.min_gpus and not args.tp else 1)
     if (tp, pp) != (1, 1):
-        mem = plan_memory(spec, hw, wdtype, args.kv_dtype, args.context, args.concurrency, tp, pp)
+        mem = plan_memory(spec, hw, wdtype, args.kv_dtype, seq_len, args.concurrency, tp, pp)
     context = args.input_len + args.output_len // 2
     limit = max(1, args.concurrency)
     decode = [
@@ -68,6 +89,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         for b in batch_sizes(limit)
     ]
     notes = [
+        context_note,
         f"weights {wdtype} ({DTYPE_BYTES[wdtype]:g} bytes/parameter), matmuls in {hw.compute_format(wdtype)}",
         *MemoryAssumptions().describe(),
         *eff.describe(),

@@ -67,6 +67,7 @@ class ModelSpec:
     dtype: str
     mla: MLA | None = None
     moe: MoE | None = None
+    max_position_embeddings: int | None = None  # the longest context the model was trained for, when stated
 
     @property
     def attention_kind(self) -> str:
@@ -143,6 +144,7 @@ def from_config(cfg: dict, name: str = "model") -> ModelSpec:
         dtype=CONFIG_DTYPES.get(stated, "bf16"),
         mla=mla,
         moe=moe,
+        max_position_embeddings=cfg.get("max_position_embeddings"),
     )
 
 

@@ -13,6 +13,7 @@ def test_plan_json_for_a_preset(capsys):
     assert m["kv_per_token"] == 327680 and m["min_gpus"] == 4 and (m["tp"], m["pp"]) == (4, 1)
     assert m["fits"] is False  # 64 sequences of 32k do not fit on 4 cards
     assert "KV cache limits concurrency" in d["advice"][0]
+    assert m["context"] == 32768  # the model allows 131072: the default 32k
     assert [p["batch"] for p in d["decode"]] == [1, 2, 4, 8, 16, 32, 64]
 
 
@@ -33,6 +34,27 @@ def test_plan_with_a_config_json_and_quantized_weights(capsys, tmp_path):
     assert main(["plan", "--model", str(cfg), "--weight-dtype", "int4", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["memory"]["weight_bytes"] == 6820096 * 0.5
+
+
+def test_plan_context_defaults_to_the_models_own_when_shorter(capsys, tmp_path):
+    cfg = json.loads((DEFAULT_MODEL / "config.json").read_text())
+    cfg["max_position_embeddings"] = 2048
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["plan", "--model", str(path), "--hardware", "L4", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["memory"]["context"] == 2048
+    assert d["assumptions"][0] == (
+        "context 2,048 tokens per sequence: the model's max_position_embeddings (--context to change)"
+    )
+    assert main(["plan", "--model", str(path), "--hardware", "L4"]) == 0
+    text = capsys.readouterr().out
+    assert "KV cache per 2,048-token sequence" in text and "the model's max_position_embeddings" in text
+    # an explicit --context is kept, and a context past what the model was trained for is pointed out
+    assert main(["plan", "--model", str(path), "--hardware", "L4", "--context", "4096", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["memory"]["context"] == 4096
+    assert "beyond the model's max_position_embeddings (2,048)" in d["assumptions"][0]
 
 
 def test_plan_errors_a_user_can_act_on(capsys):
