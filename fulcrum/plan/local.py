@@ -202,6 +202,9 @@ def measure_framework_cost(spec: ModelSpec, dtype: str, context: int, repeats: i
     x = torch.randn(1, shape.hidden).to(dt)
     linears = [(lin, torch.randn(1, lin.input_size).to(dt)) for layer in layers for lin in layer.linears()]
     iters = max(1, 20 // n)
+    # kineto, the profiler's backend, prints "USDT:" lines on every start and stop unless told otherwise before
+    # its first use in the process; 6 is above its highest severity. A level the user set is kept.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     from torch.profiler import profile
 
     for layer in layers:
