@@ -3,7 +3,9 @@
 Timings follow vLLM's benchmark: TTFT is the arrival of the first chunk that carries content, every
 later content chunk adds one inter-token gap, and end-to-end latency ends at the last content chunk.
 Whatever the server does wrong (an error status, an error event, a malformed chunk, a dropped
-connection, a timeout, a stream without `[DONE]`) becomes a failed result, never an exception.
+connection, a timeout, a stream without `[DONE]`) becomes a failed result, never an exception. Every
+request has two deadlines: one for the whole request, and one for the longest silence of its stream
+(a server that stops sending mid-stream is cut then, not when the whole deadline runs out).
 """
 
 from __future__ import annotations
@@ -146,15 +148,17 @@ async def send(
     result: RequestResult,
     clock: Callable[[], float] = time.perf_counter,
     timeout: float | None = None,
+    read_timeout: float | None = None,
 ) -> RequestResult:
     """Post `body`, read the stream, fill `result` (timings, usage, text, or the failure). Output tokens come from
-    the server's usage; without it `token_source` stays empty and the caller counts them after the run."""
+    the server's usage; without it `token_source` stays empty and the caller counts them after the run.
+    `timeout` bounds the whole request, `read_timeout` each wait for data (the headers and every line)."""
     st = clock()
     last = st
     text_parts: list[str] = []
     done = False
     try:
-        to = aiohttp.ClientTimeout(total=timeout)
+        to = aiohttp.ClientTimeout(total=timeout, sock_read=read_timeout)
         async with http.post(target.url, json=body, headers=target.headers, timeout=to) as resp:
             if resp.status != 200:
                 return _fail(result, f"http_{resp.status}", _error_message(await resp.text(errors="replace")))
@@ -182,12 +186,20 @@ async def send(
                     result.chunk_times.append(now - st)
                     text_parts.append(content)
                     last = now
-    except asyncio.TimeoutError:
-        return _fail(result, "timeout", f"no complete answer within {timeout} s")
+    except asyncio.TimeoutError as e:
+        # aiohttp raises the read deadline as a ServerTimeoutError "on reading data", the whole deadline as a
+        # TimeoutError (a ServerTimeoutError too when it runs out while connecting)
+        if isinstance(e, aiohttp.ServerTimeoutError) and "reading data" in str(e):
+            return _fail(result, "timeout", f"timed out: no data for {_seconds(read_timeout)} (the stream went silent)")
+        return _fail(result, "timeout", f"timed out after {_seconds(timeout)} without a complete answer")
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
         return _fail(result, "connection", f"{type(e).__name__}: {e}")
     except (aiohttp.ClientError, HttpProcessingError, ValueError) as e:
         # e.g. an SSE line past aiohttp's line limit (a server that ignored `stream` and sent one huge body)
+        return _fail(result, "client_error", f"{type(e).__name__}: {e}")
+    except Exception as e:
+        # anything else (aiohttp raises RuntimeError("Connection closed.") on a socket gone under a read) is one
+        # failed request too: raised, it would end its user's loop and then the run, losing what it measured
         return _fail(result, "client_error", f"{type(e).__name__}: {e}")
     result.text = "".join(text_parts)
     if not done:
@@ -197,6 +209,10 @@ async def send(
     result.e2e = last - st
     result.ok = True
     return result
+
+
+def _seconds(v: float | None) -> str:
+    return "no limit" if v is None else f"{v:g} s"
 
 
 def _fail(result: RequestResult, kind: str, detail: str) -> RequestResult:

@@ -6,7 +6,9 @@ are drawn before the clock starts (prompt text is tokenizer work that would othe
 event loop and inflate every in-flight request's ITL); only duration-bound runs draw them during the
 run, in a worker thread. The run stops at `num_prompts` sessions or after `duration` seconds (no new
 sessions after it), and on `stop` (Ctrl-C) the requests in flight are cancelled and recorded as
-interrupted, so a partial run is kept.
+interrupted, so a partial run is kept; `partial()` gives it also when the run itself was cancelled.
+Every request has a deadline (see client.send), so no run waits forever on a server; `pulse` tells a
+watchdog what the run is doing meanwhile.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import aiohttp
 import numpy as np
 
 from fulcrum.bench.client import RequestResult, Target, build_payload, send
+from fulcrum.bench.watchdog import Pulse
 from fulcrum.bench.workloads import Session
 
 
@@ -95,6 +98,11 @@ class SessionSource:
         self._next = 0
         self._lock: asyncio.Lock | None = None  # one draw at a time: a generator runs in one thread at once
 
+    @property
+    def requests(self) -> int | None:
+        """Requests the sessions hold (every turn), when they are drawn up front."""
+        return None if self._ready is None else sum(len(s.user_turns) for s in self._ready)
+
     async def next(self) -> Session | None:
         if self._ready is not None:
             if self._next >= len(self._ready):
@@ -115,27 +123,37 @@ class LoadGenerator:
         extra: dict | None = None,
         count_tokens: Callable[[str], int] | None = None,
         timeout: float | None = None,
+        read_timeout: float | None = None,
         clock: Callable[[], float] = time.perf_counter,
         on_result: Callable[[RequestResult, int], None] | None = None,
         seed: int = 0,
     ):
         self.http, self.target, self.extra = http, target, extra or {}
-        self.count_tokens, self.timeout, self.clock = count_tokens, timeout, clock
+        self.count_tokens, self.timeout, self.read_timeout, self.clock = count_tokens, timeout, read_timeout, clock
         self.on_result = on_result
         self.seed = seed
         self.inflight = self.peak = 0
+        self.pulse = Pulse(request_timeout=timeout, read_timeout=read_timeout)
+        self.load: LoadSpec | None = None
+        self.results: list[RequestResult] = []  # the measured requests so far, for `partial()`
+        self.t0: float | None = None
 
     async def run(self, load: LoadSpec, sessions: Iterable[Session], stop: asyncio.Event | None = None) -> RunResult:
         it = iter(sessions)
+        self.load, self.results, self.t0 = load, [], None
         if load.warmup:
             warm = LoadSpec(concurrency=min(load.warmup, load.concurrency or load.max_concurrency or load.warmup))
+            self.pulse.reset("drawing warmup sessions", None, "warmup requests")
             source = SessionSource(it, load.warmup)
+            self.pulse.phase, self.pulse.total = "sending", source.requests
             if await until_stop(self._closed(warm, source, [], self.clock(), None, report=False), stop):
                 return RunResult(load, 0.0, 0, True)
+        self.pulse.reset("drawing sessions", None, "requests")
         source = SessionSource(it, load.num_prompts)
-        results: list[RequestResult] = []
+        self.pulse.phase, self.pulse.total = "sending", source.requests
+        results = self.results
         self.inflight = self.peak = 0
-        t0 = self.clock()
+        t0 = self.t0 = self.clock()
         deadline = t0 + load.duration if load.duration else None
         if load.concurrency is not None:
             work = self._closed(load, source, results, t0, deadline)
@@ -143,18 +161,17 @@ class LoadGenerator:
             work = self._open(load, source, results, t0, deadline)
         interrupted = await until_stop(work, stop)
         duration = self.clock() - t0
-        await self._count_without_usage(results)
+        self.pulse.phase = "counting output tokens"
+        await asyncio.to_thread(count_output_tokens, results, self.count_tokens)
         return RunResult(load, duration, self.peak, interrupted, results)
 
-    async def _count_without_usage(self, results: list[RequestResult]) -> None:
-        """Output tokens of requests the server gave no usage for: the tokenizer's count of the text, done after
-        the run (tokenizing during it would stall the loop that times the other requests), else the chunks."""
-        for r in results:
-            if r.ok and r.token_source not in ("usage", "tokenizer"):
-                if self.count_tokens is not None:
-                    r.output_tokens, r.token_source = await asyncio.to_thread(self.count_tokens, r.text), "tokenizer"
-                else:
-                    r.output_tokens, r.token_source = len(r.chunk_times), "chunks"
+    def partial(self) -> RunResult:
+        """What the run measured before it was cut short (cancelled, or an error): the requests it recorded,
+        the ones in flight among them as interrupted."""
+        duration = self.clock() - self.t0 if self.t0 is not None else 0.0
+        results = list(self.results)
+        count_output_tokens(results, self.count_tokens)
+        return RunResult(self.load, duration, self.peak, True, results)
 
     async def _closed(self, load, source, results, t0, deadline, report: bool = True) -> None:
         async def user():
@@ -174,7 +191,9 @@ class LoadGenerator:
             while (s := await source.next()) is not None:
                 if deadline is not None and max(next_at, self.clock()) >= deadline:
                     break
+                self.pulse.phase = "waiting for the next arrival"
                 await asyncio.sleep(max(0.0, next_at - self.clock()))  # always yields: requests already out progress
+                self.pulse.phase = "sending"
                 tasks.append(asyncio.ensure_future(self._session(s, results, t0, cap)))
                 next_at += next(gaps)
         except asyncio.CancelledError:
@@ -193,18 +212,22 @@ class LoadGenerator:
             body = build_payload(self.target, history, s.max_tokens[k], self.extra)
             if cap is not None:
                 await cap.acquire()
+            # from here on every path gives the slot back and records the request, whatever happens inside
             r.start = self.clock() - t0
             self.inflight += 1
             self.peak = max(self.peak, self.inflight)
+            self.pulse.sent(id(r))
             try:
-                await send(self.http, self.target, body, r, self.clock, self.timeout)
-            except asyncio.CancelledError:
+                await send(self.http, self.target, body, r, self.clock, self.timeout, self.read_timeout)
+            except BaseException:
+                # send turns every Exception into a failed result: what reaches here stops the run (cancel, Ctrl-C)
                 r.ok, r.error, r.error_detail = False, "interrupted", "cancelled by the user"
                 raise
             finally:
                 self.inflight -= 1
                 if cap is not None:
                     cap.release()
+                self.pulse.finished(id(r))
                 results.append(r)
                 if self.on_result and report:
                     self.on_result(r, self.inflight)
@@ -214,16 +237,31 @@ class LoadGenerator:
             prompt_len += r.output_tokens if r.token_source == "usage" else len(r.chunk_times)
 
 
+def count_output_tokens(results: list[RequestResult], count_tokens: Callable[[str], int] | None) -> None:
+    """Output tokens of requests the server gave no usage for: the tokenizer's count of the text, done after
+    the run (tokenizing during it would stall the loop that times the other requests), else the chunks."""
+    for r in results:
+        if r.ok and r.token_source not in ("usage", "tokenizer"):
+            if count_tokens is not None:
+                r.output_tokens, r.token_source = count_tokens(r.text), "tokenizer"
+            else:
+                r.output_tokens, r.token_source = len(r.chunk_times), "chunks"
+
+
 async def until_stop(work, stop: asyncio.Event | None) -> bool:
     """Run `work` (a coroutine or task) to its end, or cancel it when `stop` is set first; whether it was
-    stopped. What went wrong inside `work` is raised here."""
+    stopped. What went wrong inside `work` is raised here. Cancelled itself, it cancels `work` and waits for
+    it: asyncio.wait alone would leave `work` running on, unseen, after its caller has gone."""
     main = asyncio.ensure_future(work)
-    if stop is None:
-        await main
-        return False
-    stopper = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([main, stopper], return_when=asyncio.FIRST_COMPLETED)
-    stopper.cancel()
+    stopper = asyncio.ensure_future(stop.wait()) if stop is not None else None
+    try:
+        await asyncio.wait([t for t in (main, stopper) if t is not None], return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        await _cancel_all([main])
+        raise
+    finally:
+        if stopper is not None:
+            stopper.cancel()
     if main.done():
         main.result()  # re-raise what went wrong inside
         return False
@@ -234,11 +272,12 @@ async def until_stop(work, stop: asyncio.Event | None) -> bool:
 
 
 async def _all(aws) -> None:
-    """Await all; when cancelled, cancel them all and wait until each has recorded its request."""
+    """Await all. When cancelled, or when one of them fails, cancel the rest and wait until each has recorded
+    its request: gather alone would leave them running on, unseen, while the failure ends the run."""
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
         await asyncio.gather(*tasks)
-    except asyncio.CancelledError:
+    except BaseException:
         await _cancel_all(tasks)
         raise
 

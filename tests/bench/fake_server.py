@@ -3,13 +3,15 @@
 Each request's prompt (or last user message) names a script: a list of steps, each a time and an
 action. With a `ScriptClock` the server sets the virtual time before each line it sends and waits
 until the client has read the clock, so the client's timings come out exactly as scripted.
+`serving_in_thread` runs it beside code that runs its own event loop (the CLI).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from contextlib import asynccontextmanager
+import threading
+from contextlib import asynccontextmanager, contextmanager
 
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -76,6 +78,9 @@ class FakeServer:
                 if line == b"DROP":
                     request.transport.close()  # the connection dies mid-stream
                     return resp
+                if line == b"STALL":
+                    await until_gone(request)  # the stream goes silent, the connection stays open
+                    return resp
                 if self.clock is None:
                     await asyncio.sleep(t)  # real time: t is a pause before the line
                     await resp.write(line)
@@ -101,6 +106,15 @@ class FakeServer:
         return app
 
 
+async def until_gone(request: web.Request) -> None:
+    """Send nothing until the client has closed the connection (the client's deadline bounds the wait)."""
+    while request.transport is not None and not request.transport.is_closing():
+        await asyncio.sleep(0.02)
+
+
+STALL = (0.0, b"STALL")
+
+
 @asynccontextmanager
 async def serving(fake: FakeServer):
     server = TestServer(fake.app(), host="127.0.0.1")
@@ -109,3 +123,22 @@ async def serving(fake: FakeServer):
         yield f"http://127.0.0.1:{server.port}"
     finally:
         await server.close()
+
+
+@contextmanager
+def serving_in_thread(fake: FakeServer):
+    """`serving` on an event loop of its own in a thread; its base URL."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="fake-server", daemon=True)
+    thread.start()
+    cm = serving(fake)
+    try:
+        url = asyncio.run_coroutine_threadsafe(cm.__aenter__(), loop).result(timeout=10)
+        try:
+            yield url
+        finally:
+            asyncio.run_coroutine_threadsafe(cm.__aexit__(None, None, None), loop).result(timeout=10)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()

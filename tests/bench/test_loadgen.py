@@ -1,5 +1,6 @@
 """The load generator against a scripted server: closed and open loops, duration, interruption,
-multi-turn history, and every way a server can misbehave recorded as a failure, never a crash."""
+multi-turn history, every way a server can misbehave recorded as a failure, never a crash, and
+every request ended by its deadline, never waited on forever."""
 
 import asyncio
 
@@ -11,7 +12,7 @@ from fulcrum.bench.client import Target
 from fulcrum.bench.loadgen import LoadGenerator, LoadSpec, arrival_gaps
 from fulcrum.bench.metrics import summarize
 from fulcrum.bench.workloads import Session
-from tests.bench.fake_server import FakeServer, serving, stream, text_chunk, usage_chunk
+from tests.bench.fake_server import STALL, FakeServer, serving, stream, text_chunk, until_gone, usage_chunk
 
 QUICK = stream((0.0, text_chunk("x")), (0.0, text_chunk("y")), (0.0, usage_chunk(3, 2)), done_at=0.0)
 HELD = stream((0.05, text_chunk("x")), (0.0, text_chunk("y")), (0.0, usage_chunk(3, 2)), done_at=0.0)
@@ -255,3 +256,90 @@ def test_plots_of_a_sweep_with_a_point_where_nothing_completed(tmp_path):
         requests = [{"ok": r.ok, "ttft": r.ttft, "chunk_times": r.chunk_times} for r in res.results]
         runs.append({"label": label, "summary": summary, "requests": requests})
     assert len(write_plots(tmp_path, runs)) == 3
+
+
+async def never_answers(request, body):  # takes the request, sends not even headers
+    await until_gone(request)
+
+
+def test_a_silent_server_fails_at_the_read_deadline_and_the_run_goes_on():
+    scripts = {"stalls-mid-stream": [*stream((0.0, text_chunk("x"))), STALL], "never-answers": never_answers}
+    scripts["ok"] = QUICK
+    names = ["stalls-mid-stream", "never-answers", "ok"]
+    load = LoadSpec(concurrency=1, num_prompts=3)
+    result, fake = run(scripts, load, singles(names), timeout=60, read_timeout=0.3)
+    by_name = {names[r.session]: r for r in result.results}
+    for name in names[:2]:
+        assert by_name[name].error == "timeout"
+        assert by_name[name].error_detail == "timed out: no data for 0.3 s (the stream went silent)"
+    assert by_name["stalls-mid-stream"].ttft is not None  # it had started: cut mid-stream
+    assert by_name["ok"].ok and not result.interrupted
+    assert result.duration < 60  # ended by the read deadline, not the whole request's
+
+
+def test_a_trickling_stream_fails_at_the_request_deadline():
+    trickle = stream(*[(0.05, text_chunk("x"))] * 200)  # never silent for long, never done
+    result, _ = run({"*": trickle}, LoadSpec(concurrency=1, num_prompts=1), singles(["t"]), timeout=0.5, read_timeout=5)
+    (r,) = result.results
+    assert r.error == "timeout" and r.error_detail == "timed out after 0.5 s without a complete answer"
+    assert len(r.chunk_times) >= 1
+
+
+def test_a_server_that_takes_no_connection_fails_at_the_request_deadline():
+    import socket
+
+    from fulcrum.bench.client import RequestResult, send
+
+    async def main(port):
+        async with aiohttp.ClientSession() as http:
+            r = RequestResult(session=0, turn=0)
+            return await send(http, Target(f"http://127.0.0.1:{port}", "m"), {}, r, timeout=0.5, read_timeout=30)
+
+    with socket.socket() as full:  # a listener whose queue is full: the kernel drops further connection attempts
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        waiting = [socket.socket() for _ in range(3)]
+        for c in waiting:
+            c.setblocking(False)
+            c.connect_ex(full.getsockname())
+        try:
+            r = asyncio.run(main(full.getsockname()[1]))
+        finally:
+            for c in waiting:
+                c.close()
+    assert r.error == "timeout" and r.error_detail == "timed out after 0.5 s without a complete answer"
+
+
+def test_a_chunk_that_breaks_the_json_parser_fails_only_its_request():
+    deep = b"[" * 5000  # json.loads raises RecursionError, which is no ValueError
+    names = ["deep", "ok"]
+    result, _ = run({"deep": stream((0.0, deep), done_at=0.0), "ok": QUICK}, LoadSpec(concurrency=1, num_prompts=2),
+                    singles(names))  # fmt: skip
+    by_name = {names[r.session]: r for r in result.results}
+    assert by_name["deep"].error == "client_error" and "RecursionError" in by_name["deep"].error_detail
+    assert by_name["ok"].ok
+
+
+def test_a_cancelled_run_keeps_what_it_measured_and_leaves_nothing_running():
+    async def main():
+        fake = FakeServer({"quick": QUICK, "slow": SLOW})
+        async with serving(fake) as url, aiohttp.ClientSession() as http:
+            gen = LoadGenerator(http, Target(url, "fake-model"))
+            load = LoadSpec(concurrency=2, num_prompts=4)
+            names = ["quick", "quick", "slow", "slow"]
+            task = asyncio.ensure_future(gen.run(load, singles(names), asyncio.Event()))
+            while len(fake.bodies) < 4:  # both slow ones are out
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(200):  # the server sees the connections go
+                if fake.inflight == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return gen.partial(), fake.inflight, len(fake.bodies)
+
+    partial, inflight, sent = asyncio.run(main())
+    assert partial.interrupted
+    assert sorted(str(r.error) for r in partial.results) == ["None", "None", "interrupted", "interrupted"]
+    assert inflight == 0 and sent == 4  # no request went on, or was sent, after the cancel
