@@ -36,7 +36,14 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
-    g.add_argument("--timeout", type=float, default=600.0, help="seconds before a request counts as failed")
+    g.add_argument(
+        "--request-timeout", "--timeout", dest="request_timeout", type=_seconds, default=600.0,
+        help="seconds a request may take in all before it counts as failed (timeout)",
+    )  # fmt: skip
+    g.add_argument(
+        "--read-timeout", type=_seconds, default=300.0,
+        help="seconds a stream may stay silent (before its first token too) before the request counts as failed",
+    )  # fmt: skip
     g = s.add_argument_group("load (a list is a sweep)")
     load = g.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=_list(int), help="closed loop: users, e.g. 1,4,16,64")
@@ -71,6 +78,10 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--csv", default=None, help="CSV, one row per run")
     g.add_argument("--plot", default=None, help="folder for PNG plots")
     g.add_argument("--quiet", action="store_true", help="no live progress display")
+    g.add_argument(
+        "--watchdog", type=_seconds_or_never, default=30.0, metavar="SECONDS",
+        help="after this long without a completed request, say on stderr what the run waits for (0: never)",
+    )  # fmt: skip
     s.set_defaults(func=run_serve)
 
     c = verbs.add_parser("compare", help="compare `bench serve --out` results side by side, with ratios")
@@ -91,6 +102,17 @@ def run_compare(args: argparse.Namespace) -> int:
     for t in tables:
         console().print(t)
     return 0
+
+
+def _seconds(text: str) -> float:
+    v = float(text)
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return v
+
+
+def _seconds_or_never(text: str) -> float:
+    return 0.0 if float(text) == 0 else _seconds(text)
 
 
 def load_specs(args: argparse.Namespace) -> list:
@@ -132,7 +154,10 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError, FulcrumError) as e:  # a bad setting, file or tokenizer: the user's to fix
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(args, loads, spec, slo, text))
+    try:
+        return asyncio.run(_serve(args, loads, spec, slo, text))
+    except KeyboardInterrupt:  # a second Ctrl-C: `_serve` has written what it measured to --out
+        return 130
 
 
 def _plain(v):
@@ -148,6 +173,10 @@ def _tokenizer(args: argparse.Namespace):
     return load_tokenizer(path)
 
 
+# what stops a run and keeps what it measured: Ctrl-C, and SIGTERM (what `timeout` and job runners send)
+STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+
+
 async def _serve(args, loads, spec, slo, text) -> int:
     import aiohttp
 
@@ -159,14 +188,18 @@ async def _serve(args, loads, spec, slo, text) -> int:
 
     console = report.console(stderr=True)
     stop = asyncio.Event()
+    signals: list[int] = []  # the signal that stopped the run
     loop = asyncio.get_running_loop()
 
-    def on_sigint():  # the first Ctrl-C stops the run and keeps what it measured; a second one is the default
+    def on_signal(sig):  # the first stops the run and keeps what it measured; a second one is the default
+        signals.append(sig)
         stop.set()
-        loop.remove_signal_handler(signal.SIGINT)
+        for s in STOP_SIGNALS:
+            loop.remove_signal_handler(s)
 
-    with contextlib.suppress(NotImplementedError, RuntimeError):
-        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    for sig in STOP_SIGNALS:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread, Windows
+            loop.add_signal_handler(sig, on_signal, sig)
     extra = {"temperature": args.temperature}
     if args.ignore_eos:
         extra["ignore_eos"] = True
@@ -180,8 +213,28 @@ async def _serve(args, loads, spec, slo, text) -> int:
         "endpoint": args.endpoint,
         "workload": {f.name: _plain(getattr(spec, f.name)) for f in fields(spec)},
         "prompt_lengths": "exact (tokenizer)" if text.exact else "approximate (words, no tokenizer)",
+        "request_timeout_s": args.request_timeout,
+        "read_timeout_s": args.read_timeout,
+        "partial": True,  # until every point of the sweep has run to its end
+        "stopped_by": None,
         "runs": [],
     }
+
+    def record(run) -> dict:
+        kw = dict(slo=slo, price_per_hour=args.price_per_hour, replicas=args.replicas)
+        entry = {
+            "label": run.load.label,
+            "load": run.load.as_dict(),
+            "duration_s": run.duration,
+            "peak_concurrency": run.peak_concurrency,
+            "interrupted": run.interrupted,
+            "summary": summarize(run.results, run.duration, **kw),
+            "by_tag": summarize_by_tag(run.results, run.duration, **kw),
+            "requests": report.request_records(run.results),
+        }
+        doc["runs"].append(entry)
+        return entry
+
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
         try:
@@ -189,7 +242,7 @@ async def _serve(args, loads, spec, slo, text) -> int:
             if model is None:
                 discovery = asyncio.ensure_future(discover_model(http, args.base_url, headers))
                 if await until_stop(discovery, stop):
-                    return 130
+                    return 128 + signals[0]
                 model = discovery.result()
         except (aiohttp.ClientError, RuntimeError, OSError, asyncio.TimeoutError) as e:
             console.print(f"[red]error:[/] cannot reach {args.base_url}: {e}")
@@ -197,32 +250,37 @@ async def _serve(args, loads, spec, slo, text) -> int:
         doc["model"] = model
         target = Target(args.base_url, model, args.endpoint, args.api_key)
         count = text.count if text.exact else None
-        for i, load in enumerate(loads):
-            per_session = spec.turns if spec.name == "multi-turn" else 1
-            with _progress(console, load, per_session, args.quiet) as on_result:
-                gen = LoadGenerator(
-                    http, target, extra=extra, count_tokens=count, timeout=args.timeout,
-                    on_result=on_result, seed=args.seed + i,
-                )  # fmt: skip
-                # each point of a sweep draws fresh prompts, so a prefix cache cannot serve one point from another
-                run = await gen.run(load, sessions(replace(spec, seed=spec.seed + i), text), stop)
-            kw = dict(slo=slo, price_per_hour=args.price_per_hour, replicas=args.replicas)
-            entry = {
-                "label": load.label,
-                "load": load.as_dict(),
-                "duration_s": run.duration,
-                "peak_concurrency": run.peak_concurrency,
-                "interrupted": run.interrupted,
-                "summary": summarize(run.results, run.duration, **kw),
-                "by_tag": summarize_by_tag(run.results, run.duration, **kw),
-                "requests": report.request_records(run.results),
-            }
-            doc["runs"].append(entry)
-            report.print_run(report.console(), entry)
-            if args.out:  # after every point, so an interrupted sweep keeps what it measured
+        gen = None  # the point being measured, whose requests so far are kept if the run is cut short
+        try:
+            for i, load in enumerate(loads):
+                per_session = spec.turns if spec.name == "multi-turn" else 1
+                point = f"{load.label} (point {i + 1} of {len(loads)})" if len(loads) > 1 else load.label
+                with _progress(console, load, per_session, args.quiet) as on_result:
+                    gen = LoadGenerator(
+                        http, target, extra=extra, count_tokens=count, timeout=args.request_timeout,
+                        read_timeout=args.read_timeout, on_result=on_result, seed=args.seed + i,
+                    )  # fmt: skip
+                    with _watchdog(console, gen.pulse, point, args.watchdog):
+                        # each point of a sweep draws fresh prompts, so a prefix cache cannot serve one from another
+                        run = await gen.run(load, sessions(replace(spec, seed=spec.seed + i), text), stop)
+                gen = None
+                entry = record(run)
+                report.print_run(report.console(), entry)
+                doc["partial"] = run.interrupted or i + 1 < len(loads)
+                doc["stopped_by"] = STOP_SIGNALS[signals[0]] if run.interrupted else None
+                if args.out:  # after every point, so an interrupted sweep keeps what it measured
+                    report.write_json(args.out, doc)
+                if run.interrupted:
+                    break
+        except BaseException as e:  # a second Ctrl-C, a cancelled task, a bug: still keep what was measured
+            doc["partial"] = True
+            doc["stopped_by"] = _stopped_by(e, signals)
+            if gen is not None:
+                record(gen.partial())
+            if args.out:
                 report.write_json(args.out, doc)
-            if run.interrupted:
-                break
+                console.print(f"stopped ({doc['stopped_by']}): partial result in {args.out}", markup=False)
+            raise
     if len(doc["runs"]) > 1:
         report.console().print(report.sweep_table(doc["runs"]))
     if args.csv:
@@ -230,7 +288,28 @@ async def _serve(args, loads, spec, slo, text) -> int:
     if args.plot:
         for p in report.write_plots(args.plot, doc["runs"]):
             console.print(f"plot: {p}")
-    return 130 if doc["runs"] and doc["runs"][-1]["interrupted"] else 0
+    return 128 + signals[0] if doc["runs"] and doc["runs"][-1]["interrupted"] else 0
+
+
+def _stopped_by(e: BaseException, signals: list[int]) -> str:
+    if isinstance(e, (asyncio.CancelledError, KeyboardInterrupt)):
+        return f"{STOP_SIGNALS[signals[0]]} twice" if signals else "cancelled"
+    return f"error: {type(e).__name__}: {e}"
+
+
+@contextlib.contextmanager
+def _watchdog(console, pulse, label: str, interval: float):
+    """A line on stderr whenever `interval` seconds pass without a completed request; none when 0."""
+    if interval <= 0:
+        yield
+        return
+    from fulcrum.bench.watchdog import Watchdog
+
+    def emit(line: str) -> None:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    with Watchdog(pulse, label, interval, emit):
+        yield
 
 
 @contextlib.contextmanager

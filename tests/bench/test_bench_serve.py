@@ -133,7 +133,9 @@ def test_ctrl_c_writes_the_partial_result(server, tmp_path):
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr.decode()
-    run = json.loads(out.read_text())["runs"][0]
+    doc = json.loads(out.read_text())
+    assert doc["partial"] is True and doc["stopped_by"] == "Ctrl-C"
+    run = doc["runs"][0]
     assert run["interrupted"] and 0 < len(run["requests"]) < 200
     assert run["summary"]["failures"].get("interrupted", 0) <= 2  # the requests in flight
     assert b"partial result" in stdout
