@@ -7,6 +7,7 @@ import sys
 import time
 
 from fulcrum.config import DEFAULT_MODEL
+from fulcrum.sampling_params import DEFAULT_MAX_TOKENS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -44,7 +45,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -97,15 +98,18 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     t0 = time.perf_counter()
     n = 0
-    finish = None
+    finish = error = None
     while llm.core.has_unfinished_requests():
         for ro, deltas in llm.step():
             sys.stdout.write(deltas.get(0, ""))
             sys.stdout.flush()
             n = len(ro.outputs[0].token_ids)
-            finish = ro.outputs[0].finish_reason
+            finish, error = ro.outputs[0].finish_reason, ro.outputs[0].error
     dt = time.perf_counter() - t0
     sys.stdout.write("\n")
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     print(f"[{n} tokens in {dt:.2f} s, {n / max(dt, 1e-9):.1f} tok/s, finish: {finish}]", file=sys.stderr)
     return 0
 

@@ -1,10 +1,44 @@
-"""SamplingParams: how one request is decoded. Field names and meanings follow vLLM and OpenAI."""
+"""SamplingParams: how one request is decoded. Field names and meanings follow vLLM and OpenAI.
+
+Every field is checked here, for the server, `LLM(...)` and `fulcrum generate` alike, with its real
+range: integers must fit the int64 the engine-core messages and torch generators carry, floats must
+stay meaningful once rounded to the float32 the sampler computes in. What depends on the model
+(token ids below the vocabulary, lengths against the context) is checked by the engine at admission.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from fulcrum.errors import InvalidRequestError
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Below this a temperature is greedy (vLLM's choice too): dividing logits by it overflows float32.
+MIN_TEMPERATURE = 1e-5
+LOGIT_BIAS_LIMIT = 100.0
+DEFAULT_MAX_TOKENS = (
+    128  # `fulcrum generate` and `LLM.chat` without sampling params  # OpenAI's range for logit_bias values
+)
+
+
+def is_int(x) -> bool:
+    """An integer that is not a bool (JSON `true` must never pass as 1)."""
+    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
+
+
+def is_int64(x) -> bool:
+    return is_int(x) and INT64_MIN <= x <= INT64_MAX
+
+
+def is_real(x) -> bool:
+    return isinstance(x, int | float | np.floating) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def as_float32(x: float) -> float:
+    return float(np.float32(x))
 
 
 @dataclass
@@ -12,7 +46,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 or -1 = off
+    top_k: int = 0  # 0 or -1 = off; above the vocabulary it keeps the whole vocabulary, as in vLLM
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -26,49 +60,83 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (the sampled token is always included)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, list | tuple):
+            self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and isinstance(self.logit_bias, dict):
+            self.logit_bias = self.logit_bias or None
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
 
     def _validate(self) -> None:
         def bad(name: str, why: str):
-            raise InvalidRequestError(f"{name} {why}, got {getattr(self, name)!r}", param=name)
+            raise InvalidRequestError(f"{name} {why}, got {_short(getattr(self, name))}", param=name)
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", "must be an integer >= 1")
-        if self.temperature < 0:
-            bad("temperature", "must be >= 0")
-        if not 0 < self.top_p <= 1:
-            bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", "must be 0 or -1 (off) or a positive integer")
-        if not 0 <= self.min_p <= 1:
-            bad("min_p", "must be in [0, 1]")
-        if not -2 <= self.presence_penalty <= 2:
-            bad("presence_penalty", "must be in [-2, 2]")
-        if not -2 <= self.frequency_penalty <= 2:
-            bad("frequency_penalty", "must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        def check_real(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            ok = is_real(v) and (lo < v if lo_open else lo <= v) and v <= hi
+            if not ok:
+                bad(name, f"must be a number in {'(' if lo_open else '['}{lo}, {hi}]")
+
+        # integers: bounded to int64, which the engine-core messages and torch generators carry
+        if not is_int(self.n) or not 1 <= self.n <= 1024:
+            bad("n", "must be an integer in [1, 1024]")
+        if not is_int64(self.top_k) or self.top_k < 0:
+            bad("top_k", "must be -1 or 0 (off) or a positive integer")
+        if self.max_tokens is not None and (not is_int64(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not is_int64(self.min_tokens) or self.min_tokens < 0:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", "must be in [0, 20]")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            bad("logprobs", "must be an integer in [0, 20]")
+        # sample i of n draws with seed + i: every one must fit
+        if self.seed is not None and (not is_int64(self.seed) or self.seed + self.n - 1 > INT64_MAX):
+            bad("seed", f"must be an integer in [{INT64_MIN}, {INT64_MAX} - (n - 1)]")
+        # floats: finite, and still in range after rounding to float32
+        check_real("temperature", 0, 1e6)
+        check_real("top_p", 0, 1, lo_open=True)
+        if as_float32(self.top_p) <= 0:
+            bad("top_p", "rounds to 0 in float32 (it must be at least about 1e-45)")
+        check_real("min_p", 0, 1)
+        check_real("presence_penalty", -2, 2)
+        check_real("frequency_penalty", -2, 2)
+        check_real("repetition_penalty", 0, 1e6, lo_open=True)
+        if as_float32(self.repetition_penalty) < 1e-6:
+            bad("repetition_penalty", "must be at least 1e-6 (dividing a logit by less overflows float32)")
+        # token ids: integers >= 0 here; the engine checks them against the vocabulary
+        if not isinstance(self.stop_token_ids, list) or any(not is_int(t) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative integer token ids")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must hold non-empty strings")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", "must map token ids to numbers")
+            for tok, v in self.logit_bias.items():
+                if not is_int(tok) or tok < 0:
+                    bad("logit_bias", "keys must be non-negative integer token ids")
+                if not is_real(v) or not -LOGIT_BIAS_LIMIT <= v <= LOGIT_BIAS_LIMIT:
+                    bad("logit_bias", f"values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
+
+    def token_ids_to_check(self) -> dict[str, list[int]]:
+        """The token ids this request names, by field, for the engine to check against its vocabulary."""
+        return {"stop_token_ids": self.stop_token_ids, "logit_bias": list(self.logit_bias or {})}
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -29,6 +29,19 @@ def test_generate_rejects_bad_sampling_values():
     assert res.returncode == 2 and "temperature" in res.stderr
 
 
+def test_generate_top_k_above_the_vocabulary_runs():
+    res = run(
+        "--prompt", "Hi", "--top-k", "5000", "--temperature", "1", "--max-tokens", "5", "--kv-cache-memory", "0.05"
+    )
+    assert res.returncode == 0, res.stderr
+    assert "5 tokens in" in res.stderr
+
+
+def test_generate_names_an_out_of_range_seed():
+    res = run("--prompt", "Hi", "--min-tokens", "2", "--sample-seed", str(2**64))
+    assert res.returncode == 2 and "seed" in res.stderr and "Traceback" not in res.stderr
+
+
 def test_serve_on_a_taken_port_fails_at_once_without_loading_the_model(tmp_path):
     # weights that cannot load: an error about the port, not about the weights, shows the port came first
     model = tmp_path / "model"

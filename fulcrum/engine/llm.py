@@ -13,7 +13,7 @@ from fulcrum.engine.output_processor import OutputProcessor
 from fulcrum.engine.outputs import RequestOutput
 from fulcrum.engine.request import fan_out
 from fulcrum.errors import InvalidRequestError
-from fulcrum.sampling_params import SamplingParams
+from fulcrum.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from fulcrum.utils.tokenizer import chat_prompt_ids, load_tokenizer
 
 PromptType = str | list[int] | dict
@@ -86,10 +86,14 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
         if len(params) != len(items):
             raise InvalidRequestError("give one SamplingParams, or one per prompt", param="sampling_params")
-        order = [
-            self.add_request(p, ids, sp, priority[i] if priority else 0)
-            for i, ((p, ids), sp) in enumerate(zip(items, params))
-        ]
+        order: list[str] = []
+        try:
+            for i, ((p, ids), sp) in enumerate(zip(items, params)):
+                order.append(self.add_request(p, ids, sp, priority[i] if priority else 0))
+        except BaseException:
+            for rid in order:  # a bad prompt further down the list leaves none of the earlier ones queued
+                self.abort(rid)
+            raise
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="generating", disable=not use_tqdm or len(order) < 2, unit="req")
         try:
@@ -108,7 +112,10 @@ class LLM:
         return [done[r] for r in order]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True):
+        """Chat replies; without sampling_params as long as `fulcrum generate`'s (a 16-token reply is cut mid-sentence)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if sampling_params is None:
+            sampling_params = SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)
         prompts = [{"prompt_token_ids": chat_prompt_ids(self.tokenizer, m)} for m in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -159,12 +159,13 @@ class ModelRunner:
         def col(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=dev)
 
-        temps = [p.temperature for p in params]
-        meta = SamplingMetadata(temperature=col(temps), all_greedy=all(t == 0 for t in temps))
+        temps = [0.0 if p.greedy else p.temperature for p in params]
+        meta = SamplingMetadata(temperature=col(temps), all_greedy=all(p.greedy for p in params))
         if any(p.top_p < 1 for p in params):
             meta.top_p = col([p.top_p for p in params])
-        if any(p.top_k > 0 for p in params):
-            meta.top_k = col([p.top_k if p.top_k > 0 else V for p in params], torch.long)
+        if any(0 < p.top_k < V for p in params):
+            # a top_k at or above the vocabulary keeps all of it (clamped, as vLLM does)
+            meta.top_k = col([p.top_k if 0 < p.top_k < V else V for p in params], torch.long)
         if any(p.min_p > 0 for p in params):
             meta.min_p = col([p.min_p for p in params])
         need_counts = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params)
@@ -187,8 +188,14 @@ class ModelRunner:
                 stop_ids = list(req.sampling_params.stop_token_ids)
                 if not req.sampling_params.ignore_eos:
                     stop_ids += req.eos_token_ids
-                banned[i, [t for t in stop_ids if t < V]] = True
+                banned[i, [t for t in stop_ids if 0 <= t < V]] = True
             meta.banned = banned
+        if any(p.logit_bias for p in params):
+            bias = torch.zeros(len(rows), V, device=dev)
+            for i, p in enumerate(params):
+                if p.logit_bias:
+                    bias[i, list(p.logit_bias)] = col(list(p.logit_bias.values()))
+            meta.logit_bias = bias
         if any(p.seed is not None for p in params):
             meta.generators = [s.request.generator for s in rows]
         wanted = [p.logprobs for p in params if p.logprobs is not None]

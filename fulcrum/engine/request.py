@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from fulcrum.errors import InvalidRequestError
-from fulcrum.sampling_params import SamplingParams
+from fulcrum.sampling_params import SamplingParams, is_int, is_int64
 
 
 class RequestStatus(enum.Enum):
@@ -19,10 +19,11 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # failed inside a step; the engine and the other requests go on
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Request:
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at admission
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    error: str | None = None  # why it failed, with FINISHED_ERROR
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -81,8 +83,11 @@ def validate_request(req: Request, max_model_len: int, vocab_size: int) -> None:
     n = req.num_prompt_tokens
     if n == 0:
         raise InvalidRequestError("the prompt is empty", param="prompt")
-    if any(not 0 <= t < vocab_size for t in req.prompt_token_ids):
-        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+    if not is_int64(req.priority):
+        raise InvalidRequestError(f"priority must be a 64-bit integer, got {req.priority!r}", param="priority")
+    check_token_ids("prompt", req.prompt_token_ids, vocab_size)
+    for name, ids in req.sampling_params.token_ids_to_check().items():
+        check_token_ids(name, ids, vocab_size)
     if n >= max_model_len:
         raise InvalidRequestError(
             f"the prompt has {n} tokens, but this model's maximum context length is {max_model_len} tokens "
@@ -97,6 +102,14 @@ def validate_request(req: Request, max_model_len: int, vocab_size: int) -> None:
             param="max_tokens",
         )
     req.max_tokens = mt if mt is not None else max_model_len - n
+
+
+def check_token_ids(param: str, ids: list[int], vocab_size: int) -> None:
+    for t in ids:
+        if not is_int(t) or not 0 <= t < vocab_size:
+            raise InvalidRequestError(
+                f"{param}: token id {t!r} is not an integer in [0, {vocab_size}) (this model's vocabulary)", param
+            )
 
 
 def fan_out(

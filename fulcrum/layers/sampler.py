@@ -27,6 +27,7 @@ class SamplingMetadata:
     output_counts: torch.Tensor | None = None  # [B, V] occurrences in the output so far
     prompt_mask: torch.Tensor | None = None  # [B, V] bool: token occurs in the prompt
     banned: torch.Tensor | None = None  # [B, V] bool: tokens not allowed now (eos before min_tokens)
+    logit_bias: torch.Tensor | None = None  # [B, V] added to the logits (OpenAI's logit_bias)
     generators: list[torch.Generator | None] | None = None
     max_num_logprobs: int = 0  # top-k logprobs to return (0 = only the sampled token's, -1 = none)
 
@@ -43,6 +44,8 @@ class Sampler(nn.Module):
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
         logits = self.apply_penalties(logits, meta)
+        if meta.logit_bias is not None:
+            logits = logits + meta.logit_bias
         if meta.banned is not None:
             logits = logits.masked_fill(meta.banned, float("-inf"))
         if meta.all_greedy:

@@ -125,3 +125,40 @@ def test_abort_frees_blocks(llm):
         llm.abort(rid)
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
     assert not llm.core.has_unfinished_requests()
+
+
+def test_top_k_above_the_vocabulary_is_the_whole_vocabulary(llm):
+    prompt = random_prompts(1, 10, 10, seed=30)[0]
+    base = SamplingParams(temperature=1.0, max_tokens=8, seed=3, ignore_eos=True)
+    off = llm.generate([prompt], base, use_tqdm=False)[0].outputs[0].token_ids
+    huge = llm.generate([prompt], SamplingParams(**{**vars(base), "top_k": 5000}), use_tqdm=False)
+    assert huge[0].outputs[0].token_ids == off
+
+
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"stop_token_ids": [999999], "min_tokens": 2}, "stop_token_ids"),
+        ({"logit_bias": {2048: 1.0}}, "logit_bias"),
+    ],
+)
+def test_token_ids_outside_the_vocabulary_are_refused_before_queueing(llm, kw, param):
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **kw), use_tqdm=False)
+    assert e.value.param == param
+    assert not llm.core.has_unfinished_requests()
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+
+
+def test_logit_bias_moves_greedy_decoding(llm):
+    prompt = random_prompts(1, 10, 10, seed=31)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, logit_bias={42: 100.0}), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == [42] * 5
+
+
+def test_a_bad_prompt_late_in_the_list_leaves_none_queued(llm):
+    prompts = [*random_prompts(3, 5, 10, seed=32), [5, 99999]]
+    with pytest.raises(InvalidRequestError):
+        llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not llm.core.has_unfinished_requests()
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
