@@ -31,3 +31,12 @@ class EngineDeadError(FulcrumError):
 
 class EngineOverloadedError(FulcrumError):
     """The waiting queue is over its bound; the client should retry later (HTTP 503)."""
+
+
+class RequestFailedError(FulcrumError):
+    """One request failed inside an engine step; the engine and the other requests go on (HTTP 500)."""
+
+
+class ShuttingDownError(FulcrumError):
+    """The server is shutting down: a new request is refused, or one in flight was cut when the drain
+    timeout ran out (HTTP 503)."""

@@ -34,7 +34,7 @@ from fulcrum.engine.messages import (
 from fulcrum.engine.output_processor import OutputProcessor
 from fulcrum.engine.outputs import RequestOutput
 from fulcrum.engine.request import fan_out
-from fulcrum.errors import EngineDeadError, EngineOverloadedError, ModelLoadError
+from fulcrum.errors import EngineDeadError, EngineOverloadedError, ModelLoadError, RequestFailedError
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.utils.tokenizer import load_tokenizer
 
@@ -128,26 +128,50 @@ class AsyncLLM:
         rid = request_id or f"req-{next(self._ids)}"
         now = time.time()
         children = fan_out(rid, prompt_ids, params, priority, self.ready.max_model_len, self.ready.vocab_size)
+        # encode before anything is registered, so that a failure here holds no queue slot
+        msgs = [
+            encoder.encode(AddRequest(c.request_id, c.prompt_token_ids, c.sampling_params, priority, now))
+            for c in children
+        ]
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = queue
         self.processor.add_request(rid, prompt, list(prompt_ids), params, [c.request_id for c in children])
-        for c in children:
-            msg = AddRequest(c.request_id, c.prompt_token_ids, c.sampling_params, priority, now)
-            self._in.send_multipart([ADD, encoder.encode(msg)])
         finished = False
         try:
+            for m in msgs:
+                self._in.send_multipart([ADD, m])
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
-                finished = item[0].finished
+                ro = item[0]
+                finished = ro.finished
+                failed = next((o for o in ro.outputs if o.finish_reason == "error"), None)
+                if failed is not None:
+                    raise RequestFailedError(failed.error or "the engine failed on this request")
                 yield item
                 if finished:
                     return
         finally:
+            # every path, an exception between registering and sending included, releases what it holds
             self.queues.pop(rid, None)
             if not finished:
                 await self.abort(rid)
+
+    def cut_all(self, error: Exception) -> list[tuple[str, int]]:
+        """End every request in flight with `error` (shutdown past the drain timeout); returns each one's
+        id and the tokens it had generated. Their iterators raise it, and their `finally` aborts them."""
+        cut = []
+        for rid, q in list(self.queues.items()):
+            parent = self.processor.parents.get(rid)
+            tokens = sum(len(c.out.token_ids) for c in parent.children.values()) if parent else 0
+            cut.append((rid, tokens))
+            q.put_nowait(error)
+        return cut
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.queues)
 
     async def abort(self, request_id: str) -> None:
         children = self.processor.abort(request_id)

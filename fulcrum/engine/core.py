@@ -7,15 +7,27 @@ It speaks token ids only, so it can run in a process of its own behind a small m
 from __future__ import annotations
 
 import logging
+from traceback import format_exception_only
+
+import torch
 
 from fulcrum.config import EngineConfig, ModelConfig
 from fulcrum.engine.kv_cache import KVCacheManager, KVCacheStats
-from fulcrum.engine.model_runner import ModelRunner
+from fulcrum.engine.model_runner import ModelRunner, ModelRunnerOutput
 from fulcrum.engine.outputs import EngineCoreOutput
 from fulcrum.engine.request import Request, RequestStatus, validate_request
-from fulcrum.engine.scheduler import Scheduler, SchedulerConfig
+from fulcrum.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 log = logging.getLogger(__name__)
+
+
+def is_fatal(e: BaseException) -> bool:
+    """Failures that may have corrupted state shared by every request: the process must end.
+    A CUDA error poisons the device context (and the KV cache on it); anything else raised inside
+    a forward or the sampler belongs to the requests of that step."""
+    if not isinstance(e, Exception):
+        return True  # KeyboardInterrupt, SystemExit
+    return "CUDA error" in str(e) or type(e).__name__ == "AcceleratorError"
 
 
 class EngineCore:
@@ -67,9 +79,18 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        result = self.runner.execute(sched)
+        generators = self._generator_states(sched)
+        try:
+            result = self.runner.execute(sched)
+            failed: list[EngineCoreOutput] = []
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            log.warning("a step of %d requests failed (%s); running them one by one", len(sched.scheduled), e)
+            self._restore_generators(generators)
+            result, failed = self._execute_one_by_one(sched)
         finished = {r.request_id for r in self.scheduler.update(sched, result.sampled)}
-        outputs = []
+        outputs = failed
         for s in sched.scheduled:
             req = s.request
             new = result.sampled.get(req.request_id)
@@ -77,6 +98,39 @@ class EngineCore:
                 continue  # a prefill chunk that did not reach the end of the prompt
             outputs.append(self._output(req, new or [], result.logprobs.get(req.request_id)))
         return outputs
+
+    def _execute_one_by_one(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, list[EngineCoreOutput]]:
+        """After a failed step, find the request(s) that make it fail: each runs alone, those that still
+        fail end with an error (their blocks freed), the rest keep the progress of this step.
+        A request only writes the KV slots of its own blocks, so a failed forward corrupts no one else's."""
+        merged, failed = ModelRunnerOutput(), []
+        for s in list(sched.scheduled):
+            try:
+                alone = self.runner.execute(SchedulerOutput([s]))
+            except Exception as e:
+                if is_fatal(e):
+                    raise
+                req = s.request
+                log.error("request %s failed and was ended: %s", req.request_id, "".join(format_exception_only(e)))
+                sched.scheduled.remove(s)
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
+                req.error = f"the engine failed on this request: {type(e).__name__}: {e}"
+                failed.append(self._output(req, []))
+                continue
+            merged.sampled.update(alone.sampled)
+            merged.logprobs.update(alone.logprobs)
+        return merged, failed
+
+    @staticmethod
+    def _generator_states(sched: SchedulerOutput) -> list[tuple[torch.Generator, torch.Tensor]]:
+        """Seeded requests' RNG states before a step, so that a retried step draws the same noise."""
+        gens = [s.request.generator for s in sched.scheduled if s.request.generator is not None]
+        return [(g, g.get_state()) for g in gens]
+
+    @staticmethod
+    def _restore_generators(states) -> None:
+        for g, state in states:
+            g.set_state(state)
 
     @staticmethod
     def _output(req: Request, new: list[int], logprobs=None) -> EngineCoreOutput:
@@ -92,6 +146,7 @@ class EngineCore:
             first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,
             finish_time=req.finish_time,
+            error=req.error,
         )
 
     def kv_stats(self) -> KVCacheStats:

@@ -9,6 +9,7 @@ import signal
 import time
 import traceback
 
+import msgspec
 import zmq
 
 from fulcrum.config import EngineConfig
@@ -82,6 +83,22 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
         ctx.term()
 
 
+def _add(core: EngineCore, payload: bytes) -> list[EngineCoreOutput]:
+    """Admit one request. The frontend validates first; whatever still fails here ends that request
+    with an error, never the loop."""
+    request_id = "?"
+    try:
+        m = decode_add(payload)
+        request_id = m.request_id
+        req = Request(m.request_id, m.prompt_token_ids, m.sampling_params, priority=m.priority)
+        req.arrival_time = m.arrival_time or req.arrival_time
+        core.add_request(req)
+        return []
+    except (InvalidRequestError, msgspec.ValidationError, msgspec.DecodeError) as e:
+        log.error("rejected request %s: %s", request_id, e)
+        return [EngineCoreOutput(request_id, [], finish_reason="error", error=f"invalid request: {e}")]
+
+
 def _loop(core: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
     step_time = 0.0
     parent = os.getppid()
@@ -95,14 +112,7 @@ def _loop(core: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
             timeout = 0
             kind, payload = pull.recv_multipart()
             if kind == ADD:
-                m = decode_add(payload)
-                req = Request(m.request_id, m.prompt_token_ids, m.sampling_params, priority=m.priority)
-                req.arrival_time = m.arrival_time or req.arrival_time
-                try:
-                    core.add_request(req)
-                except InvalidRequestError:  # the frontend validates first; never let one request kill the loop
-                    log.exception("rejected request %s", m.request_id)
-                    outputs.append(EngineCoreOutput(m.request_id, [], finish_reason="abort"))
+                outputs.extend(_add(core, payload))
             elif kind == ABORT:
                 outputs.extend(core.abort_requests(decode_ids(payload)))
             elif kind == FINISH:

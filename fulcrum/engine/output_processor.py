@@ -76,7 +76,7 @@ class OutputProcessor:
                     stop_now.append(o.request_id)
             elif o.finish_reason is not None:
                 child.detok.flush()
-                out.finish_reason, out.stop_reason = o.finish_reason, o.stop_reason
+                out.finish_reason, out.stop_reason, out.error = o.finish_reason, o.stop_reason, o.error
             out.text = child.detok.output_text
             self._merge_metrics(parent, o)
             updated.setdefault(pid, {})[child.index] = child.detok.take_delta(out.finished)

@@ -20,6 +20,7 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    error: str | None = None  # with finish_reason "error": why the request failed
 
 
 @dataclass
@@ -45,8 +46,9 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # stop, length, abort, error
     stop_reason: int | str | None = None
+    error: str | None = None  # with finish_reason "error": why this sample failed
 
     @property
     def finished(self) -> bool:
