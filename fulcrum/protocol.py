@@ -8,17 +8,70 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    model_validator,
+)
+
+from fulcrum.errors import InvalidRequestError
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _no_bool(v):
+    if isinstance(v, bool):
+        raise ValueError("must be an integer, not a boolean")
+    return v
+
+
+# Integers as the engine carries them (int64 in its messages and RNG seeds); JSON `true` is not 1.
+Int64 = Annotated[int, BeforeValidator(_no_bool), Field(ge=INT64_MIN, le=INT64_MAX)]
+PositiveInt = Annotated[int, BeforeValidator(_no_bool), Field(ge=1, le=INT64_MAX)]
+NonNegativeInt = Annotated[int, BeforeValidator(_no_bool), Field(ge=0, le=INT64_MAX)]
+# Token ids: strict integers (no bools, no floats, no strings); the engine checks them against its vocabulary.
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+def _check_utf8(value: Any, path: str = "") -> None:
+    """Lone surrogates (a JSON "\\ud800" escape) are valid Python strings but not UTF-8: the
+    tokenizer and the JSON encoder of the response would fail on them, so refuse them here."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(
+                f"{path or 'a string'} is not valid UTF-8 (a lone surrogate at {e.start})", param=path or None
+            ) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_utf8(k, path)
+            _check_utf8(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_utf8(v, f"{path}[{i}]")
+
+
 class OpenAIBase(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we do not use
+    # OpenAI clients send fields we do not use; NaN and Infinity (which Python's JSON reader accepts) are refused
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_utf8(cls, data):
+        _check_utf8(data)
+        return data
 
 
 # -- errors ---------------------------------------------------------------------------------------
@@ -53,47 +106,58 @@ class SamplingFields(OpenAIBase):
     """Sampling fields common to both endpoints, with vLLM's extras."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: PositiveInt | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=128)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    n: Annotated[int, BeforeValidator(_no_bool), Field(ge=1, le=128)] = 1
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    seed: Int64 | None = None
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: Annotated[int, BeforeValidator(_no_bool), Field(ge=-1, le=INT64_MAX)] | None = None
     min_p: float | None = Field(default=None, ge=0, le=1)
-    repetition_penalty: float | None = Field(default=None, gt=0)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=1e6)
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: NonNegativeInt = 0
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: Int64 = 0
+    # token id (as a string, as OpenAI sends it) -> bias in [-100, 100]
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """logit_bias with integer keys; a key that is not a token id is the client's error."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, v in self.logit_bias.items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+            out[int(key)] = v
+        return out
 
 
 # -- completions ----------------------------------------------------------------------------------
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    # a text, texts, token ids, or lists of token ids; none of them empty
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
+    logprobs: Annotated[int, BeforeValidator(_no_bool), Field(ge=0, le=20)] | None = None
     echo: bool = False
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: PositiveInt | None = 16
     suffix: str | None = None
-    best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _non_empty(cls, v):
-        if isinstance(v, list) and len(v) == 0:
-            raise ValueError("prompt must not be empty")
-        return v
+    best_of: Annotated[int, BeforeValidator(_no_bool), Field(ge=1, le=128)] | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -122,20 +186,18 @@ class CompletionResponse(BaseModel):
 
 # -- chat -----------------------------------------------------------------------------------------
 
-ROLES = ("system", "user", "assistant", "developer", "tool")
+ROLES = Literal["system", "user", "assistant", "developer", "tool"]
+
+
+class TextPart(OpenAIBase):
+    type: Literal["text"]  # text only: the engine runs text models
+    text: str
 
 
 class ChatMessage(OpenAIBase):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: ROLES
+    content: str | list[TextPart] | None = None
     name: str | None = None
-
-    @field_validator("role")
-    @classmethod
-    def _known_role(cls, v: str) -> str:
-        if v not in ROLES:
-            raise ValueError(f"unknown role {v!r}; expected one of {', '.join(ROLES)}")
-        return v
 
     def text(self) -> str:
         """Content as plain text (text parts of a multi-part message joined)."""
@@ -143,28 +205,15 @@ class ChatMessage(OpenAIBase):
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise ValueError(f"content part type {part.get('type')!r} is not supported (text only)")
-            parts.append(part.get("text", ""))
-        return "".join(parts)
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Annotated[int, BeforeValidator(_no_bool), Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
-    logit_bias: dict[str, float] | None = None
-
-    @field_validator("messages")
-    @classmethod
-    def _non_empty(cls, v):
-        if not v:
-            raise ValueError("messages must not be empty")
-        return v
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
@@ -266,7 +315,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(OpenAIBase):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import fulcrum
 from fulcrum.engine.async_llm import AsyncLLM
-from fulcrum.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from fulcrum.errors import InvalidRequestError, ShuttingDownError
 from fulcrum.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -33,8 +33,6 @@ from fulcrum.protocol import (
     DeltaMessage,
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorInfo,
-    ErrorResponse,
     ModelCard,
     ModelList,
     SamplingFields,
@@ -44,10 +42,12 @@ from fulcrum.protocol import (
     random_id,
 )
 from fulcrum.sampling_params import SamplingParams
+from fulcrum.server import errors
+from fulcrum.server.errors import ERROR_RESPONSES, error, error_of, sse_error, status_of
 from fulcrum.server.metrics import ServerMetrics
 
-OPEN_PATHS = {"/health", "/metrics", "/version", "/ping"}
-RETRY_AFTER_S = 1
+log = logging.getLogger("fulcrum.server")
+OPEN_PATHS = {"/health", "/metrics", "/version", "/ping", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"}
 
 
 @dataclass
@@ -56,15 +56,17 @@ class ServerState:
     model_name: str
     api_key: str | None
     metrics: ServerMetrics
+    draining: bool = False  # SIGTERM: requests in flight finish, new ones get 503
 
 
-def error(status: int, message: str, type_: str, param: str | None = None, headers=None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=status))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+def is_json(content_type: str) -> bool:
+    media = content_type.split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-def bad_request(e: Exception, param: str | None = None) -> JSONResponse:
-    return error(400, str(e), "BadRequestError", getattr(e, "param", None) or param)
+def authorized(header: str, api_key: str) -> bool:
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and token.strip() == api_key
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -78,42 +80,34 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="fulcrum", version=fulcrum.__version__, lifespan=lifespan)
     app.state.fulcrum = state
+    errors.install(app)
+    app.openapi = lambda: errors.openapi_schema(app)
 
     @app.middleware("http")
-    async def auth(request: Request, call_next):
-        authorized = request.headers.get("authorization", "") == f"Bearer {state.api_key}"
-        if state.api_key and request.url.path not in OPEN_PATHS and not authorized:
-            return error(401, "invalid or missing API key", "AuthenticationError")
+    async def gate(request: Request, call_next):
+        """Checks every API request passes before its body is read: key, shutdown, media type."""
+        path = request.url.path
+        if path not in OPEN_PATHS:
+            if state.api_key and not authorized(request.headers.get("authorization", ""), state.api_key):
+                return error(401, "invalid or missing API key")
+            if state.draining:
+                return error_of(ShuttingDownError("the server is shutting down; retry on another replica"))
+            content_type = request.headers.get("content-type")
+            if request.method == "POST" and content_type and not is_json(content_type):
+                return error(415, f"the request body must be application/json, not {content_type!r}")
         return await call_next(request)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        if first.get("type") == "json_invalid":
-            return error(400, "the request body is not valid JSON", "BadRequestError")
-        msg = f"{'.'.join(loc) or 'request'}: {first.get('msg', 'invalid value')}"
-        return error(400, msg, "BadRequestError", ".".join(loc) or None)
-
-    @app.exception_handler(InvalidRequestError)
-    async def on_invalid(request: Request, exc: InvalidRequestError):
-        return bad_request(exc)
-
-    @app.exception_handler(EngineOverloadedError)
-    async def on_overloaded(request: Request, exc: EngineOverloadedError):
-        return error(503, str(exc), "ServiceUnavailableError", headers={"Retry-After": str(RETRY_AFTER_S)})
-
-    @app.exception_handler(EngineDeadError)
-    async def on_dead(request: Request, exc: EngineDeadError):
-        return error(500, str(exc), "InternalServerError")
 
     # -- plain endpoints -------------------------------------------------------------------------
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "the engine is not running, or the server is draining"}})
     async def health():
-        return Response(status_code=200 if state.engine.healthy else 503)
+        if not state.engine.healthy:
+            return JSONResponse({"status": "unhealthy", "reason": "the engine is not running"}, status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "draining", "reason": "the server is shutting down"}, status_code=503)
+        return {"status": "ok"}
 
-    @app.get("/ping")
+    @app.get("/ping", responses={503: {"description": "as /health"}})
     async def ping():
         return await health()
 
@@ -123,9 +117,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
+        # the frontend also counts requests sent but not yet seen by the core: the gauge shows what admission sees
+        state.metrics.waiting.set(state.engine.num_waiting())
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]})
     async def models():
         card = ModelCard(
             id=state.model_name,
@@ -134,7 +130,7 @@ def build_app(state: ServerState) -> FastAPI:
         )
         return ModelList(data=[card]).model_dump()
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(req: TokenizeRequest):
         if (resp := check_model(req.model)) is not None:
             return resp
@@ -145,7 +141,7 @@ def build_app(state: ServerState) -> FastAPI:
             ids = tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
         return TokenizeResponse(count=len(ids), max_model_len=state.engine.ready.max_model_len, tokens=ids)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=ERROR_RESPONSES)
     async def detokenize(req: DetokenizeRequest):
         if (resp := check_model(req.model)) is not None:
             return resp
@@ -158,7 +154,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     def check_model(name: str | None) -> JSONResponse | None:
         if name is not None and name != state.model_name:
-            return error(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
+            return error(404, f"The model `{name}` does not exist.", "model")
         return None
 
     def chat_ids(messages, add_generation_prompt=True) -> list[int]:
@@ -191,7 +187,14 @@ def build_app(state: ServerState) -> FastAPI:
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            logit_bias=logit_bias_of(req),
         )
+
+    def logit_bias_of(req: SamplingFields) -> dict[int, float] | None:
+        try:
+            return req.logit_bias_ids()
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="logit_bias") from e
 
     async def merged(
         prompts: list[tuple[str | None, list[int]]], params: SamplingParams, priority: int
@@ -250,23 +253,22 @@ def build_app(state: ServerState) -> FastAPI:
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    def sse_error(e: Exception) -> str:
-        """Headers are sent once a stream starts: an engine failure ends it with an error event."""
-        return sse(ErrorResponse(error=ErrorInfo(message=str(e), type="InternalServerError", code=500)).model_dump())
-
     def sse_response(events: AsyncIterator[str], it: AsyncIterator) -> StreamingResponse:
-        """Stream `events`, then `[DONE]`; an engine failure ends the stream with an error event, and
-        however it ends (a client gone included) the request iterator `it` is closed, aborting its requests."""
+        """Stream `events`, then `[DONE]`; a failure (engine, request, shutdown) ends the stream with an error
+        event and then `[DONE]`, and however it ends (a client gone included) the request iterator `it` is
+        closed, aborting its requests."""
 
         async def body():
             try:
                 async for event in events:
                     yield event
-                yield "data: [DONE]\n\n"
-            except EngineDeadError as e:
+            except Exception as e:
+                if status_of(e) >= 500 and not isinstance(e, ShuttingDownError):
+                    log.error("stream failed: %s: %s", type(e).__name__, e)
                 yield sse_error(e)
             finally:
                 await it.aclose()
+            yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
@@ -322,12 +324,14 @@ def build_app(state: ServerState) -> FastAPI:
 
     # -- /v1/completions --------------------------------------------------------------------------
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES})
     async def completions(req: CompletionRequest, request: Request):
         if (resp := check_model(req.model)) is not None:
             return resp
-        if req.best_of not in (None, req.n) or req.suffix or req.logit_bias:
-            raise InvalidRequestError("best_of, suffix and logit_bias are not supported", param="best_of")
+        if req.best_of not in (None, req.n):
+            raise InvalidRequestError("best_of other than n is not supported", param="best_of")
+        if req.suffix:
+            raise InvalidRequestError("suffix (fill-in-the-middle) is not supported", param="suffix")
         prompts = prompts_of(req)
         params = sampling_params(req, req.max_tokens, req.logprobs)
         rid = random_id("cmpl")
@@ -415,12 +419,14 @@ def build_app(state: ServerState) -> FastAPI:
 
     # -- /v1/chat/completions ---------------------------------------------------------------------
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses={200: {"model": ChatCompletionResponse}, **ERROR_RESPONSES},
+    )
     async def chat(req: ChatCompletionRequest, request: Request):
         if (resp := check_model(req.model)) is not None:
             return resp
-        if req.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
         ids = chat_ids(req.messages, req.add_generation_prompt)
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, req.max_completion_tokens or req.max_tokens, k)

@@ -1,4 +1,5 @@
-"""`fulcrum serve`: take the port, start the engine core, then uvicorn; exit non-zero if the engine dies."""
+"""`fulcrum serve`: take the port, start the engine core, then uvicorn. Exit codes: 0 after a clean drain,
+1 when the engine died (or the server could not start), 3 when SIGTERM cut requests past the drain timeout."""
 
 from __future__ import annotations
 
@@ -13,18 +14,10 @@ import uvicorn
 from fulcrum.config import EngineConfig
 from fulcrum.engine.async_llm import AsyncLLM
 from fulcrum.server.api import ServerState, build_app
+from fulcrum.server.drain import ANSWER_GRACE_S, DrainingServer
 from fulcrum.server.metrics import ServerMetrics
 
 log = logging.getLogger("fulcrum.serve")
-
-
-class _Server(uvicorn.Server):
-    """uvicorn re-raises a caught SIGTERM after its graceful shutdown (so the process dies of the
-    signal); a drained, clean shutdown is ours to report as exit code 0."""
-
-    def handle_exit(self, sig, frame) -> None:
-        super().handle_exit(sig, frame)
-        self._captured_signals.clear()
 
 
 def bind_port(host: str, port: int) -> socket.socket:
@@ -88,16 +81,11 @@ def _run(
     name = served_model_name or engine.model_config.path.name
     state = ServerState(engine, name, api_key, ServerMetrics(name, compat_vllm=metrics_compat == "vllm"))
     app = build_app(state)
-    server = _Server(
-        uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            log_level=log_level,
-            timeout_graceful_shutdown=int(drain_timeout),
-            access_log=False,
-        )
+    # our own drain runs first (DrainingServer.shutdown); uvicorn's grace is for the answers it leaves
+    uvicorn_config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=ANSWER_GRACE_S, access_log=False
     )
+    server = DrainingServer(uvicorn_config, state, drain_timeout)
     exit_code = {"code": 0}
 
     def engine_died():
@@ -122,4 +110,4 @@ def _run(
         in_use = isinstance(e, OSError) and e.errno == errno.EADDRINUSE  # the listen itself, see bind_port
         print(_bind_error(e, host, port) if in_use else f"error: {e}", file=sys.stderr)
         return 1
-    return exit_code["code"]
+    return exit_code["code"] or server.exit_code

@@ -1,0 +1,193 @@
+"""What a hostile client tried (issue 11), each as a regression test: no request takes the server down,
+every refusal is a 4xx in OpenAI's shape naming the field, and nothing it held is kept."""
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.test_http_errors import assert_error, metric, post
+
+GREEDY = {"prompt": "ROMEO:", "max_tokens": 6, "temperature": 0}
+
+
+def greedy_text(server) -> str:
+    r = post(server, "/v1/completions", GREEDY)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def raw(server, content: bytes, content_type="application/json"):
+    return post(server, "/v1/completions", content=content, headers={"content-type": content_type})
+
+
+def test_top_k_above_the_vocabulary_keeps_the_whole_vocabulary(server):
+    before = greedy_text(server)
+    r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 5, "top_k": 5000, "temperature": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 5
+    assert greedy_text(server) == before
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"stop_token_ids": [999999, -99999], "min_tokens": 2}, "stop_token_ids"),
+        ({"stop_token_ids": [999999], "min_tokens": 2}, "stop_token_ids"),
+        ({"stop_token_ids": [True]}, "stop_token_ids"),
+        ({"logit_bias": {"999999": 5}}, "logit_bias"),
+        ({"logit_bias": {"token": 5}}, "logit_bias"),
+        ({"logit_bias": {"5": 500}}, "logit_bias"),
+    ],
+)
+def test_token_ids_outside_the_vocabulary_are_400(server, extra, param):
+    assert_error(post(server, "/v1/completions", {"prompt": "hi", **extra}), 400, param)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_logit_bias_steers_the_tokens(server):
+    ids = post(server, "/tokenize", {"prompt": "!"}).json()["tokens"]
+    body = {"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0, "logit_bias": {str(ids[-1]): 100}}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "!!!!"
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"priority": 2**64}, "priority"),
+        ({"priority": -(2**64)}, "priority"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": 2**63 - 1, "n": 2}, "seed"),
+        ({"max_tokens": 2**70}, "max_tokens"),
+        ({"min_tokens": 2**64}, "min_tokens"),
+        ({"n": True}, "n"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"top_p": 1e-50}, "top_p"),
+        ({"repetition_penalty": 1e-30}, "repetition_penalty"),
+    ],
+)
+def test_integers_and_floats_out_of_what_the_engine_carries_are_400(server, extra, param):
+    assert_error(post(server, "/v1/completions", {"prompt": "hi", **extra}), 400, param)
+
+
+def test_refused_requests_hold_no_queue_slot(fresh_server):
+    s = fresh_server("--max-waiting-requests", "2")
+    before = greedy_text(s)
+    bad = [{"priority": 2**64}, {"seed": 2**64}, {"stop_token_ids": [999999]}, {"prompt": [[5, 99999]]}]
+    for i in range(60):
+        r = post(s, "/v1/completions", {"prompt": "hi", **bad[i % len(bad)]})
+        assert r.status_code == 400, r.text
+    assert metric(s, "fulcrum:num_requests_waiting") == 0
+    assert greedy_text(s) == before
+
+
+def test_a_full_queue_shows_as_full_in_metrics(fresh_server):
+    s = fresh_server("--max-num-seqs", "1", "--max-waiting-requests", "2")
+    seen = []
+
+    def fire():
+        r = post(s, "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 300, "ignore_eos": True})
+        if r.status_code == 503:
+            seen.append(metric(s, "fulcrum:num_requests_waiting"))
+
+    threads = [threading.Thread(target=fire) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen and max(seen) >= 2, seen
+
+
+@pytest.mark.parametrize(
+    "content, content_type, status",
+    [
+        (b'{"prompt": "\\ud800"}', "application/json", 400),  # a lone surrogate
+        (b'{"prompt": "\xff\xfe hi"}', "application/json", 400),  # invalid UTF-8
+        (b"[" * 100_000 + b"]" * 100_000, "application/json", 400),  # too deep for a JSON reader
+        (b'{"prompt": "hi", "temperature": NaN}', "application/json", 400),
+        (b'{"prompt": [[false]]}', "application/json", 400),
+        (b'{"prompt": [1.5, 2]}', "application/json", 400),
+        (b'{"prompt": ""}', "application/json", 400),
+        (b'{"prompt": "hi",', "application/json", 400),
+        (b"prompt=hi", "application/x-www-form-urlencoded", 415),
+        (b"hi", "text/plain", 415),
+    ],
+)
+def test_unreadable_bodies_are_errors_in_openai_shape(server, content, content_type, status):
+    assert_error(raw(server, content, content_type), status)
+
+
+def test_surrogate_error_names_the_field(server):
+    r = post(
+        server,
+        "/v1/chat/completions",
+        content=b'{"messages": [{"role": "user", "content": "a\\udc00"}]}',
+        headers={"content-type": "application/json"},
+    )
+    assert_error(r, 400, "messages")
+
+
+def test_framework_errors_are_in_openai_shape(server):
+    assert_error(httpx.get(f"{server.url}/v1/nowhere"), 404)
+    assert_error(httpx.get(f"{server.url}/v1/completions"), 405)
+
+
+def test_health_has_a_json_body(server):
+    for path in ("/health", "/ping"):
+        r = httpx.get(f"{server.url}{path}")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_openapi_documents_the_status_codes_the_server_answers(server):
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    assert "422" not in json.dumps(spec["paths"])
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        codes = set(spec["paths"][path]["post"]["responses"])
+        assert {"200", "400", "404", "500", "503"} <= codes, (path, codes)
+    schemas = spec["components"]["schemas"]
+    assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
+    prompt_shapes = json.dumps(schemas["CompletionRequest"]["properties"]["prompt"])
+    assert '"minLength": 1' in prompt_shapes
+
+
+def test_bearer_scheme_is_case_insensitive(fresh_server):
+    s = fresh_server("--api-key", "sesame")
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        r = post(s, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, headers={"Authorization": f"{scheme} sesame"})
+        assert r.status_code == 200, (scheme, r.text)
+    assert_error(post(s, "/v1/completions", {"prompt": "Hi"}, headers={"Authorization": "Basic sesame"}), 401)
+
+
+def read_stream(server, body, events: list, started: threading.Event):
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                started.set()
+
+
+def test_sigterm_past_the_drain_timeout_ends_every_request_cleanly(fresh_server):
+    s = fresh_server("--drain-timeout", "1")
+    long = {"prompt": "A", "max_tokens": 900, "ignore_eos": True}
+    events, started = [], threading.Event()
+    streamer = threading.Thread(target=read_stream, args=(s, {**long, "stream": True}, events, started))
+    plain = []
+    poster = threading.Thread(target=lambda: plain.append(post(s, "/v1/completions", long)))
+    streamer.start()
+    poster.start()
+    assert started.wait(30)
+    time.sleep(0.3)
+    s.proc.send_signal(signal.SIGTERM)
+    streamer.join(60)
+    poster.join(60)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 503 and "shut down" in error["message"]
+    assert_error(plain[0], 503)
+    assert s.proc.wait(30) not in (0, None)
+    cut = [line for line in s.log().splitlines() if "cut at shutdown" in line]
+    assert len(cut) == 2, s.log()[-3000:]
