@@ -22,8 +22,8 @@ class Server(ServerProcess):
         raise RuntimeError(f"no engine process among children {pids}")
 
 
-def start_server(tmp_path, *args: str) -> Server:
+def start_server(tmp_path, *args: str, module: str = "fulcrum.cli") -> Server:
     """The bundled model with a small KV cache, served as "shakespeare", its log kept under tmp_path."""
     flags = ["--kv-cache-memory", "0.05", "--served-model-name", "shakespeare", *args]
-    s = start(MODEL, *flags, log_path=tmp_path / f"server-{free_port()}.log", timeout=120)
+    s = start(MODEL, *flags, log_path=tmp_path / f"server-{free_port()}.log", timeout=120, module=module)
     return Server(s.proc, s.port, s.log_path)

@@ -55,9 +55,16 @@ class ServerProcess:
         self.stop()
 
 
-def start(model: str | Path, *flags: str, log_path: str | Path | None = None, timeout: float = 300) -> ServerProcess:
+def start(
+    model: str | Path,
+    *flags: str,
+    log_path: str | Path | None = None,
+    timeout: float = 300,
+    module: str = "fulcrum.cli",
+) -> ServerProcess:
+    """`module` is run with -m and must take fulcrum's CLI arguments (tests wrap the CLI to inject faults)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "fulcrum.cli", "serve", str(model), "--port", str(port), *flags]
+    cmd = [sys.executable, "-m", module, "serve", str(model), "--port", str(port), *flags]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if log_path is None:
         proc = subprocess.Popen(cmd, env=env)

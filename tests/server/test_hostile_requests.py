@@ -191,3 +191,32 @@ def test_sigterm_past_the_drain_timeout_ends_every_request_cleanly(fresh_server)
     assert s.proc.wait(30) not in (0, None)
     cut = [line for line in s.log().splitlines() if "cut at shutdown" in line]
     assert len(cut) == 2, s.log()[-3000:]
+
+
+def test_a_request_that_fails_inside_a_step_gets_a_500_and_the_others_go_on(tmp_path):
+    from tests.server.faulty_cli import POISON
+    from tests.servers import start_server
+
+    s = start_server(tmp_path, module="tests.server.faulty_cli")
+    try:
+        before = greedy_text(s)
+        results = {}
+        neighbour = {"prompt": "ROMEO:", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        t = threading.Thread(target=lambda: results.update(ok=post(s, "/v1/completions", neighbour)))
+        t.start()
+        time.sleep(0.2)
+        r = post(s, "/v1/completions", {"prompt": POISON, "max_tokens": 5})
+        assert_error(r, 500)
+        assert "injected fault" in r.json()["error"]["message"]
+        events, started = [], threading.Event()  # mid-stream: two tokens, then an error event and [DONE]
+        read_stream(s, {"prompt": POISON, "max_tokens": 5, "stream": True}, events, started)
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 500
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])
+        t.join(60)
+        assert results["ok"].status_code == 200
+        assert results["ok"].json()["usage"]["completion_tokens"] == 40
+        assert httpx.get(f"{s.url}/health").status_code == 200
+        assert greedy_text(s) == before
+        assert metric(s, 'fulcrum:request_success_total{finished_reason="error"') == 2
+    finally:
+        s.stop()
