@@ -174,8 +174,12 @@ def _measure_engine(**kwargs):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C before a verb installs its own handling (e.g. while imports load)
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ async def one(client: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
     n = rng.randint(1, 12)
     body = {"prompt": rng.choice(["ROMEO:", "JULIET:", "To be, or not"]), "max_tokens": n, "ignore_eos": True}
     if kind == "invalid":
-        body[rng.choice(["top_p", "priority", "stop_token_ids"])] = rng.choice([2**64, -3, [99999]])
+        field, value = rng.choice([("top_p", 2**64), ("priority", 2**64), ("stop_token_ids", [99999]), ("n", -3)])
+        body[field] = value
         r = await client.post("/v1/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["code"] == 400, r.text
         return "refused"
