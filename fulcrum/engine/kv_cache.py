@@ -130,10 +130,5 @@ class KVCacheManager:
                 self.free_queue[b.block_id] = b
         self.req_hashes.pop(req.request_id, None)
 
-    def reset_prefix_cache(self) -> None:
-        for b in self.blocks:
-            b.block_hash = None
-        self.cached.clear()
-
     def stats(self) -> KVCacheStats:
         return KVCacheStats(self.num_blocks, self.num_blocks - len(self.free_queue), self.queries, self.hits)

@@ -69,11 +69,6 @@ class LinearBase(nn.Module):
         return self.quant_method.apply(self, x, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, **kw):
-        super().__init__(input_size, [output_size], **kw)
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; `gather_output` reassembles them."""
 

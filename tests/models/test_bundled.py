@@ -4,9 +4,9 @@ import re
 import time
 
 from fulcrum.config import DEFAULT_MODEL, ModelConfig
-from fulcrum.engine.reference import generate_ids
 from fulcrum.models.loader import load_model
 from fulcrum.utils.tokenizer import chat_prompt_ids, load_tokenizer
+from tests.engine.reference import generate_ids
 
 DRAFT = DEFAULT_MODEL.parent / "tiny-shakespeare-draft"
 

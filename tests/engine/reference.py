@@ -1,7 +1,7 @@
 """A reference generator: recomputes the whole sequence every step (no KV cache).
 
-Slow by design and obviously correct; it backs `fulcrum generate` until the paged engine lands
-and stays useful as an oracle for it.
+Slow by design and obviously correct: an oracle for the paged engine that needs neither the
+scheduler nor the KV cache, only the model.
 """
 
 from __future__ import annotations
