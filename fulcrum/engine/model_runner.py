@@ -11,12 +11,10 @@ import torch
 from fulcrum.config import EngineConfig, ModelConfig
 from fulcrum.engine.scheduler import ScheduledRequest, SchedulerOutput
 from fulcrum.errors import FulcrumError
-from fulcrum.layers import cpu_attention, cpu_norm
+from fulcrum.kernels import huge_page_empty, move_parameters_to_huge_pages, warm_up
 from fulcrum.layers.attention import Attention, AttentionMetadata
 from fulcrum.layers.sampler import Sampler, SamplingMetadata
 from fulcrum.models.loader import load_model
-from fulcrum.quant import cpu_gemv
-from fulcrum.utils.hugepages import huge_page_empty, move_parameters_to_huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +63,7 @@ class ModelRunner:
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.sampler = Sampler()
-        if self.device.type == "cpu":
-            # build or load the CPU kernels now, not in the middle of the first request
-            for kernel in (cpu_gemv, cpu_attention, cpu_norm):
-                kernel.available()
+        warm_up(self.device)  # build or load the CPU kernels now, not in the middle of the first request
 
     # -- KV cache size ---------------------------------------------------------------------------
 

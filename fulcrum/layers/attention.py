@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fulcrum.layers import cpu_attention
+from fulcrum.kernels import cpu_attention
 
 
 @dataclass

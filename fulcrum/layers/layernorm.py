@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fulcrum.layers import cpu_norm
+from fulcrum.kernels import cpu_norm
 
 
 class RMSNorm(nn.Module):

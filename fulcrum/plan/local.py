@@ -11,6 +11,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from fulcrum.kernels import cpu_gemv
+from fulcrum.kernels.hugepages import huge_page_empty
 from fulcrum.layers.activation import SiluAndMul
 from fulcrum.layers.attention import Attention, AttentionMetadata
 from fulcrum.layers.layernorm import RMSNorm
@@ -19,8 +21,6 @@ from fulcrum.layers.rotary import RotaryEmbedding, apply_rotary
 from fulcrum.plan.catalog import Hardware
 from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec
 from fulcrum.plan.roofline import Efficiency, attention_flops, weight_bytes_read
-from fulcrum.quant import cpu_gemv
-from fulcrum.utils.hugepages import huge_page_empty
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MATRIX_BYTES = 16 << 20  # bandwidth probe: weight matrices of this size, read one after another like layers

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fulcrum.quant import cpu_gemv
+from fulcrum.kernels import cpu_gemv
 
 
 class LinearMethod:

@@ -4,7 +4,7 @@ result: checked against a float64 softmax(q k^T) v over each sequence's gathered
 import pytest
 import torch
 
-from fulcrum.layers import cpu_attention
+from fulcrum.kernels import cpu_attention
 from fulcrum.layers.attention import Attention, AttentionMetadata
 
 pytestmark = pytest.mark.skipif(

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fulcrum.layers import cpu_norm
+from fulcrum.kernels import cpu_norm
 from fulcrum.layers.layernorm import RMSNorm
 
 pytestmark = pytest.mark.skipif(not cpu_norm.available(), reason="needs an x86 CPU with AVX-512 BF16 and a compiler")

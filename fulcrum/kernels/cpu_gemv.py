@@ -7,8 +7,8 @@ walks each weight row once with AVX-512 (`vdpbf16ps` for bf16, FMA for fp32), ke
 rows in registers (more rows go 4 at a time over cache-resident blocks of weight rows), fuses the
 bias, writes the input's dtype, and splits output rows over PyTorch's OpenMP thread pool.
 
-It is built by `fulcrum.utils.cpu_ext` (the model runner builds it at startup, before a server
-reports ready); where it is not available callers fall back to F.linear.
+It is built by `fulcrum.kernels.cpu_ext` (the model runner's `fulcrum.kernels.warm_up` builds it at
+startup, before a server reports ready); where it is not available callers fall back to F.linear.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from fulcrum.utils import cpu_ext
+from fulcrum.kernels import cpu_ext
 
 # Up to these row counts the kernel beat F.linear over the 0.5B shape's matrices (measured on a
 # 2-core EPYC, 2 threads): bf16 by 1.2-2.6x through 16 rows (even at 24, behind at 32); fp32 by

@@ -8,7 +8,7 @@ quarter of a throughput run, for ~90 MFLOP and ~13 MB of KV.
 This kernel gives one (sequence, KV head) pair to a task: it reads each cached key once through the
 block table, scores it against all query heads of the group in fp32, takes a softmax per head
 (vectorised exp), and sums the values the same way. No gather, no padding, no mask. Built by
-`fulcrum.utils.cpu_ext`; callers fall back to PyTorch where it is not available.
+`fulcrum.kernels.cpu_ext`; callers fall back to PyTorch where it is not available.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from fulcrum.utils import cpu_ext
+from fulcrum.kernels import cpu_ext
 
 MAX_GROUP = 16  # query heads per KV head the kernel keeps in its scratch
 _DTYPES = (torch.bfloat16, torch.float32)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fulcrum.quant import cpu_gemv
+from fulcrum.kernels import cpu_gemv
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="needs an x86 CPU with AVX-512 BF16 and a compiler")
 

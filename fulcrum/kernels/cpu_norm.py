@@ -6,7 +6,7 @@ and a 0.5B-shape step has 49 of them. This kernel is one pass at ~2.5 us. It kee
 arithmetic: float32, cast to the input dtype, then times the weight, as HF transformers does
 (the float32 sum of squares is taken in another order: within 1e-6 in float32, and in bf16 an
 occasional output one rounding step away).
-Built by `fulcrum.utils.cpu_ext`; callers fall back to PyTorch ops where it is not available.
+Built by `fulcrum.kernels.cpu_ext`; callers fall back to PyTorch ops where it is not available.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from fulcrum.utils import cpu_ext
+from fulcrum.kernels import cpu_ext
 
 _SOURCE = (
     cpu_ext.PRELUDE

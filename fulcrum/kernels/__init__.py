@@ -1,0 +1,21 @@
+"""fulcrum's own kernels, picked at runtime by ISA: on x86 CPUs with AVX-512 BF16 a GEMV for few-row linear
+layers, decode attention over the paged KV cache and RMSNorm (each built once per environment by `cpu_ext`), and
+huge-page memory for the weights and KV cache they stream. Layers call them and fall back to PyTorch ops."""
+
+from __future__ import annotations
+
+import torch
+
+from fulcrum.kernels import cpu_attention, cpu_gemv, cpu_norm
+from fulcrum.kernels.hugepages import huge_page_empty, move_parameters_to_huge_pages
+
+__all__ = ["huge_page_empty", "move_parameters_to_huge_pages", "warm_up"]
+
+
+def warm_up(device: str | torch.device) -> None:
+    """Build or load every kernel `device` runs on now (about a minute the first time in an environment), so a
+    server reports ready with them in place instead of building them in the middle of the first request."""
+    if torch.device(device).type != "cpu":
+        return
+    for kernel in (cpu_gemv, cpu_attention, cpu_norm):
+        kernel.available()
