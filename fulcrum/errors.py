@@ -40,3 +40,20 @@ class RequestFailedError(FulcrumError):
 class ShuttingDownError(FulcrumError):
     """The server is shutting down: a new request is refused, or one in flight was cut when the drain
     timeout ran out (HTTP 503)."""
+
+
+class KVCacheTooSmallError(FulcrumError):
+    """The memory given to the KV cache cannot hold even one sequence of max_model_len tokens."""
+
+
+class UnknownHardwareError(FulcrumError, ValueError):
+    """--hardware names no catalog entry; the message lists the names there are."""
+
+
+class WeightShapeError(FulcrumError, ValueError):
+    """A checkpoint tensor does not fit the parameter it is loaded into (the loader turns it into a
+    WeightLoadError naming the tensor)."""
+
+    def __init__(self, expected: tuple, got: tuple):
+        super().__init__(f"expected shape {tuple(expected)}, checkpoint has {tuple(got)}")
+        self.expected, self.got = tuple(expected), tuple(got)

@@ -10,7 +10,7 @@ import torch
 
 from fulcrum.config import EngineConfig, ModelConfig
 from fulcrum.engine.scheduler import ScheduledRequest, SchedulerOutput
-from fulcrum.errors import FulcrumError
+from fulcrum.errors import KVCacheTooSmallError
 from fulcrum.kernels import huge_page_empty, move_parameters_to_huge_pages, warm_up
 from fulcrum.layers.attention import Attention, AttentionMetadata
 from fulcrum.layers.sampler import Sampler, SamplingMetadata
@@ -19,10 +19,6 @@ from fulcrum.models.loader import load_model
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
-
-
-class KVCacheTooSmallError(FulcrumError):
-    """The memory given to the KV cache cannot hold even one sequence of max_model_len tokens."""
 
 
 @dataclass

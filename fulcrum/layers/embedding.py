@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fulcrum.distributed.parallel_state import tp_all_gather, tp_all_reduce, tp_rank, tp_size
+from fulcrum.errors import WeightShapeError
 from fulcrum.kernels import cpu_gemv
-from fulcrum.layers.linear import WeightShapeError
 
 
 class VocabParallelEmbedding(nn.Module):

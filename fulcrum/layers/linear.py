@@ -11,15 +11,8 @@ import torch
 from torch import nn
 
 from fulcrum.distributed.parallel_state import tp_all_gather, tp_all_reduce, tp_rank, tp_size
+from fulcrum.errors import WeightShapeError
 from fulcrum.quant.base import LinearMethod, UnquantizedLinearMethod
-
-
-class WeightShapeError(ValueError):
-    """A checkpoint tensor does not fit the parameter it is loaded into."""
-
-    def __init__(self, expected: tuple, got: tuple):
-        super().__init__(f"expected shape {tuple(expected)}, checkpoint has {tuple(got)}")
-        self.expected, self.got = tuple(expected), tuple(got)
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -12,8 +12,8 @@ from safetensors import safe_open
 from torch import nn
 
 from fulcrum.config import ModelConfig
-from fulcrum.errors import ModelLoadError, WeightLoadError
-from fulcrum.layers.linear import WeightShapeError, copy_checked
+from fulcrum.errors import ModelLoadError, WeightLoadError, WeightShapeError
+from fulcrum.layers.linear import copy_checked
 from fulcrum.models.registry import model_class
 
 # Buffers some checkpoints carry that the model recomputes.

@@ -6,13 +6,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fulcrum.errors import FulcrumError
+from fulcrum.errors import UnknownHardwareError
 
 CATALOG = Path(__file__).with_name("hardware.json")
-
-
-class UnknownHardwareError(FulcrumError, ValueError):
-    """--hardware names no catalog entry; the message lists the names there are."""
 
 
 @dataclass(frozen=True)
