@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _measure_engine(**kwargs):
     """`fulcrum plan --validate` measures with the engine; plan/ itself never imports it, so the CLI joins them."""
-    from fulcrum.engine.speed import measure_speed
+    from fulcrum.probe.engine_speed import measure_speed
 
     return measure_speed(**kwargs)
 

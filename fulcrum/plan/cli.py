@@ -70,7 +70,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
     wdtype = args.weight_dtype or spec.dtype
     catalog = load_catalog()
     if args.hardware.lower() == "local":
-        from fulcrum.plan.local import LOCAL_EFFICIENCY, local_hardware
+        from fulcrum.probe.machine import LOCAL_EFFICIENCY, local_hardware
 
         hw = local_hardware(spec, wdtype, matmul_tokens=args.input_len)
         eff = LOCAL_EFFICIENCY

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
-from fulcrum.plan.local import LOCAL_EFFICIENCY, local_hardware
 from fulcrum.plan.model_spec import load_model_spec
 from fulcrum.plan.roofline import decode_step, prefill, step_overhead
+from fulcrum.probe.machine import LOCAL_EFFICIENCY, local_hardware
 
 
 @dataclass
