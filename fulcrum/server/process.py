@@ -4,16 +4,28 @@ becomes healthy."""
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+# The standard library, not httpx (a dev extra): this module must import on a plain install. No proxy either:
+# an http_proxy in the environment must not route a loopback health check through it.
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with _opener.open(f"{url}/health", timeout=1) as response:
+            return response.status == 200
+    except (OSError, http.client.HTTPException):  # refused, reset, timed out, a non-2xx (HTTPError is an OSError)
+        return False
 
 
 def free_port() -> int:
@@ -76,11 +88,8 @@ def start(
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"fulcrum serve exited early ({' '.join(cmd)}):\n{server.log()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
+        if _healthy(server.url):
+            return server
         time.sleep(0.3)
     server.stop()
     raise RuntimeError(f"fulcrum serve did not become healthy in {timeout:.0f} s ({' '.join(cmd)}):\n{server.log()}")
