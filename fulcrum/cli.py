@@ -162,12 +162,23 @@ def build_parser() -> argparse.ArgumentParser:
     from fulcrum.plan.cli import add_plan_parser
 
     add_bench_parser(sub)
-    add_plan_parser(sub).set_defaults(measure=_measure_engine)
+    # plan/ imports neither torch (which fulcrum.config does) nor what measures: the CLI joins them, handing it the
+    # bundled model as the default and fulcrum.probe's measurements
+    add_plan_parser(sub).set_defaults(
+        model=str(DEFAULT_MODEL), measure_machine=_measure_machine, measure_engine=_measure_engine
+    )
     return p
 
 
+def _measure_machine(*args, **kwargs):
+    """This machine at a model's shapes, for `fulcrum plan --hardware local` and `--validate`."""
+    from fulcrum.probe.machine import measure_machine
+
+    return measure_machine(*args, **kwargs)
+
+
 def _measure_engine(**kwargs):
-    """`fulcrum plan --validate` measures with the engine; plan/ itself never imports it, so the CLI joins them."""
+    """The engine's own prefill and decode speed, for `fulcrum plan --validate`."""
     from fulcrum.probe.engine_speed import measure_speed
 
     return measure_speed(**kwargs)

@@ -1,15 +1,18 @@
 """Arguments of `fulcrum plan`, and the command: a model's memory, GPU count, roofline speed and cost per token
-on a hardware entry, or `--validate` against a measured run on this machine."""
+on a hardware entry, or `--validate` against a measured run on this machine.
+
+plan imports neither torch nor the engine: the top-level CLI sets the bundled model as --model's default and
+passes in the probes (`args.measure_machine`, `args.measure_engine`, from `fulcrum.probe`) that measure."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from fulcrum.config import DEFAULT_MODEL
 from fulcrum.errors import FulcrumError
 from fulcrum.plan.advice import what_to_do
 from fulcrum.plan.catalog import get_hardware, load_catalog
+from fulcrum.plan.local import LOCAL_EFFICIENCY, local_hardware
 from fulcrum.plan.memory import MemoryAssumptions, plan_memory
 from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec, load_model_spec, load_presets
 from fulcrum.plan.report import Plan, plot, render, to_json
@@ -65,14 +68,12 @@ def plan_context(spec: ModelSpec, asked: int | None) -> tuple[int, str]:
 
 
 def build_plan(args: argparse.Namespace) -> Plan:
-    spec = load_model_spec(args.model or DEFAULT_MODEL)
+    spec = load_model_spec(args.model)
     seq_len, context_note = plan_context(spec, args.context)
     wdtype = args.weight_dtype or spec.dtype
     catalog = load_catalog()
     if args.hardware.lower() == "local":
-        from fulcrum.probe.machine import LOCAL_EFFICIENCY, local_hardware
-
-        hw = local_hardware(spec, wdtype, matmul_tokens=args.input_len)
+        hw = local_hardware(args.measure_machine(spec, wdtype, matmul_tokens=args.input_len))
         eff = LOCAL_EFFICIENCY
     else:
         hw = get_hardware(args.hardware, catalog)
@@ -116,8 +117,9 @@ def run_plan(args: argparse.Namespace) -> int:
             from fulcrum.plan.validate import validate
 
             result = validate(
-                str(args.model or DEFAULT_MODEL),
-                args.measure,
+                str(args.model),
+                args.measure_machine,
+                args.measure_engine,
                 input_len=args.input_len or 512,
                 output_len=args.output_len or 64,
                 batch_sizes=(1, 2),

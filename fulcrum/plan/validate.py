@@ -1,5 +1,7 @@
 """`fulcrum plan --validate`: predict the engine's prefill and decode speed on this machine from the model's
-config and measured hardware figures, then run the engine and put the two side by side."""
+config and measured hardware figures, then run the engine and put the two side by side. The measuring is
+`fulcrum.probe`'s, passed in by the CLI: `measure_machine` returns `LocalMeasurements`, `measure_engine` the
+engine's speed as a dict."""
 
 from __future__ import annotations
 
@@ -9,9 +11,9 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
+from fulcrum.plan.local import LOCAL_EFFICIENCY, LocalMeasurements, local_hardware
 from fulcrum.plan.model_spec import load_model_spec
 from fulcrum.plan.roofline import decode_step, prefill, step_overhead
-from fulcrum.probe.machine import LOCAL_EFFICIENCY, local_hardware
 
 
 @dataclass
@@ -27,7 +29,8 @@ class Comparison:
 
 def validate(
     model: str,
-    measure: Callable[..., dict],
+    measure_machine: Callable[..., LocalMeasurements],
+    measure_engine: Callable[..., dict],
     input_len: int = 512,
     output_len: int = 64,
     batch_sizes: tuple[int, ...] = (1,),
@@ -39,7 +42,8 @@ def validate(
     dtype = spec.dtype
     c.print(f"[bold]validate[/bold] {spec.name} ({dtype}) on this machine: predicting from config.json ...")
     context = decode_prompt_len + output_len // 2  # the mean KV length over the measured decode
-    hw = local_hardware(spec, dtype, matmul_tokens=input_len, batch_sizes=batch_sizes, decode_context=context)
+    measured = measure_machine(spec, dtype, matmul_tokens=input_len, batch_sizes=batch_sizes, decode_context=context)
+    hw = local_hardware(measured)
     pred_prefill = prefill(spec, hw, dtype, input_len, eff=LOCAL_EFFICIENCY)
     pred_decode = {b: decode_step(spec, hw, dtype, dtype, b, context, eff=LOCAL_EFFICIENCY) for b in batch_sizes}
     for note in hw.notes:
@@ -50,7 +54,7 @@ def validate(
     )
 
     c.print("running fulcrum's engine ...")
-    got = measure(
+    got = measure_engine(
         model=model,
         device="cpu",
         input_len=input_len,

@@ -1,5 +1,6 @@
-"""`--hardware local`: this machine measured, not looked up: streaming bandwidth as decode reads weights,
-matmul FLOPS at the model's prefill shape, and the latency of one eager framework op."""
+"""This machine measured for `fulcrum plan --hardware local` and `--validate`, at a model's own shapes and through
+the engine's own kernels and layers: streaming bandwidth as decode reads weights, matmul FLOPS at the prefill
+shape, causal attention, and the framework cost of a decoder layer. plan gets the numbers as `LocalMeasurements`."""
 
 from __future__ import annotations
 
@@ -18,15 +19,12 @@ from fulcrum.layers.attention import Attention, AttentionMetadata
 from fulcrum.layers.layernorm import RMSNorm
 from fulcrum.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fulcrum.layers.rotary import RotaryEmbedding, apply_rotary
-from fulcrum.plan.catalog import Hardware
+from fulcrum.plan.local import LocalMeasurements
 from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec
-from fulcrum.plan.roofline import Efficiency, attention_flops, weight_bytes_read
+from fulcrum.plan.roofline import attention_flops, weight_bytes_read
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MATRIX_BYTES = 16 << 20  # bandwidth probe: weight matrices of this size, read one after another like layers
-# The local figures are measured at the workload's own shapes with the engine's kernels, so they already are
-# what the kernels reach: no further efficiency factor. (One machine: no all-reduce.)
-LOCAL_EFFICIENCY = Efficiency(bandwidth=1.0, compute=1.0, allreduce_latency_s=0.0)
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -241,21 +239,21 @@ def memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def local_hardware(
+def measure_machine(
     spec: ModelSpec,
     dtype: str = "bf16",
     matmul_tokens: int = 512,
     batch_sizes: tuple[int, ...] = (1,),
     decode_context: int = 512,
-) -> Hardware:
-    """This machine as a catalog entry, measured at `spec`'s shapes in the dtype the model runs in (CPUs have
-    no fp8/fp4 matmuls): decode's weight streaming, and a prefill MLP matmul of `matmul_tokens` tokens."""
+) -> LocalMeasurements:
+    """This machine measured at `spec`'s shapes in the dtype the model runs in (CPUs have no fp8/fp4 matmuls):
+    decode's weight streaming, a prefill MLP matmul of `matmul_tokens` tokens, causal attention, and a decoder
+    layer's framework cost decoding over `decode_context` cached tokens."""
     dtype = dtype if dtype in TORCH_DTYPES else "bf16"
     matrices = decode_matrices(spec, dtype)
     working_set = matrices_bytes(matrices, DTYPE_BYTES[dtype])
     matmul_shape = (matmul_tokens, spec.hidden, spec.intermediate)
     by_batch = {b: measure_bandwidth(dtype, matrices, batch=b) for b in sorted({1, *batch_sizes})}
-    bw = by_batch[1]
     flops = measure_matmul_flops(dtype, *matmul_shape)
     # past a couple of thousand tokens the rate is flat, and the probe's score matrices would grow quadratically
     attention_tokens = min(matmul_tokens, 2048)
@@ -263,18 +261,15 @@ def local_hardware(
     layer_s, op = measure_framework_cost(spec, dtype, decode_context)
     kernel = "fulcrum GEMV kernel" if cpu_gemv.available() else "F.linear"
     streams = ", ".join(f"batch {b}: {v / 1e9:.1f} GB/s" for b, v in by_batch.items())
-    return Hardware(
-        name="local",
+    return LocalMeasurements(
+        dtype=dtype,
+        threads=torch.get_num_threads(),
         memory_bytes=memory_bytes(),
-        bandwidth=bw,
-        flops={dtype: flops, "bf16": flops} if dtype != "bf16" else {"bf16": flops},
-        interconnect="none",
-        formats=(dtype,),
-        source=f"measured on this machine, {torch.get_num_threads()} threads",
-        op_latency_s=op,
-        layer_overhead_s=layer_s,
         bandwidth_by_batch=by_batch,
+        matmul_flops=flops,
         attention_flops=attention,
+        layer_overhead_s=layer_s,
+        op_latency_s=op,
         notes=[
             f"weight streaming ({streams}): GEMVs over the model's {len(matrices)} weight matrices, "
             f"{working_set / 2**20:.0f} MiB of {dtype}, through the engine's decode path ({kernel} up to {cpu_gemv.MAX_ROWS.get(TORCH_DTYPES[dtype], 0)} rows, F.linear beyond), median of 7",
