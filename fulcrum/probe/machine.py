@@ -1,6 +1,7 @@
 """This machine measured for `fulcrum plan --hardware local` and `--validate`, at a model's own shapes and through
 the engine's own kernels and layers: streaming bandwidth as decode reads weights, matmul FLOPS at the prefill
-shape, causal attention, and the framework cost of a decoder layer. plan gets the numbers as `LocalMeasurements`."""
+shape, causal attention, and the framework cost of fulcrum's own decoder layer (fulcrum.models, random weights).
+plan gets the numbers as `LocalMeasurements`."""
 
 from __future__ import annotations
 
@@ -11,14 +12,12 @@ import time
 
 import torch
 import torch.nn.functional as F
+from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from fulcrum.kernels import cpu_gemv
 from fulcrum.kernels.hugepages import huge_page_empty
-from fulcrum.layers.activation import SiluAndMul
 from fulcrum.layers.attention import Attention, AttentionMetadata
-from fulcrum.layers.layernorm import RMSNorm
-from fulcrum.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from fulcrum.layers.rotary import RotaryEmbedding, apply_rotary
+from fulcrum.models.registry import model_class
 from fulcrum.plan.local import LocalMeasurements
 from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec
 from fulcrum.plan.roofline import attention_flops, weight_bytes_read
@@ -119,64 +118,60 @@ def measure_attention_flops(spec: ModelSpec, dtype: str, tokens: int, repeats: i
     return per_layer / _median_time(lambda: layer(q, k, v, meta), repeats)
 
 
-class _Attention(torch.nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, hd: int, qkv_bias: bool, dtype: torch.dtype):
-        super().__init__()
-        self.qkv_proj = QKVParallelLinear(hidden, hd, heads, kv_heads, bias=qkv_bias, dtype=dtype)
-        self.o_proj = RowParallelLinear(heads * hd, hidden, dtype=dtype)
-        self.attn = Attention(heads, kv_heads, hd, hd**-0.5)
-        self.sizes, self.heads, self.kv_heads, self.hd = [heads * hd, kv_heads * hd, kv_heads * hd], heads, kv_heads, hd
+def decoder_config(spec: ModelSpec, layers: int, context: int) -> PretrainedConfig:
+    """A Hugging Face config of `layers` decoder layers at `spec`'s shape, in the family with its attention's
+    switches (Qwen3: q/k norms; Qwen2: q/k/v biases; Llama: attention_bias on q/k/v and o), for `context` + 1
+    positions and a 16-token vocabulary: the probe times the layers, not the embedding or the LM head."""
+    if spec.qk_norm:
+        cls, arch = Qwen3Config, "Qwen3ForCausalLM"
+    elif spec.qkv_bias and not spec.o_bias:
+        cls, arch = Qwen2Config, "Qwen2ForCausalLM"
+    else:
+        cls, arch = LlamaConfig, "LlamaForCausalLM"
+    return cls(
+        architectures=[arch],
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        attention_bias=spec.o_bias,
+        mlp_bias=spec.mlp_bias,
+        vocab_size=16,
+        max_position_embeddings=context + 1,
+        tie_word_embeddings=True,
+    )
 
-    def forward(self, rope, x, meta):
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q, k = apply_rotary(q.view(-1, self.heads, self.hd), k.view(-1, self.kv_heads, self.hd), *rope)
-        o = self.attn(q, k, v.view(-1, self.kv_heads, self.hd), meta)
-        return self.o_proj(o.reshape(-1, self.heads * self.hd))
+
+def decoder_layers(spec: ModelSpec, dt: torch.dtype, layers: int, context: int, block: int = 16):
+    """`layers` of fulcrum's own decoder layers (fulcrum.models, built from `decoder_config`) with random weights,
+    each with a paged KV cache of `context` tokens; and the RoPE and attention metadata of one token decoding
+    after them, shared by the layers as a step shares them. Returns (layers, rope, meta)."""
+    cfg = decoder_config(spec, layers, context)
+    model = model_class(cfg)(cfg, dtype=dt)
+    for p in model.parameters():
+        p.normal_(0, 0.02)
+    blocks = -(-(context + 1) // block)
+    for layer in model.model.layers:
+        attn = layer.self_attn.attn
+        attn.k_cache = torch.zeros(blocks, block, attn.num_kv_heads, attn.head_dim, dtype=dt)
+        attn.v_cache = torch.zeros(blocks, block, attn.num_kv_heads, attn.head_dim, dtype=dt)
+    rope = model.model.rotary_emb(torch.tensor([context]), dt)
+    meta = AttentionMetadata(
+        query_lens=[1],
+        slot_mapping=torch.tensor([context]),
+        decode_token_idx=torch.tensor([0]),
+        decode_block_tables=torch.arange(blocks).view(1, blocks),
+        decode_context_lens=torch.tensor([context + 1]),
+        decode_max_context=context + 1,
+    )
+    return list(model.model.layers), rope, meta
 
 
-class _MLP(torch.nn.Module):
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], dtype=dtype)
-        self.down_proj = RowParallelLinear(inter, hidden, dtype=dtype)
-        self.act = SiluAndMul()
-
-    def forward(self, x):
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
-class _DecoderLayer(torch.nn.Module):
-    """fulcrum's decoder layer at a model's shape, with random weights (the shape of models/llama.py's, built from
-    the same `fulcrum.layers`, since plan may not import models), decoding one token over `context` cached ones."""
-
-    def __init__(self, spec: ModelSpec, dt: torch.dtype, context: int, block: int = 16):
-        super().__init__()
-        hidden, heads, kv_heads, hd = spec.hidden, spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.input_layernorm = RMSNorm(hidden, dtype=dt)
-        self.self_attn = _Attention(hidden, heads, kv_heads, hd, spec.qkv_bias, dt)
-        self.post_attention_layernorm = RMSNorm(hidden, dtype=dt)
-        self.mlp = _MLP(hidden, spec.intermediate, dt)
-        for p in self.parameters():
-            p.normal_(0, 0.02)
-        blocks = -(-(context + 1) // block)
-        self.self_attn.attn.k_cache = torch.zeros(blocks, block, kv_heads, hd, dtype=dt)
-        self.self_attn.attn.v_cache = torch.zeros(blocks, block, kv_heads, hd, dtype=dt)
-        self.rope = RotaryEmbedding(hd, context + 1, {"rope_theta": 10000.0})(torch.tensor([context]), dt)
-        self.meta = AttentionMetadata(
-            query_lens=[1],
-            slot_mapping=torch.tensor([context]),
-            decode_token_idx=torch.tensor([0]),
-            decode_block_tables=torch.arange(blocks).view(1, blocks),
-            decode_context_lens=torch.tensor([context + 1]),
-            decode_max_context=context + 1,
-        )
-
-    def linears(self):
-        return [self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj]
-
-    def forward(self, x):
-        x = x + self.self_attn(self.rope, self.input_layernorm(x), self.meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+def layer_linears(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """A decoder layer's linear layers in the order decode runs them: q/k/v, o, gate/up, down."""
+    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
 
 
 LAYER_PROBE_BYTES = 256 << 20  # a larger layer is timed at a narrow stand-in shape (its cost is then framework only)
@@ -196,9 +191,9 @@ def measure_framework_cost(spec: ModelSpec, dtype: str, context: int, repeats: i
         shape = dataclasses.replace(spec, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate=128)
         layer_bytes = matrices_bytes(layer_matrices(shape), dt.itemsize)
     n = max(1, min(spec.num_layers, 8, LAYER_PROBE_BYTES // max(layer_bytes, 1)))
-    layers = [_DecoderLayer(shape, dt, context) for _ in range(n)]
+    layers, rope, meta = decoder_layers(shape, dt, n, context)
     x = torch.randn(1, shape.hidden).to(dt)
-    linears = [(lin, torch.randn(1, lin.input_size).to(dt)) for layer in layers for lin in layer.linears()]
+    linears = [(lin, torch.randn(1, lin.input_size).to(dt)) for layer in layers for lin in layer_linears(layer)]
     iters = max(1, 20 // n)
     # kineto, the profiler's backend, prints "USDT:" lines on every start and stop unless told otherwise before
     # its first use in the process; 6 is above its highest severity. A level the user set is kept.
@@ -206,16 +201,16 @@ def measure_framework_cost(spec: ModelSpec, dtype: str, context: int, repeats: i
     from torch.profiler import profile
 
     for layer in layers:
-        layer(x)  # warm-up; on PyTorch's decode path each layer also builds its decode mask here, once
+        layer(rope, x, meta)  # warm-up; on PyTorch's decode path the step's decode mask is built here, once
     with profile() as prof:
-        layers[0](x)
+        layers[0](rope, x, meta)
     ops = sum(1 for e in prof.events() if e.cpu_parent is None)
 
     def whole():
         for _ in range(iters):
             h = x
             for layer in layers:
-                h = layer(h)
+                h = layer(rope, h, meta)
 
     def gemvs():
         for _ in range(iters):
