@@ -57,3 +57,11 @@ class WeightShapeError(FulcrumError, ValueError):
     def __init__(self, expected: tuple, got: tuple):
         super().__init__(f"expected shape {tuple(expected)}, checkpoint has {tuple(got)}")
         self.expected, self.got = tuple(expected), tuple(got)
+
+
+class ModelNotFoundError(FulcrumError):
+    """A request names a model this server does not serve (HTTP 404)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

@@ -12,7 +12,7 @@ import time
 import uvicorn
 
 from fulcrum.errors import ShuttingDownError
-from fulcrum.server.api import ServerState
+from fulcrum.server.state import ServerState
 
 log = logging.getLogger("fulcrum.serve")
 EXIT_CUT = 3  # requests were cut at shutdown (1 is an engine failure)

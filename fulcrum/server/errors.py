@@ -17,6 +17,7 @@ from fulcrum.errors import (
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
+    ModelNotFoundError,
     RequestFailedError,
     ShuttingDownError,
 )
@@ -40,6 +41,7 @@ ERROR_TYPES = {
 # fulcrum's errors -> status code
 STATUS = {
     InvalidRequestError: 400,
+    ModelNotFoundError: 404,
     EngineOverloadedError: 503,
     ShuttingDownError: 503,
     EngineDeadError: 500,

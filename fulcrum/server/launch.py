@@ -13,9 +13,10 @@ import uvicorn
 
 from fulcrum.config import EngineConfig
 from fulcrum.engine.async_llm import AsyncLLM
-from fulcrum.server.api import ServerState, build_app
+from fulcrum.server.api import build_app
 from fulcrum.server.drain import ANSWER_GRACE_S, DrainingServer
 from fulcrum.server.metrics import ServerMetrics
+from fulcrum.server.state import ServerState
 
 log = logging.getLogger("fulcrum.serve")
 
@@ -78,7 +79,7 @@ def _run(
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(asctime)s %(name)s %(message)s")
     engine = AsyncLLM(config, max_waiting_requests=max_waiting_requests)
-    name = served_model_name or engine.model_config.path.name
+    name = served_model_name or engine.model_path.name
     state = ServerState(engine, name, api_key, ServerMetrics(name, compat_vllm=metrics_compat == "vllm"))
     app = build_app(state)
     # our own drain runs first (DrainingServer.shutdown); uvicorn's grace is for the answers it leaves

@@ -1,0 +1,63 @@
+"""What every handler works with: the engine, the served model's name, the key, the metrics, and the
+translation of a request's fields into the engine's terms (prompt ids, SamplingParams)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fulcrum.engine.async_llm import AsyncLLM
+from fulcrum.errors import InvalidRequestError, ModelNotFoundError
+from fulcrum.protocol import ChatMessage, SamplingFields
+from fulcrum.sampling_params import SamplingParams
+from fulcrum.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLM
+    model_name: str
+    api_key: str | None
+    metrics: ServerMetrics
+    draining: bool = False  # SIGTERM: requests in flight finish, new ones get 503
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model")
+
+    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        try:
+            convo = [{"role": m.role, "content": m.text()} for m in messages]
+            ids = self.engine.tokenizer.apply_chat_template(
+                convo, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            )
+        except Exception as e:  # template errors (e.g. a role the template refuses) are the client's
+            raise InvalidRequestError(f"messages cannot be rendered by the chat template: {e}", "messages") from e
+        return list(ids)
+
+
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """A request's sampling fields as SamplingParams (OpenAI's defaults where a field is absent)."""
+    try:
+        logit_bias = req.logit_bias_ids()
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="logit_bias") from e
+    return SamplingParams(
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        seed=req.seed,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids or [],
+        ignore_eos=req.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        logit_bias=logit_bias,
+    )

@@ -1,0 +1,137 @@
+"""The one path both endpoints take from engine outputs to an HTTP answer: run a request's prompts
+concurrently, stream their steps as server-sent events, or collect them into one body; a client that
+goes away aborts its requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from fulcrum.engine.async_llm import AsyncLLM
+from fulcrum.engine.outputs import RequestOutput
+from fulcrum.errors import ShuttingDownError
+from fulcrum.protocol import UsageInfo
+from fulcrum.sampling_params import SamplingParams
+from fulcrum.server.errors import sse_error, status_of
+
+log = logging.getLogger("fulcrum.server")
+Item = tuple[int, RequestOutput, dict[int, str]]  # (prompt index, output so far, new text per sample)
+
+
+async def merged(
+    engine: AsyncLLM, prompts: list[tuple[str | None, list[int]]], params: SamplingParams, priority: int
+) -> AsyncIterator[Item]:
+    """Run every prompt concurrently; yield items as steps land."""
+    gens = [engine.generate(p, ids, params, priority=priority) for p, ids in prompts]
+    if len(gens) == 1:
+        async for ro, deltas in gens[0]:
+            yield 0, ro, deltas
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, gen):
+        try:
+            async for ro, deltas in gen:
+                await queue.put((i, ro, deltas))
+        except Exception as e:
+            await queue.put(e)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class Run:
+    """A started request: its first item is awaited at once, so that a refusal (a bad value, a full queue)
+    raises before any response is sent and becomes a plain error response."""
+
+    def __init__(self, it: AsyncIterator[Item]):
+        self.it = it
+        self.first: Item | None = None
+
+    @classmethod
+    async def start(cls, it: AsyncIterator[Item]) -> Run:
+        run = cls(it)
+        run.first = await run._next()
+        return run
+
+    async def _next(self) -> Item | None:
+        try:
+            return await self.it.__anext__()
+        except StopAsyncIteration:
+            return None
+
+    async def items(self) -> AsyncIterator[Item]:
+        item = self.first
+        while item is not None:
+            yield item
+            item = await self._next()
+
+    async def last_outputs(self) -> dict[int, RequestOutput]:
+        """Run to the end; each prompt's final output."""
+        last = {}
+        async for i, ro, _ in self.items():
+            last[i] = ro
+        return last
+
+    async def collect(self, request: Request) -> dict[int, RequestOutput] | Response:
+        """last_outputs(), unless the client goes away first: then its requests are aborted (499)."""
+        task = asyncio.ensure_future(self.last_outputs())
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                return Response(status_code=499)
+
+    def stream(self, events: AsyncIterator[BaseModel]) -> StreamingResponse:
+        """Stream `events` as SSE, then `[DONE]`; a failure (engine, request, shutdown) ends the stream with an
+        error event and then `[DONE]`, and however it ends (a client gone included) the requests are aborted."""
+
+        async def body():
+            try:
+                async for event in events:
+                    yield sse(event)
+            except Exception as e:
+                if status_of(e) >= 500 and not isinstance(e, ShuttingDownError):
+                    log.error("stream failed: %s: %s", type(e).__name__, e)
+                yield sse_error(e)
+            finally:
+                await self.it.aclose()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def sse(event: BaseModel) -> str:
+    body = event.model_dump()
+    if body.get("usage", 0) is None:  # usage rides only on the last chunk, when the client asked for it
+        del body["usage"]
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def usage_of(outputs) -> UsageInfo:
+    """Usage over finished RequestOutputs: each prompt once, every sample's tokens."""
+    pt = sum(len(ro.prompt_token_ids) for ro in outputs)
+    ct = sum(len(o.token_ids) for ro in outputs for o in ro.outputs)
+    return UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
