@@ -51,23 +51,6 @@ def rope_parameters(hf_config: PretrainedConfig) -> dict:
     return params
 
 
-def head_dim(hf_config: PretrainedConfig) -> int:
-    explicit = getattr(hf_config, "head_dim", None)
-    return explicit or hf_config.hidden_size // hf_config.num_attention_heads
-
-
-def layer_sliding_windows(hf_config: PretrainedConfig) -> list[int | None]:
-    """Per-layer sliding window (None = full attention), following `layer_types` when present."""
-    n = hf_config.num_hidden_layers
-    window = getattr(hf_config, "sliding_window", None)
-    types = getattr(hf_config, "layer_types", None)
-    if types is not None:
-        return [window if t == "sliding_attention" else None for t in types]
-    if getattr(hf_config, "use_sliding_window", True) is False:
-        return [None] * n
-    return [window] * n
-
-
 def read_eos_token_ids(path: Path, hf_config: PretrainedConfig) -> list[int]:
     """End-of-sequence ids from generation_config.json (which may list several), else config.json."""
     ids = None
@@ -79,6 +62,14 @@ def read_eos_token_ids(path: Path, hf_config: PretrainedConfig) -> list[int]:
     if ids is None:
         return []
     return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+
+
+def model_path(model: str | Path | None) -> Path:
+    """The model folder a setting names (None: the bundled model), checked to be one."""
+    path = Path(model) if model is not None else DEFAULT_MODEL
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{path} is not a model folder: config.json not found")
+    return path
 
 
 @dataclass
@@ -95,9 +86,7 @@ class ModelConfig:
     def from_path(
         cls, path: str | Path | None = None, dtype: str | torch.dtype = "auto", max_model_len: int | None = None
     ) -> ModelConfig:
-        path = Path(path) if path is not None else DEFAULT_MODEL
-        if not (path / "config.json").exists():
-            raise ModelLoadError(f"{path} is not a model folder: config.json not found")
+        path = model_path(path)
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
         if max_model_len is not None and max_model_len > limit:
@@ -124,6 +113,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache; default: 2 GiB on CPU, profiled on CUDA
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # Off: a prompt is computed in one step, never split (the step budget grows to max_model_len), so a long
+    # prompt stalls the decodes that share its step. Kept to measure what chunking buys.
     enable_chunked_prefill: bool = True
     seed: int = 0
     device: str | None = None  # None = cuda when present, else cpu

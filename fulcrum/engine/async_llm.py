@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 import zmq
 import zmq.asyncio
 
-from fulcrum.config import EngineConfig
+from fulcrum.config import EngineConfig, model_path
 from fulcrum.engine.core_proc import run_engine_core
 from fulcrum.engine.messages import (
     ABORT,
@@ -33,7 +33,7 @@ from fulcrum.engine.messages import (
 )
 from fulcrum.engine.output_processor import OutputProcessor
 from fulcrum.engine.outputs import RequestOutput
-from fulcrum.engine.request import fan_out
+from fulcrum.engine.request import check_request, fan_out
 from fulcrum.errors import EngineDeadError, EngineOverloadedError, ModelLoadError, RequestFailedError
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.utils.tokenizer import load_tokenizer
@@ -44,11 +44,9 @@ STARTUP_TIMEOUT_S = 600
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, max_waiting_requests: int = 1024):
-        from fulcrum.config import ModelConfig
-
         self.config = config
-        self.model_config = ModelConfig.from_path(config.model, config.dtype, config.max_model_len)
-        self.tokenizer = load_tokenizer(self.model_config.path)
+        self.model_path = model_path(config.model)  # the rest of the model's facts come in the core's ready message
+        self.tokenizer = load_tokenizer(self.model_path)
         self.processor = OutputProcessor(self.tokenizer)
         self.max_waiting_requests = max_waiting_requests
         self.queues: dict[str, asyncio.Queue] = {}
@@ -127,15 +125,13 @@ class AsyncLLM:
             raise EngineOverloadedError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
         rid = request_id or f"req-{next(self._ids)}"
         now = time.time()
-        children = fan_out(rid, prompt_ids, params, priority, self.ready.max_model_len, self.ready.vocab_size)
+        params = check_request(prompt_ids, params, priority, self.ready.max_model_len, self.ready.vocab_size)
+        children = fan_out(rid, params)
         # encode before anything is registered, so that a failure here holds no queue slot
-        msgs = [
-            encoder.encode(AddRequest(c.request_id, c.prompt_token_ids, c.sampling_params, priority, now))
-            for c in children
-        ]
+        msgs = [encoder.encode(AddRequest(cid, prompt_ids, cp, priority, now)) for cid, cp in children]
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = queue
-        self.processor.add_request(rid, prompt, list(prompt_ids), params, [c.request_id for c in children])
+        self.processor.add_request(rid, prompt, list(prompt_ids), params, [cid for cid, _ in children])
         finished = False
         try:
             for m in msgs:

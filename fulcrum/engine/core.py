@@ -12,11 +12,13 @@ from traceback import format_exception_only
 import torch
 
 from fulcrum.config import EngineConfig, ModelConfig
-from fulcrum.engine.kv_cache import KVCacheManager, KVCacheStats
+from fulcrum.engine.kv_cache import KVCacheManager
+from fulcrum.engine.messages import SchedulerStats
 from fulcrum.engine.model_runner import ModelRunner, ModelRunnerOutput
 from fulcrum.engine.outputs import EngineCoreOutput
-from fulcrum.engine.request import Request, RequestStatus, validate_request
-from fulcrum.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from fulcrum.engine.request import Request, RequestStatus
+from fulcrum.engine.scheduler import Scheduler, SchedulerOutput
+from fulcrum.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +38,7 @@ class EngineCore:
         self.model_config = ModelConfig.from_path(config.model, config.dtype, config.max_model_len)
         self.runner = ModelRunner(config, self.model_config)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.model_config.max_model_len,
-                block_size=config.block_size,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-            ),
-            self.kv,
-        )
+        self.scheduler = Scheduler(config, self.model_config.max_model_len, self.kv)
         log.info(
             "KV cache: %d blocks of %d tokens (%d tokens)",
             self.kv.num_blocks,
@@ -57,10 +50,22 @@ class EngineCore:
     def max_model_len(self) -> int:
         return self.model_config.max_model_len
 
-    def add_request(self, req: Request) -> None:
-        validate_request(req, self.max_model_len, self.model_config.hf_config.vocab_size)
-        if not req.eos_token_ids:
-            req.eos_token_ids = list(self.model_config.eos_token_ids)
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.hf_config.vocab_size
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue one sample of a request the frontend has checked (engine/request.py: check_request)."""
+        req = Request(request_id, list(prompt_token_ids), params, list(self.model_config.eos_token_ids), priority)
+        if arrival_time:
+            req.arrival_time = arrival_time
         self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
@@ -149,9 +154,17 @@ class EngineCore:
             error=req.error,
         )
 
-    def kv_stats(self) -> KVCacheStats:
-        return self.kv.stats()
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
+    def stats(self, step_time: float = 0.0) -> SchedulerStats:
+        """What the engine holds now, for the server's gauges and `LLM.stats()` alike."""
+        kv = self.kv.stats()
+        return SchedulerStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=kv.usage,
+            num_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_blocks - kv.num_used_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            step_time=step_time,
+        )

@@ -21,32 +21,15 @@ from fulcrum.engine.messages import (
     SHUTDOWN,
     CoreOutputs,
     CoreReady,
-    SchedulerStats,
     decode_add,
     decode_ids,
     encoder,
 )
 from fulcrum.engine.outputs import EngineCoreOutput
-from fulcrum.engine.request import Request
 from fulcrum.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 200
-
-
-def scheduler_stats(core: EngineCore, step_time: float) -> SchedulerStats:
-    kv = core.kv_stats()
-    return SchedulerStats(
-        num_running=len(core.scheduler.running),
-        num_waiting=len(core.scheduler.waiting),
-        kv_cache_usage=kv.usage,
-        num_blocks=kv.num_blocks,
-        num_free_blocks=kv.num_blocks - kv.num_used_blocks,
-        prefix_cache_queries=kv.prefix_cache_queries,
-        prefix_cache_hits=kv.prefix_cache_hits,
-        num_preemptions=core.num_preemptions,
-        step_time=step_time,
-    )
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
@@ -64,14 +47,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     except Exception as e:
         push.send(encoder.encode(CoreReady(error=f"{type(e).__name__}: {e}")))
         raise
-    mc = core.model_config
-    push.send(
-        encoder.encode(
-            CoreReady(
-                core.kv.num_blocks, config.block_size, mc.max_model_len, mc.hf_config.vocab_size, mc.eos_token_ids
-            )
-        )
-    )
+    ready = CoreReady(core.kv.num_blocks, config.block_size, core.max_model_len, core.vocab_size)
+    push.send(encoder.encode(ready))
     try:
         _loop(core, pull, push)
     except Exception:
@@ -90,9 +67,7 @@ def _add(core: EngineCore, payload: bytes) -> list[EngineCoreOutput]:
     try:
         m = decode_add(payload)
         request_id = m.request_id
-        req = Request(m.request_id, m.prompt_token_ids, m.sampling_params, priority=m.priority)
-        req.arrival_time = m.arrival_time or req.arrival_time
-        core.add_request(req)
+        core.add_request(m.request_id, m.prompt_token_ids, m.sampling_params, m.priority, m.arrival_time)
         return []
     except (InvalidRequestError, msgspec.ValidationError, msgspec.DecodeError) as e:
         log.error("rejected request %s: %s", request_id, e)
@@ -124,5 +99,5 @@ def _loop(core: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
             outputs.extend(core.step())
             step_time = time.perf_counter() - t0
         if outputs or timeout:  # after work, and on idle ticks so the frontend's gauges stay fresh
-            msg = CoreOutputs(outputs, scheduler_stats(core, step_time), time.time())
+            msg = CoreOutputs(outputs, core.stats(step_time), time.time())
             push.send(encoder.encode(msg))

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 
+import msgspec
 from tqdm import tqdm
 
 from fulcrum.config import EngineConfig
 from fulcrum.engine.core import EngineCore
 from fulcrum.engine.output_processor import OutputProcessor
 from fulcrum.engine.outputs import RequestOutput
-from fulcrum.engine.request import fan_out
+from fulcrum.engine.prompts import tokenize_prompts
+from fulcrum.engine.request import check_request, fan_out
 from fulcrum.errors import InvalidRequestError
 from fulcrum.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from fulcrum.utils.tokenizer import chat_prompt_ids, load_tokenizer
-
-PromptType = str | list[int] | dict
 
 
 class LLM:
@@ -29,36 +28,14 @@ class LLM:
 
     # -- request intake ---------------------------------------------------------------------------
 
-    def _normalize(self, prompts) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]
-        out = []
-        for p in prompts:
-            if isinstance(p, str):
-                out.append((p, self.tokenizer(p)["input_ids"]))
-            elif isinstance(p, dict) and "prompt_token_ids" in p:
-                out.append((p.get("prompt"), list(p["prompt_token_ids"])))
-            elif isinstance(p, dict) and "prompt" in p:
-                out.append((p["prompt"], self.tokenizer(p["prompt"])["input_ids"]))
-            elif isinstance(p, Sequence) and all(isinstance(t, int) for t in p):
-                out.append((None, list(p)))
-            else:
-                raise InvalidRequestError(
-                    "a prompt must be a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'",
-                    param="prompt",
-                )
-        return out
-
     def add_request(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> str:
         """Queue one prompt (its n samples become n engine requests sharing the prompt's blocks)."""
         rid = str(next(self._ids))
-        mc = self.core.model_config
-        children = fan_out(rid, prompt_ids, params, priority, mc.max_model_len, mc.hf_config.vocab_size)
-        for child in children:
-            self.core.add_request(child)
-        self.processor.add_request(rid, prompt, list(prompt_ids), params, [c.request_id for c in children])
+        params = check_request(prompt_ids, params, priority, self.core.max_model_len, self.core.vocab_size)
+        children = fan_out(rid, params)
+        for child_id, child_params in children:
+            self.core.add_request(child_id, prompt_ids, child_params, priority)
+        self.processor.add_request(rid, prompt, list(prompt_ids), params, [c for c, _ in children])
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -80,7 +57,7 @@ class LLM:
         use_tqdm: bool = True,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        items = self._normalize(prompts)
+        items = tokenize_prompts(prompts, self.tokenizer)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
@@ -120,12 +97,5 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stats(self) -> dict:
-        s = self.core.kv_stats()
-        return {
-            "kv_cache_usage": s.usage,
-            "num_blocks": s.num_blocks,
-            "num_free_blocks": s.num_blocks - s.num_used_blocks,
-            "prefix_cache_queries": s.prefix_cache_queries,
-            "prefix_cache_hits": s.prefix_cache_hits,
-            "num_preemptions": self.core.num_preemptions,
-        }
+        """The engine's gauges and counters now (KV blocks, prefix cache, preemptions, queue)."""
+        return msgspec.structs.asdict(self.core.stats())

@@ -36,7 +36,6 @@ class CoreReady(msgspec.Struct):
     block_size: int = 0
     max_model_len: int = 0
     vocab_size: int = 0
-    eos_token_ids: list[int] = msgspec.field(default_factory=list)
     error: str | None = None  # set when the core failed to start
 
 

@@ -121,6 +121,3 @@ class OutputProcessor:
         parent = self.parents.pop(pid)
         for cid in parent.children:
             self.child_to_parent.pop(cid, None)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.parents)

@@ -30,9 +30,8 @@ class RequestStatus(enum.Enum):
 class Request:
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams  # max_tokens resolved by check_request (None: up to the context limit)
     eos_token_ids: list[int] = field(default_factory=list)
-    max_tokens: int = 16  # resolved against the context limit by the engine
     priority: int = 0  # lower runs first, as in vLLM
     arrival_time: float = field(default_factory=time.time)
 
@@ -78,15 +77,18 @@ class Request:
         return self.status.value if self.status.finished else None
 
 
-def validate_request(req: Request, max_model_len: int, vocab_size: int) -> None:
-    """Reject what could never run, before it touches the scheduler; resolve max_tokens."""
-    n = req.num_prompt_tokens
+def check_request(
+    prompt_ids: list[int], params: SamplingParams, priority: int, max_model_len: int, vocab_size: int
+) -> SamplingParams:
+    """Everything a request must pass before it is queued, checked once, in the frontend (a pure function of
+    the request and the model's limits). Returns the params with max_tokens resolved against the context."""
+    n = len(prompt_ids)
     if n == 0:
         raise InvalidRequestError("the prompt is empty", param="prompt")
-    if not is_int64(req.priority):
-        raise InvalidRequestError(f"priority must be a 64-bit integer, got {req.priority!r}", param="priority")
-    check_token_ids("prompt", req.prompt_token_ids, vocab_size)
-    for name, ids in req.sampling_params.token_ids_to_check().items():
+    if not is_int64(priority):
+        raise InvalidRequestError(f"priority must be a 64-bit integer, got {priority!r}", param="priority")
+    check_token_ids("prompt", prompt_ids, vocab_size)
+    for name, ids in params.token_ids_to_check().items():
         check_token_ids(name, ids, vocab_size)
     if n >= max_model_len:
         raise InvalidRequestError(
@@ -94,14 +96,14 @@ def validate_request(req: Request, max_model_len: int, vocab_size: int) -> None:
             "(the prompt plus at least one generated token must fit)",
             param="prompt",
         )
-    mt = req.sampling_params.max_tokens
+    mt = params.max_tokens
     if mt is not None and n + mt > max_model_len:
         raise InvalidRequestError(
             f"this model's maximum context length is {max_model_len} tokens, but {n + mt} were requested "
             f"({n} in the prompt, {mt} for the completion); lower max_tokens or shorten the prompt",
             param="max_tokens",
         )
-    req.max_tokens = mt if mt is not None else max_model_len - n
+    return params if mt is not None else replace(params, max_tokens=max_model_len - n)
 
 
 def check_token_ids(param: str, ids: list[int], vocab_size: int) -> None:
@@ -112,15 +114,10 @@ def check_token_ids(param: str, ids: list[int], vocab_size: int) -> None:
             )
 
 
-def fan_out(
-    request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int, max_model_len: int, vocab_size: int
-) -> list[Request]:
-    """The n samples of one prompt as n engine requests `{request_id}-{i}` (sample i seeded seed + i),
-    all validated before any is queued. With prefix caching they share the prompt's blocks."""
-    children = []
-    for i in range(params.n):
-        seed = None if params.seed is None else params.seed + i
-        child = Request(f"{request_id}-{i}", list(prompt_ids), replace(params, n=1, seed=seed), priority=priority)
-        validate_request(child, max_model_len, vocab_size)
-        children.append(child)
-    return children
+def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """The n samples of one prompt as n engine requests `{request_id}-{i}`, sample i seeded seed + i.
+    With prefix caching they share the prompt's blocks."""
+    return [
+        (f"{request_id}-{i}", replace(params, n=1, seed=None if params.seed is None else params.seed + i))
+        for i in range(params.n)
+    ]

@@ -16,25 +16,9 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from fulcrum.config import EngineConfig
 from fulcrum.engine.kv_cache import KVCacheManager
 from fulcrum.engine.request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    block_size: int = 16
-    # Off: a prompt is computed in one step, never split (the step budget grows to max_model_len),
-    # so a long prompt stalls the decodes that share its step. Kept to measure what chunking buys.
-    enable_chunked_prefill: bool = True
-
-    @property
-    def token_budget(self) -> int:
-        if self.enable_chunked_prefill:
-            return self.max_num_batched_tokens
-        return max(self.max_num_batched_tokens, self.max_model_len)
 
 
 @dataclass
@@ -88,8 +72,15 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: EngineConfig, max_model_len: int, kv: KVCacheManager):
         self.config = config
+        self.max_model_len = max_model_len
+        # without chunking a whole prompt must fit one step, so the step budget grows to the context length
+        self.token_budget = (
+            config.max_num_batched_tokens
+            if config.enable_chunked_prefill
+            else max(config.max_num_batched_tokens, max_model_len)
+        )
         self.kv = kv
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
@@ -105,7 +96,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.token_budget
+        budget = self.token_budget
         scheduled: list[ScheduledRequest] = []
 
         i = 0
@@ -187,7 +178,8 @@ class Scheduler:
             if tok in sp.stop_token_ids:
                 req.stop_reason = tok
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens:
+        max_tokens = sp.max_tokens
+        if (max_tokens is not None and req.num_output_tokens >= max_tokens) or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

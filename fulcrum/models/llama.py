@@ -10,8 +10,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from fulcrum.config import head_dim as config_head_dim
-from fulcrum.config import layer_sliding_windows, rope_parameters
+from fulcrum.config import rope_parameters
+from fulcrum.utils.hf_config import head_dim as config_head_dim
+from fulcrum.utils.hf_config import layer_sliding_windows
 from fulcrum.layers.activation import SiluAndMul
 from fulcrum.layers.attention import Attention, AttentionMetadata
 from fulcrum.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -68,9 +69,7 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: PretrainedConfig, layer_idx: int, family: type[LlamaForCausalLM], dtype):
         super().__init__()
-        self.self_attn = LlamaAttention(
-            cfg, layer_idx, family.qkv_bias(cfg), family.o_bias(cfg), family.qk_norm, dtype
-        )
+        self.self_attn = LlamaAttention(cfg, layer_idx, family.qkv_bias(cfg), family.o_bias(cfg), family.qk_norm, dtype)
         self.mlp = LlamaMLP(cfg, getattr(cfg, "mlp_bias", False), dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)

@@ -1,14 +1,16 @@
 """The token budget: decodes first, prefill chunks with what is left, priorities."""
 
+from fulcrum.config import EngineConfig
 from fulcrum.engine.kv_cache import KVCacheManager
 from fulcrum.engine.request import Request
-from fulcrum.engine.scheduler import Scheduler, SchedulerConfig
+from fulcrum.engine.scheduler import Scheduler
 from fulcrum.sampling_params import SamplingParams
 
 
-def make(budget=32, seqs=8, blocks=100, **kw):
+def make(budget=32, seqs=8, blocks=100, max_model_len=2048, **kw):
     kv = KVCacheManager(blocks, 4)
-    return Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, block_size=4, **kw), kv)
+    config = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, block_size=4, device="cpu", **kw)
+    return Scheduler(config, max_model_len, kv)
 
 
 def run_step(s, out):
