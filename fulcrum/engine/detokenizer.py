@@ -1,15 +1,21 @@
 """Incremental detokenization with stop strings.
 
-Text is decoded from a short window of recent tokens, so each step costs O(1), and a character
-whose bytes are split across tokens is held back until it is whole. Stop strings are searched in
-the new text; a match truncates the output (the stop text is not shown unless asked for). While a
-request streams, the last `len(longest stop) - 1` characters are held back, since they might be
-the start of a stop string.
+Each step costs O(1): a fast (Rust) tokenizer decodes through `tokenizers`' DecodeStream, as vLLM
+does; any other tokenizer decodes a short window of recent tokens. Either way a character whose
+bytes are split across tokens is held back until it is whole. Stop strings are searched in the new
+text; a match truncates the output (the stop text is not shown unless asked for). While a request
+streams, the last `len(longest stop) - 1` characters are held back, since they might be the start
+of a stop string.
 """
 
 from __future__ import annotations
 
+import logging
+
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 # tokens of left context kept so that decoding a window joins words the way a full decode does
 CONTEXT_TOKENS = 5
@@ -30,22 +36,47 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        # token_ids[prefix_offset:read_offset] is the context of the text not yet out, which starts at read_offset
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
         self.output_text = ""
         self.streamed = 0  # characters of output_text already handed out
+        # DecodeStream keeps its own window in Rust: one call per token instead of two full decodes in Python
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.stream = (
+            DecodeStream(ids=list(self.token_ids), skip_special_tokens=skip_special_tokens)
+            if self.backend is not None
+            else None
+        )
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False)
+
+    def _stream_step(self, tid: int) -> str | None:
+        try:
+            return self.stream.step(self.backend, tid)
+        except Exception:  # the binding raises a bare Exception
+            # "Invalid prefix encountered": a decoder whose text is not monotonic in its tokens (a strip
+            # after invalid bytes; vLLM issue 17448) breaks the stream's state. The window decode has no
+            # such state, and the offsets it needs are kept up to date: it takes over this request.
+            log.debug("DecodeStream failed on token %d; window decode from here on", tid, exc_info=True)
+            self.stream = None
+            return self._window_step()
+
+    def _window_step(self) -> str | None:
+        """The text the last token completes, decoded from the window; None while a character is partial."""
+        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            return full[len(prefix) :]
+        return None
 
     def add_tokens(self, new_ids: list[int]) -> str | None:
         """Append tokens; return the stop string that matched, if any (the text is then final)."""
         for tid in new_ids:
             self.token_ids.append(tid)
-            prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-            full = self._decode(self.token_ids[self.prefix_offset :])
-            if len(full) > len(prefix) and not full.endswith("\ufffd"):
-                new = full[len(prefix) :]
+            new = self._stream_step(tid) if self.stream is not None else self._window_step()
+            if new:
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
                 before = len(self.output_text)
                 self.output_text += new

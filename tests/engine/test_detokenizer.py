@@ -1,4 +1,11 @@
-"""Streaming text is correct UTF-8 and never shows a stop string."""
+"""Streaming text is correct UTF-8 and never shows a stop string, through DecodeStream (a fast
+tokenizer) and through the window decode (any other tokenizer) alike."""
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
 
 from fulcrum.config import DEFAULT_MODEL
 from fulcrum.engine.detokenizer import IncrementalDetokenizer
@@ -7,10 +14,31 @@ from fulcrum.utils.tokenizer import load_tokenizer
 TOK = load_tokenizer(DEFAULT_MODEL)
 
 
-def stream(text: str, prompt: str = "Say:", **kw) -> tuple[list[str], IncrementalDetokenizer, str | None]:
-    detok = IncrementalDetokenizer(TOK, TOK(prompt)["input_ids"], **kw)
+class WindowOnly:
+    """A tokenizer without its Rust backend, as one that is not a fast tokenizer looks."""
+
+    def __init__(self, tokenizer=TOK):
+        self.tokenizer = tokenizer
+
+    def decode(self, *args, **kw):
+        return self.tokenizer.decode(*args, **kw)
+
+
+@pytest.fixture(params=["decode_stream", "window"])
+def detok_tokenizer(request):
+    return TOK if request.param == "decode_stream" else WindowOnly()
+
+
+def stream(
+    text: str, prompt: str = "Say:", tokenizer=TOK, **kw
+) -> tuple[list[str], IncrementalDetokenizer, str | None]:
+    return stream_ids(TOK(text)["input_ids"], prompt, tokenizer, **kw)
+
+
+def stream_ids(ids: list[int], prompt: str = "Say:", tokenizer=TOK, **kw):
+    detok = IncrementalDetokenizer(tokenizer, TOK(prompt)["input_ids"], **kw)
     deltas, hit = [], None
-    for t in TOK(text)["input_ids"]:
+    for t in ids:
         hit = detok.add_tokens([t])
         deltas.append(detok.take_delta(finished=hit is not None))
         if hit:
@@ -21,25 +49,58 @@ def stream(text: str, prompt: str = "Say:", **kw) -> tuple[list[str], Incrementa
     return deltas, detok, hit
 
 
-def test_multibyte_characters_split_across_tokens_stream_whole():
+def test_multibyte_characters_split_across_tokens_stream_whole(detok_tokenizer):
     text = "Héllo wörld — 世界 🎭 naïve ﬁn"
     ids = TOK(text)["input_ids"]
     # the byte-level vocabulary was trained on English: these characters span several tokens
     assert len(ids) > len(text.split())
-    deltas, detok, _ = stream(text)
+    deltas, detok, _ = stream(text, tokenizer=detok_tokenizer)
     assert "".join(deltas) == text == detok.output_text
     assert all("\ufffd" not in d for d in deltas)
 
 
-def test_stop_string_truncates_and_never_leaks():
+def test_stop_string_truncates_and_never_leaks(detok_tokenizer):
     text = "To be, or not to be: that is the question"
-    deltas, detok, hit = stream(text, stop=["that is"])
+    deltas, detok, hit = stream(text, tokenizer=detok_tokenizer, stop=["that is"])
     assert hit == "that is"
     assert detok.output_text == "To be, or not to be: "
     assert "".join(deltas) == detok.output_text
     assert not any("that" in d for d in deltas)
 
 
-def test_stop_string_can_be_kept():
-    _, detok, _ = stream("Fair is foul, and foul is fair", stop=["foul"], include_stop_str_in_output=True)
+def test_stop_string_can_be_kept(detok_tokenizer):
+    _, detok, _ = stream(
+        "Fair is foul, and foul is fair", tokenizer=detok_tokenizer, stop=["foul"], include_stop_str_in_output=True
+    )
     assert detok.output_text == "Fair is foul"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_stream_and_window_give_the_same_text(skip_special_tokens):
+    # what a model samples is not always text: random ids break characters and hit special tokens
+    rng = random.Random(0)
+    for _ in range(50):
+        ids = [rng.randrange(len(TOK)) for _ in range(rng.randrange(1, 40))]
+        fast = stream_ids(ids, skip_special_tokens=skip_special_tokens)
+        window = stream_ids(ids, tokenizer=WindowOnly(), skip_special_tokens=skip_special_tokens)
+        assert fast[0] == window[0] and fast[1].output_text == window[1].output_text
+
+
+def test_a_decoder_whose_text_is_not_monotonic_falls_back_to_the_window():
+    # Llama-style byte fallback then a strip of the leading space: after the bytes 00 FD, the token "▁a" makes
+    # DecodeStream raise "Invalid prefix encountered" (vLLM issue 17448); the request goes on with the window
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁a": 257}
+    backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend)
+    ids = [vocab["<0x00>"], vocab["<0xFD>"], vocab["▁a"], vocab["▁a"]]
+    texts = []
+    for tokenizer in (tok, WindowOnly(tok)):
+        detok = IncrementalDetokenizer(tokenizer, [])
+        deltas = [(detok.add_tokens([t]), detok.take_delta(finished=False))[1] for t in ids]
+        detok.flush()
+        texts.append((deltas + [detok.take_delta(finished=True)], detok.output_text))
+    assert texts[0] == texts[1]
+    assert texts[0][1].endswith(" a a")
