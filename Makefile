@@ -2,18 +2,19 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# torch is pinned in pyproject.toml (2.13.0): the CPU wheel on this project's machines.
+# pyproject.toml declares ranges; constraints.txt pins what make installs (torch: the CPU wheel on this
+# project's machines' disk, never a multi-GB CUDA build).
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e .
+$(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install -q -c constraints.txt -e .
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e ".[dev]"
+$(VENV)/.installed-dev: pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(VENV)/.installed $@
 
 .PHONY: install install-dev serve test test-slow lint format bench bench-serve
