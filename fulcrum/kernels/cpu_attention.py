@@ -1,9 +1,9 @@
 """A CPU kernel for decode attention read straight from the paged KV cache.
 
 PyTorch's path for a decode step gathers every sequence's blocks into a padded [D, KVH, L, hd]
-copy (`k_cache[block_tables]`) and runs SDPA with a mask over it. On a 2-core EPYC with 64
-sequences of ~400 tokens that took ~2.7 ms per layer (profiled: 0.5 ms gather, 2.2 ms SDPA), a
-quarter of a throughput run, for ~90 MFLOP and ~13 MB of KV.
+copy (`k_cache[block_tables]`) and runs SDPA with a mask over it: the copy and the masked padding
+cost far more than the few FLOPs and bytes of KV the step needs, and profiles of throughput runs
+showed it as a large share of the step (figures in the commit that added this kernel).
 
 This kernel gives one (sequence, KV head) pair to a task: it reads each cached key once through the
 block table, scores it against all query heads of the group in fp32, takes a softmax per head

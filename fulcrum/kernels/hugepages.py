@@ -1,9 +1,8 @@
 """CPU memory on transparent huge pages, for the weights and the KV cache.
 
 A CPU decode step streams every weight once; with 4 KiB pages that stream takes a TLB miss every
-4 KiB. On the 2-core EPYC here, moving the 0.5B shape's weights onto 2 MiB pages raised the
-rate of the decoder layers' GEMVs from ~25 to ~28-33 GB/s and the LM head's from ~29 to ~37-45 GB/s
-(measured in one process, alternating). PyTorch's CPU allocator asks for huge pages only when
+4 KiB; on 2 MiB pages the GEMVs stream at the rate of a plain memory read (measured alternating in one
+process; figures in the commit that added this). PyTorch's CPU allocator asks for huge pages only when
 THP_MEM_ALLOC_ENABLE is set before its first allocation, which a library cannot arrange, so these
 helpers map an anonymous region themselves and `madvise(MADV_HUGEPAGE)` it. Where the kernel's THP
 mode is "never" (or the call is missing) the memory is ordinary pages: still correct.

@@ -11,14 +11,14 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from fulcrum.config import rope_parameters
-from fulcrum.utils.hf_config import head_dim as config_head_dim
-from fulcrum.utils.hf_config import layer_sliding_windows
 from fulcrum.layers.activation import SiluAndMul
 from fulcrum.layers.attention import Attention, AttentionMetadata
 from fulcrum.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from fulcrum.layers.layernorm import RMSNorm
 from fulcrum.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fulcrum.layers.rotary import RotaryEmbedding, apply_rotary
+from fulcrum.utils.hf_config import head_dim as config_head_dim
+from fulcrum.utils.hf_config import layer_sliding_windows
 
 
 class LlamaAttention(nn.Module):

@@ -39,7 +39,7 @@ def iterate_weights(path: Path):
     """(name, tensor) for every checkpoint tensor; tensors are memory-mapped views of the files."""
     for file in safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 yield name, f.get_tensor(name)
 
 
@@ -72,7 +72,9 @@ def load_weights(model: nn.Module, path: Path) -> None:
         param_name, shard = _packed_target(model, name)
         param = params.get(param_name)
         if param is None:
-            raise WeightLoadError(f"checkpoint tensor {name} {tuple(tensor.shape)} has no parameter in {type(model).__name__}")
+            raise WeightLoadError(
+                f"checkpoint tensor {name} {tuple(tensor.shape)} has no parameter in {type(model).__name__}"
+            )
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
             loader(param, tensor, shard) if shard is not None else loader(param, tensor)
