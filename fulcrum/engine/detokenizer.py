@@ -43,11 +43,11 @@ class IncrementalDetokenizer:
         self.streamed = 0  # characters of output_text already handed out
         # DecodeStream keeps its own window in Rust: one call per token instead of two full decodes in Python
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
-        self.stream = (
-            DecodeStream(ids=list(self.token_ids), skip_special_tokens=skip_special_tokens)
-            if self.backend is not None
-            else None
-        )
+        # A context that decodes to a replacement character (a prompt cut mid-character, or one holding U+FFFD)
+        # is taken by DecodeStream as not yet emitted, and it would hand out the prompt's tail as new text:
+        # the window decode takes those requests.
+        clean = self.backend is not None and "\ufffd" not in self._decode(self.token_ids)
+        self.stream = DecodeStream(ids=list(self.token_ids), skip_special_tokens=skip_special_tokens) if clean else None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False)

@@ -104,3 +104,14 @@ def test_a_decoder_whose_text_is_not_monotonic_falls_back_to_the_window():
         texts.append((deltas + [detok.take_delta(finished=True)], detok.output_text))
     assert texts[0] == texts[1]
     assert texts[0][1].endswith(" a a")
+
+
+@pytest.mark.parametrize("prompt", ["JWARWIC\ufffd", " mer shameudAs Yp\ufffd", "cut mid-character: 世"])
+def test_a_prompt_ending_in_a_replacement_character_never_leaks_into_the_output(detok_tokenizer, prompt):
+    ids = TOK(prompt)["input_ids"]
+    if prompt.endswith("世"):  # a prompt of token ids cut inside a character's bytes
+        ids = ids[:-1]
+    text = ",\nAnd all the other"
+    detok = IncrementalDetokenizer(detok_tokenizer, ids)
+    detok.add_tokens(TOK(text)["input_ids"])
+    assert detok.flush() == text
