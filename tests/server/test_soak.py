@@ -52,7 +52,9 @@ async def one(client: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
 
 
 async def soak(url: str, clients: int, seconds: float) -> dict[str, int]:
-    limits = httpx.Limits(max_connections=clients + 10, max_keepalive_connections=clients + 10)
+    # idle connections expire before uvicorn's 5 s keep-alive does: else a request can go out on a connection the
+    # server is closing at that moment (HTTP keep-alive's own race, which clients avoid the same way)
+    limits = httpx.Limits(max_connections=clients + 10, max_keepalive_connections=clients + 10, keepalive_expiry=2)
     counts = dict.fromkeys(("done", "aborted", "refused"), 0)
     deadline = time.monotonic() + seconds
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
