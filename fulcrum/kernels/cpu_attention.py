@@ -22,26 +22,24 @@ from fulcrum.kernels import cpu_ext
 MAX_GROUP = 16  # query heads per KV head the kernel keeps in its scratch
 _DTYPES = (torch.bfloat16, torch.float32)
 
-_SOURCE = (
-    cpu_ext.PRELUDE
-    + r"""
+_BODY = r"""
 #include <cmath>
 #include <vector>
 
 // e^x for x <= 0: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2; degree-6 polynomial, rel. error ~2e-7
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+static inline vf vexp(vf x) {
+  x = vmax(x, vset1(-87.0f));
+  vf n = vround(vmul(x, vset1(1.44269504f)));
+  vf r = vfnmadd(n, vset1(0.693145752f), x);
+  r = vfnmadd(n, vset1(1.42860677e-6f), r);
+  vf p = vset1(1.0f / 720);
+  p = vfmadd(p, r, vset1(1.0f / 120));
+  p = vfmadd(p, r, vset1(1.0f / 24));
+  p = vfmadd(p, r, vset1(1.0f / 6));
+  p = vfmadd(p, r, vset1(0.5f));
+  p = vfmadd(p, r, vset1(1.0f));
+  p = vfmadd(p, r, vset1(1.0f));
+  return vexp2i(p, n);
 }
 
 // Calls fn(i, row) for the cached tokens start..ctx-1 in order (i counts from 0), walking the block
@@ -60,61 +58,56 @@ static inline void for_each_token(const T* cache, const int64_t* table, int64_t 
 template <typename T, int HD>
 static void attend(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t start, int64_t ctx,
                    int64_t bs, int64_t kv_stride, int64_t g, float scale, float* scores, T* out, int64_t q_stride) {
-  constexpr int C = HD / 16;
+  constexpr int C = HD / VW;
   const int64_t n = ctx - start;
   // queries of the group in fp32, scaled: [g][C] vectors (from L1 when they outnumber the registers)
-  __m512 qv[16][C];
+  vf qv[16][C];
   for (int64_t h = 0; h < g; ++h)
-    for (int c = 0; c < C; ++c) qv[h][c] = _mm512_mul_ps(load16(q + h * q_stride + 16 * c), _mm512_set1_ps(scale));
+    for (int c = 0; c < C; ++c) qv[h][c] = vmul(vload(q + h * q_stride + VW * c), vset1(scale));
   // scores [g, n]: each key is read and widened once, then scored against the g heads
   for_each_token(kc, table, start, ctx, bs, kv_stride, [&](int64_t i, const T* k) {
-    __m512 kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = load16(k + 16 * c);
+    vf kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = vload(k + VW * c);
     for (int64_t h = 0; h < g; ++h) {
-      __m512 acc = _mm512_mul_ps(qv[h][0], kv[0]);
-      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[h][c], kv[c], acc);
-      scores[h * n + i] = _mm512_reduce_add_ps(acc);
+      vf acc = vmul(qv[h][0], kv[0]);
+      for (int c = 1; c < C; ++c) acc = vfmadd(qv[h][c], kv[c], acc);
+      scores[h * n + i] = vsum(acc);
     }
   });
-  // softmax per head, in place
+  // softmax per head, in place (the tail past the last full vector in scalar code)
   for (int64_t h = 0; h < g; ++h) {
     float* s = scores + h * n;
     float mx = -INFINITY;
     for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-    const __m512 m = _mm512_set1_ps(mx);
-    __m512 sum = _mm512_setzero_ps();
+    const vf m = vset1(mx);
+    vf sum = vzero();
     int64_t t = 0;
-    for (; t + 16 <= n; t += 16) {
-      __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
-      _mm512_storeu_ps(s + t, e);
-      sum = _mm512_add_ps(sum, e);
+    for (; t + VW <= n; t += VW) {
+      vf e = vexp(vsub(vload(s + t), m));
+      vstore(s + t, e);
+      sum = vadd(sum, e);
     }
-    if (t < n) {
-      __mmask16 mask = (__mmask16)((1u << (n - t)) - 1);
-      __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), m));
-      e = _mm512_maskz_mov_ps(mask, e);
-      _mm512_mask_storeu_ps(s + t, mask, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+    float total = vsum(sum);
+    for (; t < n; ++t) total += (s[t] = std::exp(s[t] - mx));
+    const float inv = 1.0f / total;
     for (t = 0; t < n; ++t) s[t] *= inv;
   }
   // out [g, HD]: one value read, g weighted sums; groups of up to 4 heads keep their sums in registers
   for (int64_t h0 = 0; h0 < g; h0 += 4) {
     const int64_t hn = std::min<int64_t>(4, g - h0);
-    __m512 acc[4][C];
-    for (int64_t h = 0; h < hn; ++h) for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
+    vf acc[4][C];
+    for (int64_t h = 0; h < hn; ++h) for (int c = 0; c < C; ++c) acc[h][c] = vzero();
     for_each_token(vc, table, start, ctx, bs, kv_stride, [&](int64_t i, const T* v) {
-      __m512 vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = load16(v + 16 * c);
+      vf vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = vload(v + VW * c);
       for (int64_t h = 0; h < hn; ++h) {
-        const __m512 p = _mm512_set1_ps(scores[(h0 + h) * n + i]);
-        for (int c = 0; c < C; ++c) acc[h][c] = _mm512_fmadd_ps(p, vv[c], acc[h][c]);
+        const vf p = vset1(scores[(h0 + h) * n + i]);
+        for (int c = 0; c < C; ++c) acc[h][c] = vfmadd(p, vv[c], acc[h][c]);
       }
     });
     for (int64_t h = 0; h < hn; ++h) {
       alignas(64) float tmp[HD];
-      for (int c = 0; c < C; ++c) _mm512_store_ps(tmp + 16 * c, acc[h][c]);
+      for (int c = 0; c < C; ++c) vstore(tmp + VW * c, acc[h][c]);
       for (int d = 0; d < HD; ++d) store(out + (h0 + h) * q_stride + d, tmp[d]);
     }
   }
@@ -164,14 +157,19 @@ torch::Tensor decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
   return out;
 }
 """
-)
 
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 160, 256)
 
 
+def level() -> str:
+    """The ISA this kernel is built for here: AVX-512 where the CPU (and FULCRUM_CPU_ISA) allows, else AVX2."""
+    return "avx512" if cpu_ext.at_least("avx512") else "avx2"
+
+
 @functools.cache
 def _module():
-    return cpu_ext.load("fulcrum_cpu_attention", _SOURCE, ["decode"])
+    lvl = level()
+    return cpu_ext.load(f"fulcrum_cpu_attention_{lvl}", cpu_ext.vector_prelude(lvl) + _BODY, ["decode"], lvl)
 
 
 def available() -> bool:

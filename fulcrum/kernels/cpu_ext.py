@@ -1,10 +1,11 @@
-"""Build and load fulcrum's C++ CPU kernels (AVX-512) once per environment.
+"""Build and load fulcrum's C++ CPU kernels once per environment, for the ISA level this CPU has.
 
 Each kernel module is compiled with torch's C++ extension loader into its own cache folder
 (~/.cache/fulcrum/kernels, or $FULCRUM_CACHE), keyed by its source, the flags, torch and the
-interpreter, so two virtual environments never rebuild over each other. Kernels are used only on x86
-CPUs with AVX-512 BF16; anywhere else, with FULCRUM_CPU_KERNELS=0, or when the build fails (no
-compiler), `load` returns None and callers stay on PyTorch ops.
+interpreter, so two virtual environments never rebuild over each other. Each kernel states the lowest
+level it is built for (decode attention: AVX2; GEMV and RMSNorm: AVX-512 BF16); below it, with
+FULCRUM_CPU_KERNELS=0, or when the build fails (no compiler), `load` returns None and callers stay on
+PyTorch ops. FULCRUM_CPU_ISA=none|avx2|avx512|avx512_bf16 forces a lower level than the CPU's.
 """
 
 from __future__ import annotations
@@ -44,22 +45,121 @@ static inline void store(c10::BFloat16* y, float v) { *y = c10::BFloat16(v); }
 """
 STALE_LOCK_S = 180  # a build takes well under a minute; an older lock was left by a killed process
 
+# ISA levels, lowest first, with the CPU flags each needs and the compiler flags its kernels are built with
+ISA_LEVELS = ("none", "avx2", "avx512", "avx512_bf16")
+ISA_CPU_FLAGS = {
+    "avx2": {"avx2", "fma"},
+    "avx512": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"},
+    "avx512_bf16": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
+}
+ISA_FLAGS = {
+    "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+    "avx512": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"],
+    "avx512_bf16": FLAGS,
+}
+# Vector primitives a kernel can be written against once and built for any level: vf holds VW floats.
+VECTOR_PRELUDE = {
+    "avx512": r"""
+typedef __m512 vf;
+constexpr int VW = 16;
+static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vf vload(const c10::BFloat16* p) { return load16(p); }
+static inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
+static inline vf vset1(float x) { return _mm512_set1_ps(x); }
+static inline vf vzero() { return _mm512_setzero_ps(); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }   // a * b + c
+static inline vf vfnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); } // c - a * b
+static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT); }
+static inline vf vexp2i(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
+""",
+    "avx2": r"""
+typedef __m256 vf;
+constexpr int VW = 8;
+static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vf vload(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
+  __m128i h = _mm_loadu_si128((const __m128i*)p);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
+static inline vf vset1(float x) { return _mm256_set1_ps(x); }
+static inline vf vzero() { return _mm256_setzero_ps(); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vfnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline float vsum(vf a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+static inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vexp2i(vf p, vf n) {  // p * 2^n for integral n >= -126: n goes straight into the exponent bits
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+""",
+}
 
-def cpu_has_avx512_bf16() -> bool:
+
+def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
     except OSError:
-        return False
-    return "avx512_bf16" in flags and "avx512f" in flags
+        pass
+    return set()
+
+
+def detected_isa() -> str:
+    """The highest level this CPU has."""
+    flags = _cpu_flags()
+    return next((lvl for lvl in reversed(ISA_LEVELS[1:]) if ISA_CPU_FLAGS[lvl] <= flags), "none")
+
+
+def isa() -> str:
+    """The level kernels are built for: the CPU's own, or a lower one forced with FULCRUM_CPU_ISA (so that every
+    path can be tested on a machine that has a higher one); FULCRUM_CPU_KERNELS=0 turns them all off."""
+    if os.environ.get("FULCRUM_CPU_KERNELS", "1") == "0":
+        return "none"
+    level = detected_isa()
+    forced = os.environ.get("FULCRUM_CPU_ISA")
+    if forced:
+        if forced not in ISA_LEVELS:
+            raise ValueError(f"FULCRUM_CPU_ISA must be one of {', '.join(ISA_LEVELS)}, got {forced!r}")
+        if ISA_LEVELS.index(forced) < ISA_LEVELS.index(level):
+            level = forced
+    return level
+
+
+def at_least(level: str) -> bool:
+    return ISA_LEVELS.index(isa()) >= ISA_LEVELS.index(level)
+
+
+def cpu_has_avx512_bf16() -> bool:
+    return detected_isa() == "avx512_bf16"
 
 
 def enabled() -> bool:
-    return os.environ.get("FULCRUM_CPU_KERNELS", "1") != "0" and cpu_has_avx512_bf16()
+    """Whether the AVX-512 BF16 kernels (GEMV, RMSNorm) apply."""
+    return at_least("avx512_bf16")
 
 
-def _build_dir(source: str) -> str:
-    key = hashlib.sha256("|".join([source, " ".join(FLAGS), torch.__version__, sys.prefix]).encode()).hexdigest()
+def vector_prelude(level: str) -> str:
+    """PRELUDE plus the vector primitives of `level` (avx2 or avx512): for kernels written once for both."""
+    return PRELUDE + VECTOR_PRELUDE[level]
+
+
+def _build_dir(source: str, flags: list[str]) -> str:
+    key = hashlib.sha256("|".join([source, " ".join(flags), torch.__version__, sys.prefix]).encode()).hexdigest()
     root = os.environ.get("FULCRUM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "fulcrum"))
     path = os.path.join(root, "kernels", key[:16])
     os.makedirs(path, exist_ok=True)
@@ -71,10 +171,12 @@ def _build_dir(source: str) -> str:
     return path
 
 
-def load(name: str, source: str, functions: list[str]):
-    """The compiled module, or None where the kernels do not apply or cannot be built."""
-    if not enabled():
+def load(name: str, source: str, functions: list[str], level: str = "avx512_bf16"):
+    """The module compiled for ISA `level`, or None where the CPU (or FULCRUM_CPU_ISA) is below it or it cannot
+    be built."""
+    if not at_least(level):
         return None
+    flags = ISA_FLAGS[level]
     try:
         from torch.utils.cpp_extension import load_inline
 
@@ -82,9 +184,9 @@ def load(name: str, source: str, functions: list[str]):
             name=name,
             cpp_sources=source,
             functions=functions,
-            extra_cflags=FLAGS,
+            extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
-            build_directory=_build_dir(source),
+            build_directory=_build_dir(source, flags),
             verbose=False,
         )
     except Exception as e:  # no compiler, no headers: stay correct, just slower
