@@ -2,7 +2,8 @@
 
 A decode step is nothing but streaming every weight once, and PyTorch's CPU paths for few rows read
 bf16 and fp32 weights well below the rate of a plain sum over the same bytes. This kernel
-walks each weight row once with AVX-512 (`vdpbf16ps` for bf16, FMA for fp32), keeps up to 4 input
+walks each weight row once (AVX-512 BF16: `vdpbf16ps` for bf16, FMA for fp32; AVX2 and plain AVX-512: bf16
+widened in registers, FMA), keeps up to 4 input
 rows in registers (more rows go 4 at a time over cache-resident blocks of weight rows), fuses the
 bias, writes the input's dtype, and splits output rows over PyTorch's OpenMP thread pool.
 
@@ -18,14 +19,17 @@ import torch
 
 from fulcrum.kernels import cpu_ext
 
-# Up to these row counts the kernel beat F.linear over the 0.5B shape's matrices (measured on a
-# 2-core EPYC, 2 threads): bf16 by 1.2-2.6x through 16 rows (even at 24, behind at 32); fp32 by
-# 1.8-6x through 32 rows, where it runs at the FMA peak and oneDNN/MKL's fp32 GEMM does not.
-MAX_ROWS = {torch.bfloat16: 16, torch.float32: 32}
+# Up to these row counts the kernel beat F.linear over the 0.5B shape's matrices (2-core EPYC VMs, 2 threads;
+# figures in benchmarks/results/cpu-gemv-*.log and the commits). AVX-512 BF16: bf16 through 16 rows, fp32 through
+# 32, where it runs at the FMA peak and oneDNN/MKL's fp32 GEMM does not. AVX2: fp32 through 16 (behind at 32),
+# bf16 through 32 (torch has no fast bf16 path without native bf16). AVX-512 without BF16 is unmeasured: AVX2's.
+MAX_ROWS = {
+    "avx512_bf16": {torch.bfloat16: 16, torch.float32: 32},
+    "avx512": {torch.bfloat16: 32, torch.float32: 16},
+    "avx2": {torch.bfloat16: 32, torch.float32: 16},
+}
 
-_SOURCE = (
-    cpu_ext.PRELUDE
-    + r"""
+_NATIVE_ROWS = r"""
 #include <atomic>
 
 // One weight row at a time against M input rows held in registers (M accumulator chains).
@@ -82,7 +86,63 @@ static void rows_f32(const float* x, const float* w, const float* bias, Out* y, 
   }
 }
 
-// Up to 4 input rows share one pass over the weights. More rows go in groups of 4 over a block of
+"""
+
+# The same row loops written against cpu_ext's vector primitives, for AVX2 and AVX-512 without BF16: bf16 is
+# widened to fp32 in registers (a 16-bit shift) and multiplied with FMA.
+_GENERIC_ROWS = r"""
+#include <atomic>
+
+template <int M, typename Out>
+static void rows_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, Out* y, int64_t I, int64_t O, int64_t begin, int64_t end) {
+  const int64_t IV = I / (2 * VW) * (2 * VW);
+  const c10::BFloat16* xb = reinterpret_cast<const c10::BFloat16*>(x);
+  for (int64_t o = begin; o < end; ++o) {
+    const c10::BFloat16* wr = reinterpret_cast<const c10::BFloat16*>(w + o * I);
+    vf acc[M], acc2[M];  // two chains per input row hide the FMA latency
+    for (int m = 0; m < M; ++m) acc[m] = acc2[m] = vzero();
+    for (int64_t i = 0; i < IV; i += 2 * VW) {
+      const vf wv = vload(wr + i), wv2 = vload(wr + i + VW);
+      for (int m = 0; m < M; ++m) {
+        acc[m] = vfmadd(wv, vload(xb + m * I + i), acc[m]);
+        acc2[m] = vfmadd(wv2, vload(xb + m * I + i + VW), acc2[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      float s = vsum(vadd(acc[m], acc2[m]));
+      for (int64_t i = IV; i < I; ++i) s += bf16_to_f32(w[o * I + i]) * bf16_to_f32(x[m * I + i]);
+      if (bias) s += bf16_to_f32(bias[o]);
+      store(y + m * O + o, s);
+    }
+  }
+}
+
+template <int M, typename Out>
+static void rows_f32(const float* x, const float* w, const float* bias, Out* y, int64_t I, int64_t O, int64_t begin, int64_t end) {
+  const int64_t IV = I / (2 * VW) * (2 * VW);
+  for (int64_t o = begin; o < end; ++o) {
+    const float* wr = w + o * I;
+    vf acc[M], acc2[M];
+    for (int m = 0; m < M; ++m) acc[m] = acc2[m] = vzero();
+    for (int64_t i = 0; i < IV; i += 2 * VW) {
+      const vf wv = vload(wr + i), wv2 = vload(wr + i + VW);
+      for (int m = 0; m < M; ++m) {
+        acc[m] = vfmadd(wv, vload(x + m * I + i), acc[m]);
+        acc2[m] = vfmadd(wv2, vload(x + m * I + i + VW), acc2[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      float s = vsum(vadd(acc[m], acc2[m]));
+      for (int64_t i = IV; i < I; ++i) s += wr[i] * x[m * I + i];
+      if (bias) s += bias[o];
+      store(y + m * O + o, s);
+    }
+  }
+}
+
+"""
+
+_COMMON = r"""// Up to 4 input rows share one pass over the weights. More rows go in groups of 4 over a block of
 // weight rows small enough to stay in L2, so the weights still come from memory only once.
 template <typename T, typename Out, typename Fn1, typename Fn2, typename Fn3, typename Fn4>
 static void run(const T* x, const T* w, const T* bias, Out* y, int64_t M, int64_t I, int64_t O,
@@ -140,12 +200,28 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
   return y;
 }
 """
-)
+
+
+@functools.cache
+def level() -> str:
+    """The ISA this kernel is built for here: AVX-512 BF16 (native bf16 dot products), else AVX-512 or AVX2."""
+    for lvl in ("avx512_bf16", "avx512"):
+        if cpu_ext.at_least(lvl):
+            return lvl
+    return "avx2"
+
+
+def _source(lvl: str) -> str:
+    if lvl == "avx512_bf16":
+        return cpu_ext.PRELUDE + _NATIVE_ROWS + _COMMON
+    return cpu_ext.vector_prelude(lvl) + _GENERIC_ROWS + _COMMON
 
 
 @functools.cache
 def _module():
-    return cpu_ext.load("fulcrum_cpu_gemv", _SOURCE, ["gemv", "parallel_threads"])
+    lvl = level()
+    name = "fulcrum_cpu_gemv" if lvl == "avx512_bf16" else f"fulcrum_cpu_gemv_{lvl}"
+    return cpu_ext.load(name, _source(lvl), ["gemv", "parallel_threads"], lvl)
 
 
 def available() -> bool:
@@ -163,7 +239,7 @@ def usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x.device.type == "cpu"
         and x.dim() == 2
         and x.dtype == weight.dtype
-        and 1 <= x.shape[0] <= MAX_ROWS.get(x.dtype, 0)
+        and 1 <= x.shape[0] <= MAX_ROWS[level()].get(x.dtype, 0)
         and (bias is None or bias.dtype == x.dtype)
         and weight.is_contiguous()
         and available()

@@ -267,7 +267,7 @@ def measure_machine(
         op_latency_s=op,
         notes=[
             f"weight streaming ({streams}): GEMVs over the model's {len(matrices)} weight matrices, "
-            f"{working_set / 2**20:.0f} MiB of {dtype}, through the engine's decode path ({kernel} up to {cpu_gemv.MAX_ROWS.get(TORCH_DTYPES[dtype], 0)} rows, F.linear beyond), median of 7",
+            f"{working_set / 2**20:.0f} MiB of {dtype}, through the engine's decode path ({kernel} up to {cpu_gemv.MAX_ROWS[cpu_gemv.level()].get(TORCH_DTYPES[dtype], 0)} rows, F.linear beyond), median of 7",
             f"matmul {flops / 1e9:.0f} GFLOP/s {dtype} at {'x'.join(map(str, matmul_shape))}, median of 5",
             *(
                 [
