@@ -1,5 +1,5 @@
-"""fulcrum's own kernels, picked at runtime by ISA (`cpu_ext.isa()`): decode attention over the paged KV cache on
-AVX2 and AVX-512, a GEMV for few-row linear layers and RMSNorm on AVX-512 BF16 (each built once per environment
+"""fulcrum's own kernels, picked at runtime by ISA (`cpu_ext.isa()`): decode attention over the paged KV cache and
+a GEMV for few-row linear layers on AVX2 and AVX-512, RMSNorm on AVX-512 BF16 (each built once per environment
 by `cpu_ext`), and
 huge-page memory for the weights and KV cache they stream. Layers call them and fall back to PyTorch ops."""
 
