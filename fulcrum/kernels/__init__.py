@@ -1,6 +1,6 @@
 """fulcrum's own kernels, picked at runtime by ISA (`cpu_ext.isa()`): decode attention over the paged KV cache and
-a GEMV for few-row linear layers on AVX2 and AVX-512, RMSNorm on AVX-512 BF16 (each built once per environment
-by `cpu_ext`), and
+a GEMV for few-row linear layers and RMSNorm, on AVX2 and AVX-512 (each built once per environment by
+`cpu_ext`), and
 huge-page memory for the weights and KV cache they stream. Layers call them and fall back to PyTorch ops."""
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ HEAD_DIMS = (16, 32, 64, 80, 96, 128, 160, 256)
 
 def level() -> str:
     """The ISA this kernel is built for here: AVX-512 where the CPU (and FULCRUM_CPU_ISA) allows, else AVX2."""
-    return "avx512" if cpu_ext.at_least("avx512") else "avx2"
+    return cpu_ext.best("avx512", "avx2")
 
 
 @functools.cache

@@ -2,8 +2,8 @@
 
 Each kernel module is compiled with torch's C++ extension loader into its own cache folder
 (~/.cache/fulcrum/kernels, or $FULCRUM_CACHE), keyed by its source, the flags, torch and the
-interpreter, so two virtual environments never rebuild over each other. Each kernel states the lowest
-level it is built for (decode attention: AVX2; GEMV and RMSNorm: AVX-512 BF16); below it, with
+interpreter, so two virtual environments never rebuild over each other. Each kernel picks the highest
+level it has a build for (all three: AVX2 at least; the GEMV uses AVX-512 BF16's dot products); below AVX2, with
 FULCRUM_CPU_KERNELS=0, or when the build fails (no compiler), `load` returns None and callers stay on
 PyTorch ops. FULCRUM_CPU_ISA=none|avx2|avx512|avx512_bf16 forces a lower level than the CPU's.
 """
@@ -142,6 +142,12 @@ def isa() -> str:
 
 def at_least(level: str) -> bool:
     return ISA_LEVELS.index(isa()) >= ISA_LEVELS.index(level)
+
+
+def best(*levels: str) -> str:
+    """The first of `levels` (highest first) that this CPU, under FULCRUM_CPU_ISA, has; the last one otherwise
+    (whose `load` then returns None when the CPU is below it)."""
+    return next((lvl for lvl in levels if at_least(lvl)), levels[-1])
 
 
 def cpu_has_avx512_bf16() -> bool:

@@ -205,10 +205,7 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
 @functools.cache
 def level() -> str:
     """The ISA this kernel is built for here: AVX-512 BF16 (native bf16 dot products), else AVX-512 or AVX2."""
-    for lvl in ("avx512_bf16", "avx512"):
-        if cpu_ext.at_least(lvl):
-            return lvl
-    return "avx2"
+    return cpu_ext.best("avx512_bf16", "avx512", "avx2")
 
 
 def _source(lvl: str) -> str:

@@ -56,7 +56,10 @@ MAX_ELEMENTS = 16 * 4096
 
 @functools.cache
 def _module():
-    return cpu_ext.load("fulcrum_cpu_norm", _SOURCE, ["rms_norm"])
+    # plain C++ loops: built with each level's flags, the compiler vectorises them for that level
+    lvl = cpu_ext.best("avx512_bf16", "avx512", "avx2")
+    name = "fulcrum_cpu_norm" if lvl == "avx512_bf16" else f"fulcrum_cpu_norm_{lvl}"
+    return cpu_ext.load(name, _SOURCE, ["rms_norm"], lvl)
 
 
 def available() -> bool:
