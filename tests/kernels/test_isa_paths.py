@@ -1,0 +1,21 @@
+"""Every code path stays tested on any machine: the engine's parity tests run again, in a process of their own,
+at each ISA level below this CPU's (FULCRUM_CPU_ISA), down to none (PyTorch ops only)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fulcrum.kernels import cpu_ext
+
+LOWER = [lvl for lvl in cpu_ext.ISA_LEVELS if cpu_ext.ISA_LEVELS.index(lvl) < cpu_ext.ISA_LEVELS.index(cpu_ext.isa())]
+
+
+@pytest.mark.parametrize("level", LOWER or ["none"])
+def test_engine_parity_at_a_forced_lower_level(level):
+    env = {**os.environ, "FULCRUM_CPU_ISA": level}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/engine/test_llm_parity.py"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert " passed" in res.stdout
