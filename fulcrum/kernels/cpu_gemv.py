@@ -93,36 +93,13 @@ static void rows_f32(const float* x, const float* w, const float* bias, Out* y, 
 _GENERIC_ROWS = r"""
 #include <atomic>
 
-template <int M, typename Out>
-static void rows_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, Out* y, int64_t I, int64_t O, int64_t begin, int64_t end) {
+// T is float or c10::BFloat16: vload widens either to fp32, so one loop serves both dtypes
+template <int M, typename T, typename Out>
+static void rows(const T* x, const T* w, const T* bias, Out* y, int64_t I, int64_t O, int64_t begin, int64_t end) {
   const int64_t IV = I / (2 * VW) * (2 * VW);
-  const c10::BFloat16* xb = reinterpret_cast<const c10::BFloat16*>(x);
   for (int64_t o = begin; o < end; ++o) {
-    const c10::BFloat16* wr = reinterpret_cast<const c10::BFloat16*>(w + o * I);
+    const T* wr = w + o * I;
     vf acc[M], acc2[M];  // two chains per input row hide the FMA latency
-    for (int m = 0; m < M; ++m) acc[m] = acc2[m] = vzero();
-    for (int64_t i = 0; i < IV; i += 2 * VW) {
-      const vf wv = vload(wr + i), wv2 = vload(wr + i + VW);
-      for (int m = 0; m < M; ++m) {
-        acc[m] = vfmadd(wv, vload(xb + m * I + i), acc[m]);
-        acc2[m] = vfmadd(wv2, vload(xb + m * I + i + VW), acc2[m]);
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      float s = vsum(vadd(acc[m], acc2[m]));
-      for (int64_t i = IV; i < I; ++i) s += bf16_to_f32(w[o * I + i]) * bf16_to_f32(x[m * I + i]);
-      if (bias) s += bf16_to_f32(bias[o]);
-      store(y + m * O + o, s);
-    }
-  }
-}
-
-template <int M, typename Out>
-static void rows_f32(const float* x, const float* w, const float* bias, Out* y, int64_t I, int64_t O, int64_t begin, int64_t end) {
-  const int64_t IV = I / (2 * VW) * (2 * VW);
-  for (int64_t o = begin; o < end; ++o) {
-    const float* wr = w + o * I;
-    vf acc[M], acc2[M];
     for (int m = 0; m < M; ++m) acc[m] = acc2[m] = vzero();
     for (int64_t i = 0; i < IV; i += 2 * VW) {
       const vf wv = vload(wr + i), wv2 = vload(wr + i + VW);
@@ -133,11 +110,23 @@ static void rows_f32(const float* x, const float* w, const float* bias, Out* y, 
     }
     for (int m = 0; m < M; ++m) {
       float s = vsum(vadd(acc[m], acc2[m]));
-      for (int64_t i = IV; i < I; ++i) s += wr[i] * x[m * I + i];
-      if (bias) s += bias[o];
+      for (int64_t i = IV; i < I; ++i) s += float(wr[i]) * float(x[m * I + i]);
+      if (bias) s += float(bias[o]);
       store(y + m * O + o, s);
     }
   }
+}
+
+// the entry points _COMMON calls, as the AVX-512 BF16 build names them (bf16 arrives as raw 16-bit words)
+template <int M, typename Out>
+static void rows_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, Out* y, int64_t I, int64_t O, int64_t begin, int64_t end) {
+  using B = c10::BFloat16;
+  rows<M>(reinterpret_cast<const B*>(x), reinterpret_cast<const B*>(w), reinterpret_cast<const B*>(bias), y, I, O, begin, end);
+}
+
+template <int M, typename Out>
+static void rows_f32(const float* x, const float* w, const float* bias, Out* y, int64_t I, int64_t O, int64_t begin, int64_t end) {
+  rows<M>(x, w, bias, y, I, O, begin, end);
 }
 
 """
