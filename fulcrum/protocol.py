@@ -67,6 +67,10 @@ class OpenAIBase(BaseModel):
     # OpenAI clients send fields we do not use; NaN and Infinity (which Python's JSON reader accepts) are refused
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
+
+class RequestBody(OpenAIBase):
+    """A whole request body: its strings are checked once here, nested parts (messages, content parts) included."""
+
     @model_validator(mode="before")
     @classmethod
     def _valid_utf8(cls, data):
@@ -102,7 +106,7 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: dict | None = None
 
 
-class SamplingFields(OpenAIBase):
+class SamplingFields(RequestBody):
     """Sampling fields common to both endpoints, with vLLM's extras."""
 
     model: str | None = None
@@ -293,7 +297,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIBase):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -313,7 +317,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIBase):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[TokenId]
 

@@ -150,15 +150,6 @@ def best(*levels: str) -> str:
     return next((lvl for lvl in levels if at_least(lvl)), levels[-1])
 
 
-def cpu_has_avx512_bf16() -> bool:
-    return detected_isa() == "avx512_bf16"
-
-
-def enabled() -> bool:
-    """Whether the AVX-512 BF16 kernels (GEMV, RMSNorm) apply."""
-    return at_least("avx512_bf16")
-
-
 def vector_prelude(level: str) -> str:
     """PRELUDE plus the vector primitives of `level` (avx2 or avx512): for kernels written once for both."""
     return PRELUDE + VECTOR_PRELUDE[level]
