@@ -64,14 +64,17 @@ def error(status: int, message: str, param: str | None = None, headers: dict | N
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
+def _described(e: BaseException) -> tuple[int, str, str | None]:
+    return status_of(e), str(e) or type(e).__name__, getattr(e, "param", None)
+
+
 def error_of(e: BaseException) -> JSONResponse:
-    return error(status_of(e), str(e) or type(e).__name__, getattr(e, "param", None))
+    return error(*_described(e))
 
 
 def sse_error(e: BaseException) -> str:
     """Headers are sent once a stream starts: a failure ends it with an error event (then [DONE])."""
-    body = error_body(status_of(e), str(e) or type(e).__name__, getattr(e, "param", None))
-    return f"data: {json.dumps(body)}\n\n"
+    return f"data: {json.dumps(error_body(*_described(e)))}\n\n"
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -10,6 +10,7 @@ from fulcrum.errors import InvalidRequestError, ModelNotFoundError
 from fulcrum.protocol import ChatMessage, SamplingFields
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.server.metrics import ServerMetrics
+from fulcrum.utils.tokenizer import chat_prompt_ids
 
 
 @dataclass
@@ -25,14 +26,11 @@ class ServerState:
             raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model")
 
     def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        convo = [{"role": m.role, "content": m.text()} for m in messages]
         try:
-            convo = [{"role": m.role, "content": m.text()} for m in messages]
-            ids = self.engine.tokenizer.apply_chat_template(
-                convo, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-            )
+            return chat_prompt_ids(self.engine.tokenizer, convo, add_generation_prompt)
         except Exception as e:  # template errors (e.g. a role the template refuses) are the client's
             raise InvalidRequestError(f"messages cannot be rendered by the chat template: {e}", "messages") from e
-        return list(ids)
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

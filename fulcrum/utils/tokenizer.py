@@ -16,13 +16,18 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` rendered through the model's chat template, ready for the reply."""
+def chat_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True
+) -> list[int]:
+    """Token ids of `messages` rendered through the model's chat template (by default ready for the reply)."""
     if not messages:
         raise ValueError("messages must not be empty")
     if tokenizer.chat_template is None:
         raise ValueError("this model's tokenizer has no chat template")
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+    )
+    return list(ids)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
