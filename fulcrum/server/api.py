@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import fulcrum
-from fulcrum.errors import InvalidRequestError, ShuttingDownError
+from fulcrum.engine.request import check_token_ids
+from fulcrum.errors import ShuttingDownError
 from fulcrum.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -123,9 +124,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
     async def detokenize(req: DetokenizeRequest):
         state.check_model(req.model)
-        vocab = state.engine.ready.vocab_size
-        if any(not 0 <= t < vocab for t in req.tokens):
-            raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="tokens")
+        check_token_ids("tokens", req.tokens, state.engine.ready.vocab_size)
         return DetokenizeResponse(prompt=state.engine.tokenizer.decode(req.tokens))
 
     return app

@@ -220,3 +220,7 @@ def test_a_request_that_fails_inside_a_step_gets_a_500_and_the_others_go_on(tmp_
         assert metric(s, 'fulcrum:request_success_total{finished_reason="error"') == 2
     finally:
         s.stop()
+
+
+def test_detokenize_refuses_ids_outside_the_vocabulary(server):
+    assert_error(post(server, "/detokenize", {"tokens": [5, 99999]}), 400, "tokens")
