@@ -90,12 +90,23 @@ def test_a_full_queue_shows_as_full_in_metrics(fresh_server):
     seen = []
 
     def fire():
-        r = post(s, "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 300, "ignore_eos": True})
+        # long enough that nothing finishes between a refusal and the scrape after it (~4 s each with the kernels)
+        r = post(s, "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 900, "ignore_eos": True})
         if r.status_code == 503:
             seen.append(metric(s, "fulcrum:num_requests_waiting"))
 
     threads = [threading.Thread(target=fire) for _ in range(6)]
-    for t in threads:
+    threads[0].start()
+    # one request running first: until the core reports it, admission counts every request in flight as waiting
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            if metric(s, "fulcrum:num_requests_running") >= 1:
+                break
+        except KeyError:  # the gauge appears with the core's first report
+            pass
+        time.sleep(0.05)
+    for t in threads[1:]:
         t.start()
     for t in threads:
         t.join()
