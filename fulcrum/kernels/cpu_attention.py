@@ -114,16 +114,9 @@ static void attend(const T* q, const T* kc, const T* vc, const int64_t* table, i
 }
 
 template <typename T, int HD>
-static void run(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                torch::Tensor ctx_lens, double scale, int64_t window, torch::Tensor out) {
-  const int64_t D = q.size(0), H = q.size(1), KVH = k_cache.size(2), bs = k_cache.size(1), g = H / KVH;
-  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
-  const T* kp = reinterpret_cast<const T*>(k_cache.data_ptr());
-  const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
-  T* op = reinterpret_cast<T*>(out.data_ptr());
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = ctx_lens.data_ptr<int64_t>();
-  const int64_t width = tables.size(1), kv_stride = KVH * HD;
+static void run(const T* qp, const T* kp, const T* vp, const int64_t* tp, const int64_t* lp, T* op, int64_t D,
+                int64_t H, int64_t KVH, int64_t bs, int64_t width, float scale, int64_t window) {
+  const int64_t g = H / KVH, kv_stride = KVH * HD;
   int64_t max_ctx = 0;
   for (int64_t i = 0; i < D; ++i) max_ctx = std::max(max_ctx, lp[i]);
   at::parallel_for(0, D * KVH, 1, [&](int64_t b, int64_t e) {
@@ -132,29 +125,30 @@ static void run(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, t
       const int64_t i = task / KVH, kvh = task % KVH, ctx = lp[i];
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
       attend<T, HD>(qp + (i * H + kvh * g) * HD, kp + kvh * HD, vp + kvh * HD, tp + i * width, start, ctx, bs,
-                    kv_stride, g, float(scale), scores.data(), op + (i * H + kvh * g) * HD, HD);
+                    kv_stride, g, scale, scores.data(), op + (i * H + kvh * g) * HD, HD);
     }
   });
 }
 
-// q [D, H, hd]; k/v cache [blocks, block_size, KVH, hd]; tables [D, width] int64; ctx_lens [D] int64.
-// Returns [D, H, hd] in q's dtype. window <= 0: no sliding window.
-torch::Tensor decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                     torch::Tensor ctx_lens, double scale, int64_t window) {
-  auto out = torch::empty_like(q);
-  const int64_t hd = q.size(2);
-  const bool bf16 = q.scalar_type() == torch::kBFloat16;
-#define CASE(HD)                                                                                       \
-  case HD:                                                                                             \
-    if (bf16) run<c10::BFloat16, HD>(q, k_cache, v_cache, tables, ctx_lens, scale, window, out);      \
-    else run<float, HD>(q, k_cache, v_cache, tables, ctx_lens, scale, window, out);                   \
-    break;
+// q and out [D, H, hd]; k/v cache [blocks, bs, KVH, hd]; tables [D, width] int64; ctx_lens [D] int64, all contiguous
+// and q, cache and out of one dtype. window <= 0: no sliding window. Returns 0, or -1 for an unsupported head_dim.
+extern "C" int64_t fulcrum_decode_attention(int64_t bf16, const void* q, const void* k_cache, const void* v_cache,
+                                            const int64_t* tables, const int64_t* ctx_lens, void* out, int64_t D,
+                                            int64_t H, int64_t KVH, int64_t hd, int64_t bs, int64_t width, float scale,
+                                            int64_t window) {
+  using B = c10::BFloat16;
+#define CASE(HD)                                                                                                   \
+  case HD:                                                                                                         \
+    if (bf16) run<B, HD>((const B*)q, (const B*)k_cache, (const B*)v_cache, tables, ctx_lens, (B*)out, D, H, KVH,  \
+                         bs, width, scale, window);                                                                \
+    else run<float, HD>((const float*)q, (const float*)k_cache, (const float*)v_cache, tables, ctx_lens,           \
+                        (float*)out, D, H, KVH, bs, width, scale, window);                                         \
+    return 0;
   switch (hd) {
     CASE(16) CASE(32) CASE(64) CASE(80) CASE(96) CASE(128) CASE(160) CASE(256)
-    default: TORCH_CHECK(false, "decode attention: unsupported head_dim ", hd);
   }
 #undef CASE
-  return out;
+  return -1;
 }
 """
 
@@ -169,7 +163,11 @@ def level() -> str:
 @functools.cache
 def _module():
     lvl = level()
-    return cpu_ext.load(f"fulcrum_cpu_attention_{lvl}", cpu_ext.vector_prelude(lvl) + _BODY, ["decode"], lvl)
+    lib = cpu_ext.load(f"fulcrum_cpu_attention_{lvl}", cpu_ext.vector_prelude(lvl) + _BODY, lvl)
+    if lib is None:
+        return None
+    P, I64 = cpu_ext.PTR, cpu_ext.I64
+    return cpu_ext.bind(lib.fulcrum_decode_attention, I64, I64, P, P, P, P, P, P, *[I64] * 6, cpu_ext.F32, I64)
 
 
 def available() -> bool:
@@ -199,4 +197,15 @@ def decode(
     sliding_window: int | None,
 ) -> torch.Tensor:
     """q [D, H, hd] (one token per sequence) over each sequence's first context_lens cached tokens."""
-    return _module().decode(q.contiguous(), k_cache, v_cache, block_tables, context_lens, scale, sliding_window or 0)
+    q = q.contiguous()
+    tables, lens = block_tables.to(torch.int64).contiguous(), context_lens.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    d, h, hd = q.shape
+    rc = _module()(
+        q.dtype == torch.bfloat16, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        lens.data_ptr(), out.data_ptr(), d, h, k_cache.shape[2], hd, k_cache.shape[1], tables.shape[1], scale,
+        sliding_window or 0,
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"decode attention: unsupported head_dim {hd}")
+    return out

@@ -1,37 +1,44 @@
 """Build and load fulcrum's C++ CPU kernels once per environment, for the ISA level this CPU has.
 
-Each kernel module is compiled with torch's C++ extension loader into its own cache folder
-(~/.cache/fulcrum/kernels, or $FULCRUM_CACHE), keyed by its source, the flags, torch and the
-interpreter, so two virtual environments never rebuild over each other. Each kernel picks the highest
-level it has a build for (all three: AVX2 at least; the GEMV uses AVX-512 BF16's dot products); below AVX2, with
-FULCRUM_CPU_KERNELS=0, or when the build fails (no compiler), `load` returns None and callers stay on
-PyTorch ops. FULCRUM_CPU_ISA=none|avx2|avx512|avx512_bf16 forces a lower level than the CPU's.
+Each kernel is a small C++ library with plain `extern "C"` entry points taking raw pointers, compiled by the
+system's C++ compiler straight into a cache folder (~/.cache/fulcrum/kernels, or $FULCRUM_CACHE) keyed by its
+source, the flags, torch and the interpreter, and loaded with ctypes. The sources include only the light ATen
+headers they use (at::parallel_for, c10::BFloat16), never <torch/extension.h>: that header alone took ~40 s to
+compile on a 2-core machine, three times over, before a server could report ready; a kernel now builds in a few
+seconds. Each kernel picks the highest level it has a build for (all three: AVX2 at least; the GEMV uses AVX-512
+BF16's dot products); below AVX2, with FULCRUM_CPU_KERNELS=0, or when the build fails (no compiler), `load`
+returns None and callers stay on PyTorch ops. FULCRUM_CPU_ISA=none|avx2|avx512|avx512_bf16 forces a lower level
+than the CPU's.
 """
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import hashlib
 import logging
 import os
+import subprocess
 import sys
-import time
+import sysconfig
+import tempfile
 
 import torch
 
 log = logging.getLogger(__name__)
 
 # -fopenmp matters: at::parallel_for is a header template that runs its `omp parallel` region only
-# when the extension itself is compiled with OpenMP; without it every kernel silently ran on one
-# thread. The extension's libgomp.so.1 resolves to the one torch has already loaded (same soname).
+# when the library itself is compiled with OpenMP; without it every kernel silently ran on one
+# thread. The library's libgomp.so.1 resolves to the one torch has already loaded (same soname), so torch's
+# ops and these kernels share one thread pool.
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
 # Headers and helpers every kernel source starts with: loads and stores that widen bf16 to fp32 and round
 # fp32 back to the tensor's dtype (round to nearest even, as `.to()` does).
 PRELUDE = r"""
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 static inline float bf16_to_f32(uint16_t v) { uint32_t u = uint32_t(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
@@ -43,7 +50,6 @@ static inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-b
 static inline void store(float* y, float v) { *y = v; }
 static inline void store(c10::BFloat16* y, float v) { *y = c10::BFloat16(v); }
 """
-STALE_LOCK_S = 180  # a build takes well under a minute; an older lock was left by a killed process
 
 # ISA levels, lowest first, with the CPU flags each needs and the compiler flags its kernels are built with
 ISA_LEVELS = ("none", "avx2", "avx512", "avx512_bf16")
@@ -53,6 +59,7 @@ ISA_CPU_FLAGS = {
     "avx512_bf16": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
 }
 ISA_FLAGS = {
+    "none": ["-O2", "-fopenmp"],  # code that needs no vector ISA (thread placement)
     "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
     "avx512": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"],
     "avx512_bf16": FLAGS,
@@ -160,32 +167,58 @@ def _build_dir(source: str, flags: list[str]) -> str:
     root = os.environ.get("FULCRUM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "fulcrum"))
     path = os.path.join(root, "kernels", key[:16])
     os.makedirs(path, exist_ok=True)
-    lock = os.path.join(path, "lock")
-    # torch waits forever on the lock file of a build whose process was killed: clear a stale one
-    if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > STALE_LOCK_S:
-        with contextlib.suppress(OSError):
-            os.remove(lock)
     return path
 
 
-def load(name: str, source: str, functions: list[str], level: str = "avx512_bf16"):
-    """The module compiled for ISA `level`, or None where the CPU (or FULCRUM_CPU_ISA) is below it or it cannot
-    be built."""
+def compile_command(source_path: str, out_path: str, flags: list[str], link: bool = True) -> list[str]:
+    """The compiler call for one kernel library: torch's headers, and its libraries for at::parallel_for."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    cxx = os.environ.get("CXX") or (sysconfig.get_config_var("CXX") or "c++").split()[0]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cmd = [cxx, "-std=c++17", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *flags]
+    cmd += [f"-I{p}" for p in include_paths()]
+    if not link:
+        return [*cmd, "-c", source_path, "-o", out_path]
+    libs = library_paths()
+    return [*cmd, "-shared", source_path, "-o", out_path, *(f"-L{p}" for p in libs),
+            *(f"-Wl,-rpath,{p}" for p in libs), "-lc10", "-ltorch_cpu"]  # fmt: skip
+
+
+def build(name: str, source: str, flags: list[str]) -> str:
+    """The path of `name`'s library built from `source`, compiling it unless the cache holds it. Concurrent
+    builders (two servers starting at once) each write a private file and rename it into place."""
+    folder = _build_dir(source, flags)
+    lib = os.path.join(folder, f"{name}.so")
+    if os.path.exists(lib):
+        return lib
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        src, out = os.path.join(tmp, f"{name}.cpp"), os.path.join(tmp, f"{name}.so")
+        with open(src, "w") as f:
+            f.write(source)
+        res = subprocess.run(compile_command(src, out, flags), capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"compiling {name} failed:\n{res.stderr[-4000:]}")
+        os.replace(out, lib)
+    return lib
+
+
+def load(name: str, source: str, level: str = "avx512_bf16") -> ctypes.CDLL | None:
+    """The library compiled for ISA `level` (its `extern "C"` functions reached through ctypes), or None where
+    the CPU (or FULCRUM_CPU_ISA) is below it or it cannot be built."""
     if not at_least(level):
         return None
-    flags = ISA_FLAGS[level]
     try:
-        from torch.utils.cpp_extension import load_inline
-
-        return load_inline(
-            name=name,
-            cpp_sources=source,
-            functions=functions,
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=_build_dir(source, flags),
-            verbose=False,
-        )
+        return ctypes.CDLL(build(name, source, ISA_FLAGS[level]))
     except Exception as e:  # no compiler, no headers: stay correct, just slower
         log.warning("CPU kernel %s unavailable, using PyTorch ops: %s", name, e)
         return None
+
+
+def bind(fn, restype, *argtypes):
+    """Give a ctypes function its signature (pointers are passed as ints, None for NULL) and return it."""
+    fn.restype, fn.argtypes = restype, list(argtypes)
+    return fn
+
+
+PTR, I64, F32, F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double

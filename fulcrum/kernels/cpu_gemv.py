@@ -156,8 +156,8 @@ static void run(const T* x, const T* w, const T* bias, Out* y, int64_t M, int64_
   });
 }
 
-// how many threads a parallel_for in this extension really runs on (1 if OpenMP was not compiled in)
-int64_t parallel_threads() {
+// how many threads a parallel_for in this library really runs on (1 if OpenMP was not compiled in)
+extern "C" int64_t fulcrum_parallel_threads() {
   std::atomic<int64_t> seen{0};
   at::parallel_for(0, 1 << 16, 1, [&](int64_t, int64_t) {
     int64_t t = at::get_thread_num() + 1, cur = seen.load();
@@ -166,27 +166,18 @@ int64_t parallel_threads() {
   return seen.load();
 }
 
-// x [M, I], w [O, I], bias [O] or empty, all contiguous and of one dtype (bf16 or fp32);
-// returns [M, O] in that dtype, accumulated in fp32
-torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
-  const int64_t M = x.size(0), I = x.size(1), O = w.size(0);
-  TORCH_CHECK(M >= 1, "gemv takes at least one row");
-  const bool has_bias = bias.numel() > 0;
-  auto y = torch::empty({M, O}, x.options());
-  if (x.scalar_type() == torch::kBFloat16) {
-    auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-    auto bp = has_bias ? reinterpret_cast<const uint16_t*>(bias.data_ptr()) : nullptr;
-    auto yp = reinterpret_cast<c10::BFloat16*>(y.data_ptr());
-    run(xp, wp, bp, yp, M, I, O, rows_bf16<1, c10::BFloat16>, rows_bf16<2, c10::BFloat16>,
-        rows_bf16<3, c10::BFloat16>, rows_bf16<4, c10::BFloat16>);
-  } else {
-    TORCH_CHECK(x.scalar_type() == torch::kFloat, "gemv takes bf16 or fp32");
-    auto bp = has_bias ? bias.data_ptr<float>() : nullptr;
-    run(x.data_ptr<float>(), w.data_ptr<float>(), bp, y.data_ptr<float>(), M, I, O, rows_f32<1, float>,
-        rows_f32<2, float>, rows_f32<3, float>, rows_f32<4, float>);
-  }
-  return y;
+// x [M, I], w [O, I], bias [O] or null, all contiguous and of one dtype; y [M, O] in that dtype, accumulated in fp32
+extern "C" void fulcrum_gemv_bf16(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t I,
+                                  int64_t O) {
+  using B = c10::BFloat16;
+  run((const uint16_t*)x, (const uint16_t*)w, (const uint16_t*)bias, (B*)y, M, I, O, rows_bf16<1, B>,
+      rows_bf16<2, B>, rows_bf16<3, B>, rows_bf16<4, B>);
+}
+
+extern "C" void fulcrum_gemv_f32(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t I,
+                                 int64_t O) {
+  run((const float*)x, (const float*)w, (const float*)bias, (float*)y, M, I, O, rows_f32<1, float>,
+      rows_f32<2, float>, rows_f32<3, float>, rows_f32<4, float>);
 }
 """
 
@@ -207,7 +198,15 @@ def _source(lvl: str) -> str:
 def _module():
     lvl = level()
     name = "fulcrum_cpu_gemv" if lvl == "avx512_bf16" else f"fulcrum_cpu_gemv_{lvl}"
-    return cpu_ext.load(name, _source(lvl), ["gemv", "parallel_threads"], lvl)
+    lib = cpu_ext.load(name, _source(lvl), lvl)
+    if lib is None:
+        return None
+    P, I64 = cpu_ext.PTR, cpu_ext.I64
+    return {
+        torch.bfloat16: cpu_ext.bind(lib.fulcrum_gemv_bf16, None, P, P, P, P, I64, I64, I64),
+        torch.float32: cpu_ext.bind(lib.fulcrum_gemv_f32, None, P, P, P, P, I64, I64, I64),
+        "threads": cpu_ext.bind(lib.fulcrum_parallel_threads, I64),
+    }
 
 
 def available() -> bool:
@@ -216,7 +215,7 @@ def available() -> bool:
 
 def parallel_threads() -> int:
     """Threads the kernel's row split runs on; PyTorch's thread count when the build is right."""
-    return _module().parallel_threads()
+    return _module()["threads"]()
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -225,19 +224,24 @@ def usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x.device.type == "cpu"
         and x.dim() == 2
         and x.dtype == weight.dtype
+        and weight.dim() == 2
+        and x.shape[1] == weight.shape[1]
         and 1 <= x.shape[0] <= MAX_ROWS[level()].get(x.dtype, 0)
-        and (bias is None or bias.dtype == x.dtype)
+        and (bias is None or (bias.dtype == x.dtype and bias.shape == (weight.shape[0],)))
         and weight.is_contiguous()
         and available()
     )
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    bias = _NO_BIAS if bias is None else bias.contiguous()
-    return _module().gemv(x.contiguous(), weight, bias)
-
-
-_NO_BIAS = torch.empty(0)
+    """x [M, I] @ weight[O, I]^T + bias, for inputs `usable` accepts."""
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    m, i = x.shape
+    y = torch.empty(m, weight.shape[0], dtype=x.dtype)
+    _module()[x.dtype](x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                       m, i, weight.shape[0])  # fmt: skip
+    return y
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -37,14 +37,12 @@ static void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, floa
   });
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  auto y = torch::empty_like(x);
-  const int64_t n = x.size(-1), rows = x.numel() / n;
-  if (x.scalar_type() == torch::kBFloat16)
-    rms_rows(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), rows, n, float(eps));
-  else
-    rms_rows(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), rows, n, float(eps));
-  return y;
+// x and y [rows, n], w [n], all contiguous and of one dtype
+extern "C" void fulcrum_rms_norm(int64_t bf16, const void* x, const void* w, void* y, int64_t rows, int64_t n,
+                                 float eps) {
+  using B = at::BFloat16;
+  if (bf16) rms_rows((const B*)x, (const B*)w, (B*)y, rows, n, eps);
+  else rms_rows((const float*)x, (const float*)w, (float*)y, rows, n, eps);
 }
 
 """
@@ -59,7 +57,11 @@ def _module():
     # plain C++ loops: built with each level's flags, the compiler vectorises them for that level
     lvl = cpu_ext.best("avx512_bf16", "avx512", "avx2")
     name = "fulcrum_cpu_norm" if lvl == "avx512_bf16" else f"fulcrum_cpu_norm_{lvl}"
-    return cpu_ext.load(name, _SOURCE, ["rms_norm"], lvl)
+    lib = cpu_ext.load(name, _SOURCE, lvl)
+    if lib is None:
+        return None
+    P, I64 = cpu_ext.PTR, cpu_ext.I64
+    return cpu_ext.bind(lib.fulcrum_rms_norm, None, I64, P, P, P, I64, I64, cpu_ext.F32)
 
 
 def available() -> bool:
@@ -73,11 +75,16 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
         x.device.type == "cpu"
         and x.dtype in _DTYPES
         and weight.dtype == x.dtype
+        and weight.shape == x.shape[-1:]
         and x.is_contiguous()
-        and x.numel() <= MAX_ELEMENTS
+        and 0 < x.numel() <= MAX_ELEMENTS
         and available()
     )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _module().rms_norm(x, weight.contiguous(), eps)
+    weight = weight.contiguous()
+    y = torch.empty_like(x)
+    n = x.shape[-1]
+    _module()(x.dtype == torch.bfloat16, x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
+    return y
