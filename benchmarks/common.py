@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -107,3 +108,20 @@ def fulcrum_server(folder: Path, *flags: str, log_path: Path | None = None):
 
     with start(folder, "--log-level", "warning", *flags, log_path=log_path) as server:
         yield server.url
+
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
+def cpu_summary() -> str:
+    """One line for the top of a benchmark's output: the CPU, its cores and the ISA flags the kernels look at."""
+    name, flags = "unknown CPU", set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name == "unknown CPU":
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    have = " ".join(f for f in ISA_FLAGS if f in flags) or "none of avx2/avx512/amx"
+    return f"{name}, {len(os.sched_getaffinity(0))} cores, flags: {have}, torch {torch.__version__}"

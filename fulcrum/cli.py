@@ -24,6 +24,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true", help="compute each prompt in one step, never split")
     g.add_argument("--seed", type=int, default=0, help="engine seed")
+    g.add_argument("--cpu-threads", type=int, default=None, help="CPU compute threads (default: one per core)")
+    g.add_argument(
+        "--cpu-bind",
+        default="auto",
+        help="where CPU compute threads run: auto (thread i on the i-th allowed core), none (the OS decides), "
+        "or cores such as 0-3,6",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -40,6 +47,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         seed=args.seed,
+        cpu_threads=args.cpu_threads,
+        cpu_bind=args.cpu_bind,
     )
 
 

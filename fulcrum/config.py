@@ -100,6 +100,14 @@ class ModelConfig:
         )
 
 
+def _is_cpu_bind(value: str) -> bool:
+    """auto, none, or a core list such as 0-3,6"""
+    if value in ("auto", "none"):
+        return True
+    parts = [p.partition("-") for p in value.split(",")]
+    return all(lo.isdigit() and (not sep or hi.isdigit()) for lo, sep, hi in parts)
+
+
 @dataclass
 class EngineConfig:
     """Engine settings, named as in vLLM."""
@@ -118,6 +126,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     device: str | None = None  # None = cuda when present, else cpu
+    # CPU compute threads of the engine core (None: one per allowed core) and where they run: "auto" pins thread i
+    # to the i-th allowed core, "none" leaves placement to the OS, "0-3,6" pins to those cores (kernels/cpu_threads)
+    cpu_threads: int | None = None
+    cpu_bind: str = "auto"
 
     def __post_init__(self) -> None:
         checks = {
@@ -126,6 +138,8 @@ class EngineConfig:
             "block_size": self.block_size >= 1,
             "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
             "kv_cache_memory": self.kv_cache_memory is None or self.kv_cache_memory > 0,
+            "cpu_threads": self.cpu_threads is None or self.cpu_threads >= 1,
+            "cpu_bind": _is_cpu_bind(self.cpu_bind),
         }
         for name, ok in checks.items():
             if not ok:

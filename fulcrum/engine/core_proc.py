@@ -43,7 +43,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     push.setsockopt(zmq.LINGER, 1000)
     push.connect(output_addr)
     try:
-        core = EngineCore(config)
+        core = EngineCore(config, own_process=True)
     except Exception as e:
         push.send(encoder.encode(CoreReady(error=f"{type(e).__name__}: {e}")))
         raise

@@ -10,8 +10,8 @@ import torch
 
 from fulcrum.config import EngineConfig, ModelConfig
 from fulcrum.engine.scheduler import ScheduledRequest, SchedulerOutput
-from fulcrum.errors import KVCacheTooSmallError
-from fulcrum.kernels import huge_page_empty, move_parameters_to_huge_pages, warm_up
+from fulcrum.errors import InvalidRequestError, KVCacheTooSmallError
+from fulcrum.kernels import cpu_threads, huge_page_empty, move_parameters_to_huge_pages, warm_up
 from fulcrum.layers.attention import Attention, AttentionMetadata
 from fulcrum.layers.sampler import Sampler, SamplingMetadata
 from fulcrum.models.loader import load_model
@@ -29,7 +29,7 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig):
+    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, reserve_cores: int = 0):
         self.config = engine_config
         self.model_config = model_config
         self.device = torch.device(engine_config.device)
@@ -60,6 +60,14 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.sampler = Sampler()
         warm_up(self.device)  # build or load the CPU kernels now, not in the middle of the first request
+        if self.device.type == "cpu":  # after the builds, which would otherwise inherit the pinning
+            try:
+                threads = cpu_threads.apply(
+                    cpu_threads.plan(engine_config.cpu_threads, engine_config.cpu_bind, reserve_cores)
+                )
+            except ValueError as e:
+                raise InvalidRequestError(str(e), param="cpu_bind") from e
+            log.info("CPU: %s", threads.describe())
 
     # -- KV cache size ---------------------------------------------------------------------------
 

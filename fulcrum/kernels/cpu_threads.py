@@ -1,0 +1,152 @@
+"""The engine core's CPU threads: how many compute, and on which cores.
+
+PyTorch's ops and fulcrum's kernels share one OpenMP pool (cpu_ext). Left alone it has one thread per core the
+process may run on and the OS moves them freely: with a client on the same 2 cores that collapsed to 18 tok/s
+where one pinned thread made 223 (benchmarks/bench_threads.py). `--cpu-threads N` sets the pool's size, and `--cpu-bind` where
+its threads run, as vLLM's CPU backend does with VLLM_CPU_OMP_THREADS_BIND:
+- `none`: the OS places the threads (torch's default);
+- `auto`: one thread per allowed core (the process's affinity mask, which taskset, cgroups and containers set),
+  thread i pinned to the i-th of them; when the engine core has a process of its own (`fulcrum serve`), one core
+  is left to the frontend, as vLLM's CPU backend does;
+- a core list such as `0-3,6`: thread i pinned to the i-th listed core.
+Pinning keeps each thread's cache and the memory pages it first touched near it, and stops the pool's threads
+from chasing each other across cores when other work shares the machine. It is done by a small native call that
+runs once on every thread of the pool (sched_setaffinity from inside an OpenMP region); where it cannot be built,
+the process as a whole is confined to the cores instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from fulcrum.kernels import cpu_ext
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <omp.h>
+#include <sched.h>
+#include <cstdint>
+
+// Pins OpenMP thread i of a team of n to cpus[i]; the pool keeps its threads, so later parallel regions of the
+// same size (torch's ops, fulcrum's kernels) run on the same pinned threads. Returns how many pins failed.
+extern "C" int64_t fulcrum_bind_threads(const int64_t* cpus, int64_t n) {
+  int64_t failed = 0;
+#pragma omp parallel num_threads(n) reduction(+ : failed)
+  {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpus[omp_get_thread_num()], &set);
+    failed += sched_setaffinity(0, sizeof(set), &set) != 0;
+  }
+  return failed;
+}
+
+// The core each thread of a team of n runs on now, written to out[0..n)
+extern "C" void fulcrum_thread_cpus(int64_t* out, int64_t n) {
+#pragma omp parallel num_threads(n)
+  out[omp_get_thread_num()] = sched_getcpu();
+}
+"""
+
+
+def allowed_cpus() -> list[int]:
+    """The cores this process may run on (its affinity mask)."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def parse_cpus(spec: str) -> list[int]:
+    """`0-3,6` -> [0, 1, 2, 3, 6]; ValueError for anything else."""
+    cpus: list[int] = []
+    for part in spec.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"cpu list {spec!r}: expected cores such as 0-3,6")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"cpu list {spec!r}: range {part} runs backwards")
+        cpus.extend(range(first, last + 1))
+    if len(set(cpus)) != len(cpus):
+        raise ValueError(f"cpu list {spec!r} names a core twice")
+    return cpus
+
+
+def check_bind(bind: str) -> None:
+    """Raise ValueError unless `bind` is auto, none or a core list."""
+    if bind not in ("auto", "none"):
+        parse_cpus(bind)
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    threads: int
+    cpus: tuple[int, ...] | None  # the core of each thread, or None: unpinned
+
+    def describe(self) -> str:
+        where = "unpinned" if self.cpus is None else "pinned to cores " + ",".join(map(str, self.cpus))
+        return f"{self.threads} compute thread{'s' * (self.threads != 1)}, {where}"
+
+
+def plan(threads: int | None, bind: str, reserve: int = 0) -> ThreadPlan:
+    """What `apply` will do for `--cpu-threads threads --cpu-bind bind` on this machine. `reserve` cores are left
+    to other processes when the thread count is chosen here (the frontend of `fulcrum serve`, which tokenizes,
+    detokenizes and streams while the core computes), as long as one is left to compute on. ValueError when
+    the cores asked for are not ones this process may use, or fewer than the threads."""
+    check_bind(bind)
+    allowed = allowed_cpus()
+    free = allowed[reserve:] if len(allowed) > reserve else allowed
+    if bind == "none":
+        return ThreadPlan(threads or len(free), None)
+    if bind == "auto":
+        cpus = free if threads is None or threads <= len(free) else allowed
+    else:
+        cpus = parse_cpus(bind)
+        if not set(cpus) <= set(allowed):
+            missing = sorted(set(cpus) - set(allowed))
+            raise ValueError(
+                f"--cpu-bind {bind}: cores {missing} are not available to this process (allowed: {allowed})"
+            )
+    n = threads or len(cpus)
+    if n > len(cpus):
+        raise ValueError(f"--cpu-threads {n} is more than the {len(cpus)} cores it can be bound to ({bind})")
+    return ThreadPlan(n, tuple(cpus[:n]))
+
+
+@functools.cache
+def _lib():
+    lib = cpu_ext.load("fulcrum_cpu_threads", _SOURCE, "none")
+    if lib is None:
+        return None
+    cpu_ext.bind(lib.fulcrum_bind_threads, cpu_ext.I64, cpu_ext.PTR, cpu_ext.I64)
+    cpu_ext.bind(lib.fulcrum_thread_cpus, None, cpu_ext.PTR, cpu_ext.I64)
+    return lib
+
+
+def apply(p: ThreadPlan) -> ThreadPlan:
+    """Size torch's pool and pin its threads as planned (call before the first op runs, in the process that
+    computes). Returns the plan."""
+    torch.set_num_threads(p.threads)
+    if p.cpus is None:
+        return p
+    lib = _lib()
+    cpus = torch.tensor(p.cpus, dtype=torch.int64)
+    if lib is None or lib.fulcrum_bind_threads(cpus.data_ptr(), p.threads) != 0:
+        log.warning("could not pin each compute thread; confining the process to cores %s instead", p.cpus)
+        os.sched_setaffinity(0, p.cpus)
+    return p
+
+
+def thread_cpus() -> list[int] | None:
+    """The core each thread of torch's pool is on now (a pinned thread never moves), or None without the
+    native helper."""
+    lib = _lib()
+    if lib is None:
+        return None
+    out = torch.zeros(torch.get_num_threads(), dtype=torch.int64)
+    lib.fulcrum_thread_cpus(out.data_ptr(), out.numel())
+    return out.tolist()

@@ -1,0 +1,77 @@
+"""--cpu-threads / --cpu-bind: how many compute threads the engine core runs and on which cores, leaving the
+frontend a core under `fulcrum serve`; pinning checked on real threads in a process of its own."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fulcrum.config import EngineConfig
+from fulcrum.errors import InvalidRequestError
+from fulcrum.kernels import cpu_threads
+
+
+def test_core_lists_parse_as_taskset_writes_them():
+    assert cpu_threads.parse_cpus("0-3,6") == [0, 1, 2, 3, 6]
+    assert cpu_threads.parse_cpus("5") == [5]
+    for bad in ("", "a", "3-1", "1,1", "0-", "-1"):
+        with pytest.raises(ValueError):
+            cpu_threads.parse_cpus(bad)
+
+
+@pytest.fixture
+def four_cores(monkeypatch):
+    monkeypatch.setattr(cpu_threads, "allowed_cpus", lambda: [0, 1, 2, 3])
+
+
+def test_auto_pins_one_thread_per_core_and_leaves_the_frontend_one(four_cores):
+    assert cpu_threads.plan(None, "auto") == cpu_threads.ThreadPlan(4, (0, 1, 2, 3))
+    assert cpu_threads.plan(None, "auto", reserve=1) == cpu_threads.ThreadPlan(3, (1, 2, 3))
+    assert cpu_threads.plan(2, "auto", reserve=1) == cpu_threads.ThreadPlan(2, (1, 2))
+    # asked for more threads than the free cores: the reserved core computes too
+    assert cpu_threads.plan(4, "auto", reserve=1) == cpu_threads.ThreadPlan(4, (0, 1, 2, 3))
+    with pytest.raises(ValueError, match="more than the 4 cores"):
+        cpu_threads.plan(5, "auto")
+
+
+def test_one_core_is_never_reserved_away(monkeypatch):
+    monkeypatch.setattr(cpu_threads, "allowed_cpus", lambda: [7])
+    assert cpu_threads.plan(None, "auto", reserve=1) == cpu_threads.ThreadPlan(1, (7,))
+
+
+def test_explicit_lists_and_none(four_cores):
+    assert cpu_threads.plan(None, "0,2") == cpu_threads.ThreadPlan(2, (0, 2))
+    assert cpu_threads.plan(1, "2-3") == cpu_threads.ThreadPlan(1, (2,))
+    with pytest.raises(ValueError, match=r"cores \[9\] are not available"):
+        cpu_threads.plan(None, "3,9")
+    assert cpu_threads.plan(None, "none", reserve=1) == cpu_threads.ThreadPlan(3, None)
+    assert cpu_threads.plan(8, "none").describe() == "8 compute threads, unpinned"
+
+
+def test_bad_settings_are_refused_by_the_config():
+    for kwargs in ({"cpu_bind": "everywhere"}, {"cpu_bind": "1-"}, {"cpu_threads": 0}):
+        with pytest.raises(InvalidRequestError):
+            EngineConfig(**kwargs)
+
+
+PROBE = """
+import json, torch
+from fulcrum import LLM
+llm = LLM(dtype="float32", kv_cache_memory=64 << 20, cpu_threads={threads}, cpu_bind={bind!r})
+from fulcrum.kernels import cpu_threads
+print(json.dumps({{"threads": torch.get_num_threads(), "cpus": cpu_threads.thread_cpus()}}))
+"""
+
+
+@pytest.mark.parametrize("threads, bind", [(1, "auto"), (None, "auto"), (1, "none")])
+def test_the_engine_runs_its_threads_where_it_was_told(threads, bind):
+    allowed = cpu_threads.allowed_cpus()
+    code = PROBE.format(threads=threads, bind=bind)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    want = threads or len(allowed)
+    assert got["threads"] == want
+    if bind == "auto":  # pinned: thread i sits on the i-th allowed core
+        assert got["cpus"] == allowed[:want]
