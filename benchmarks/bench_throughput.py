@@ -22,10 +22,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import add_model_args, memory_bandwidth_gbs, model_folder, print_table, save_json, workload  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_model_args,
+    cpu_summary,
+    matmul_floor,
+    memory_bandwidth_gbs,
+    model_folder,
+    print_table,
+    save_json,
+    workload,
+)
 
 
-def run_fulcrum(folder, reqs, dtype, device, **kw) -> tuple[float, int]:
+def run_fulcrum(folder, reqs, dtype, device, floor: dict | None = None, **kw) -> tuple[float, int]:
+    """Seconds and output tokens of the workload; `floor`, when given, gets the matmul floor measured just after."""
     from fulcrum import LLM, SamplingParams
 
     llm = LLM(model=str(folder), dtype=dtype, device=device, **kw)
@@ -36,6 +46,8 @@ def run_fulcrum(folder, reqs, dtype, device, **kw) -> tuple[float, int]:
     dt = time.perf_counter() - t0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n == sum(o for _, o in reqs)
+    if floor is not None:
+        floor.update(matmul_floor(llm.core.runner.model, reqs, dtype))
     del llm
     return dt, n
 
@@ -135,15 +147,27 @@ def main() -> None:
     vocab = AutoConfig.from_pretrained(folder).vocab_size
     reqs = workload(args.num_prompts, vocab)
     total_out = sum(o for _, o in reqs)
+    print(cpu_summary())
     print(f"model {folder.name} dtype {args.dtype} device {args.device} threads {torch.get_num_threads()}")
     print(f"workload: {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, {total_out} output tokens")
 
     rows, results = [], {}
     kv = int(args.kv_cache_gb * 2**30)
-    dt, n = run_fulcrum(folder, reqs, args.dtype, args.device, max_num_seqs=args.num_prompts, kv_cache_memory=kv)
+    floor = {} if args.device == "cpu" else None
+    dt, n = run_fulcrum(
+        folder, reqs, args.dtype, args.device, floor, max_num_seqs=args.num_prompts, kv_cache_memory=kv
+    )
     results["fulcrum"] = n / dt
     rows.append(("fulcrum LLM.generate", f"{dt:.1f}", n, f"{n / dt:.1f}"))
     print(f"fulcrum: {n / dt:.1f} tok/s", flush=True)
+    if floor:
+        results["matmul_floor"] = {**floor, "ratio": dt / floor["floor_s"]}
+        print(
+            f"matmul floor: {floor['matmul_flops'] / 1e12:.2f} TFLOP of weight matmuls at "
+            f"{floor['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s (F.linear, measured now) = {floor['floor_s']:.1f} s; "
+            f"fulcrum took {dt:.1f} s = {dt / floor['floor_s']:.2f}x the floor",
+            flush=True,
+        )
 
     if not args.skip_hf:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)).to(args.device).eval()

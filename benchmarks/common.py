@@ -125,3 +125,22 @@ def cpu_summary() -> str:
                 flags = set(value.split())
     have = " ".join(f for f in ISA_FLAGS if f in flags) or "none of avx2/avx512/amx"
     return f"{name}, {len(os.sched_getaffinity(0))} cores, flags: {have}, torch {torch.__version__}"
+
+
+def matmul_floor(model, reqs, dtype: str) -> dict:
+    """The workload's weight-matmul FLOPs and the time they take at the GEMM rate this machine gives now.
+
+    Every prompt token and every fed-back output token (all but the last of each request) goes through each
+    layer's linear weights once; the LM head runs once per generated token. Attention's FLOPs are not counted,
+    so the floor is a lower bound. The rate is F.linear's best over a prefill-sized and a batched-decode-sized
+    [m, hidden] @ [hidden, intermediate], measured now, in the run it is compared with."""
+    from fulcrum.probe.machine import measure_matmul_flops
+
+    layer_weights = sum(p.numel() for n, p in model.model.layers.named_parameters() if p.dim() == 2)
+    hidden, vocab = model.lm_head.weight.shape[1], model.lm_head.weight.shape[0]
+    tokens = sum(len(p) for p, _ in reqs) + sum(o - 1 for _, o in reqs)
+    flops = 2 * layer_weights * tokens + 2 * hidden * vocab * sum(o for _, o in reqs)
+    inter = max(p.shape[0] for p in model.model.layers[0].parameters() if p.dim() == 2)
+    rates = {m: measure_matmul_flops(dtype, m, hidden, inter) for m in (64, 512)}
+    rate = max(rates.values())
+    return {"matmul_flops": flops, "gemm_flops_per_s": rate, "gemm_rates": rates, "floor_s": flops / rate}
