@@ -22,13 +22,16 @@ def reference(q, k, v, scale):
     return o.transpose(0, 1)
 
 
-@pytest.mark.parametrize("n, m", [(300, 300), (256, 700)])  # a fresh prompt; a chunk after cached context
+# a fresh prompt (blocks of 128 and a remainder); a chunk after cached context; shorter than one block
+@pytest.mark.parametrize("n, m", [(300, 300), (256, 700), (70, 70)])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_matmul_attention_matches_sdpa(n, m, dtype, tol):
+def test_blocked_attention_matches_sdpa(n, m, dtype, tol):
     g = torch.Generator().manual_seed(0)
     attn = Attention(num_heads=14, num_kv_heads=2, head_dim=64, scale=0.125)
     q, k, v = (torch.randn(x, h, 64, generator=g).to(dtype) for x, h in [(n, 14), (m, 2), (m, 2)])
-    got = attn._attend_matmul(q, k, v).float()
+    got = attn._attend(q, k, v)
+    assert got.dtype == dtype
+    got = attn._attend_blocked(q, k, v).float()
     assert (got - reference(q, k, v, 0.125)).abs().max() < tol
 
 
