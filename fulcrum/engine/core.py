@@ -34,11 +34,11 @@ def is_fatal(e: BaseException) -> bool:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, own_process: bool = False):
-        """`own_process`: the core runs in a process of its own beside a frontend (fulcrum serve), which is
-        left a CPU core of its own when the thread count is chosen automatically."""
+        """`own_process`: the core runs in a process of its own beside a frontend (fulcrum serve): on CPU its
+        threads are pinned and the frontend is left a core (kernels/cpu_threads)."""
         self.config = config
         self.model_config = ModelConfig.from_path(config.model, config.dtype, config.max_model_len)
-        self.runner = ModelRunner(config, self.model_config, reserve_cores=1 if own_process else 0)
+        self.runner = ModelRunner(config, self.model_config, own_process)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.model_config.max_model_len, self.kv)
         log.info(

@@ -29,7 +29,7 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, reserve_cores: int = 0):
+    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, own_process: bool = False):
         self.config = engine_config
         self.model_config = model_config
         self.device = torch.device(engine_config.device)
@@ -63,7 +63,7 @@ class ModelRunner:
         if self.device.type == "cpu":  # after the builds, which would otherwise inherit the pinning
             try:
                 threads = cpu_threads.apply(
-                    cpu_threads.plan(engine_config.cpu_threads, engine_config.cpu_bind, reserve_cores)
+                    cpu_threads.plan(engine_config.cpu_threads, engine_config.cpu_bind, own_process)
                 )
             except ValueError as e:
                 raise InvalidRequestError(str(e), param="cpu_bind") from e

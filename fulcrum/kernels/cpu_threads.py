@@ -5,9 +5,10 @@ process may run on and the OS moves them freely: with a client on the same 2 cor
 where one pinned thread made 223 (benchmarks/bench_threads.py). `--cpu-threads N` sets the pool's size, and `--cpu-bind` where
 its threads run, as vLLM's CPU backend does with VLLM_CPU_OMP_THREADS_BIND:
 - `none`: the OS places the threads (torch's default);
-- `auto`: one thread per allowed core (the process's affinity mask, which taskset, cgroups and containers set),
-  thread i pinned to the i-th of them; when the engine core has a process of its own (`fulcrum serve`), one core
-  is left to the frontend, as vLLM's CPU backend does;
+- `auto`: where the engine core has a process of its own (`fulcrum serve`), one thread per allowed core (the
+  process's affinity mask, which taskset, cgroups and containers set) but one, which is left to the frontend as
+  vLLM's CPU backend does, thread i pinned to the i-th; inside a user's process (`LLM(...)`), one thread per
+  allowed core, unpinned;
 - a core list such as `0-3,6`: thread i pinned to the i-th listed core.
 Pinning keeps each thread's cache and the memory pages it first touched near it, and stops the pool's threads
 from chasing each other across cores when other work shares the machine. It is done by a small native call that
@@ -92,15 +93,19 @@ class ThreadPlan:
         return f"{self.threads} compute thread{'s' * (self.threads != 1)}, {where}"
 
 
-def plan(threads: int | None, bind: str, reserve: int = 0) -> ThreadPlan:
-    """What `apply` will do for `--cpu-threads threads --cpu-bind bind` on this machine. `reserve` cores are left
-    to other processes when the thread count is chosen here (the frontend of `fulcrum serve`, which tokenizes,
-    detokenizes and streams while the core computes), as long as one is left to compute on. ValueError when
-    the cores asked for are not ones this process may use, or fewer than the threads."""
+def plan(threads: int | None, bind: str, own_process: bool = False) -> ThreadPlan:
+    """What `apply` will do for `--cpu-threads threads --cpu-bind bind` on this machine.
+
+    `own_process`: the engine core has a process of its own beside a frontend (`fulcrum serve`, which tokenizes,
+    detokenizes and streams while the core computes). There `auto` leaves the frontend one core, as long as one is
+    left to compute on, and pins. In a user's own process (`LLM(...)`) `auto` pins nothing: pinning reaches the
+    calling thread, and every thread and process it starts later would inherit one core. A core list pins
+    wherever it is given. ValueError when the cores asked for are not ones this process may use, or fewer than
+    the threads."""
     check_bind(bind)
     allowed = allowed_cpus()
-    free = allowed[reserve:] if len(allowed) > reserve else allowed
-    if bind == "none":
+    free = allowed[1:] if own_process and len(allowed) > 1 else allowed
+    if bind == "none" or (bind == "auto" and not own_process):
         return ThreadPlan(threads or len(free), None)
     if bind == "auto":
         cpus = free if threads is None or threads <= len(free) else allowed

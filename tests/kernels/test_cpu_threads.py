@@ -25,19 +25,24 @@ def four_cores(monkeypatch):
     monkeypatch.setattr(cpu_threads, "allowed_cpus", lambda: [0, 1, 2, 3])
 
 
-def test_auto_pins_one_thread_per_core_and_leaves_the_frontend_one(four_cores):
-    assert cpu_threads.plan(None, "auto") == cpu_threads.ThreadPlan(4, (0, 1, 2, 3))
-    assert cpu_threads.plan(None, "auto", reserve=1) == cpu_threads.ThreadPlan(3, (1, 2, 3))
-    assert cpu_threads.plan(2, "auto", reserve=1) == cpu_threads.ThreadPlan(2, (1, 2))
+def test_auto_in_its_own_process_pins_one_thread_per_core_and_leaves_the_frontend_one(four_cores):
+    assert cpu_threads.plan(None, "auto", own_process=True) == cpu_threads.ThreadPlan(3, (1, 2, 3))
+    assert cpu_threads.plan(2, "auto", own_process=True) == cpu_threads.ThreadPlan(2, (1, 2))
     # asked for more threads than the free cores: the reserved core computes too
-    assert cpu_threads.plan(4, "auto", reserve=1) == cpu_threads.ThreadPlan(4, (0, 1, 2, 3))
+    assert cpu_threads.plan(4, "auto", own_process=True) == cpu_threads.ThreadPlan(4, (0, 1, 2, 3))
     with pytest.raises(ValueError, match="more than the 4 cores"):
-        cpu_threads.plan(5, "auto")
+        cpu_threads.plan(5, "auto", own_process=True)
+
+
+def test_auto_inside_a_users_process_pins_nothing(four_cores):
+    """LLM(...) runs in the caller's process: pinning would confine the caller's thread and all it starts later."""
+    assert cpu_threads.plan(None, "auto") == cpu_threads.ThreadPlan(4, None)
+    assert cpu_threads.plan(2, "auto") == cpu_threads.ThreadPlan(2, None)
 
 
 def test_one_core_is_never_reserved_away(monkeypatch):
     monkeypatch.setattr(cpu_threads, "allowed_cpus", lambda: [7])
-    assert cpu_threads.plan(None, "auto", reserve=1) == cpu_threads.ThreadPlan(1, (7,))
+    assert cpu_threads.plan(None, "auto", own_process=True) == cpu_threads.ThreadPlan(1, (7,))
 
 
 def test_explicit_lists_and_none(four_cores):
@@ -45,7 +50,7 @@ def test_explicit_lists_and_none(four_cores):
     assert cpu_threads.plan(1, "2-3") == cpu_threads.ThreadPlan(1, (2,))
     with pytest.raises(ValueError, match=r"cores \[9\] are not available"):
         cpu_threads.plan(None, "3,9")
-    assert cpu_threads.plan(None, "none", reserve=1) == cpu_threads.ThreadPlan(3, None)
+    assert cpu_threads.plan(None, "none", own_process=True) == cpu_threads.ThreadPlan(3, None)
     assert cpu_threads.plan(8, "none").describe() == "8 compute threads, unpinned"
 
 
@@ -60,18 +65,29 @@ import json, torch
 from fulcrum import LLM
 llm = LLM(dtype="float32", kv_cache_memory=64 << 20, cpu_threads={threads}, cpu_bind={bind!r})
 from fulcrum.kernels import cpu_threads
-print(json.dumps({{"threads": torch.get_num_threads(), "cpus": cpu_threads.thread_cpus()}}))
+import os
+print(json.dumps({{"threads": torch.get_num_threads(), "cpus": cpu_threads.thread_cpus(),
+                   "affinity": sorted(os.sched_getaffinity(0))}}))
 """
 
 
-@pytest.mark.parametrize("threads, bind", [(1, "auto"), (None, "auto"), (1, "none")])
-def test_the_engine_runs_its_threads_where_it_was_told(threads, bind):
-    allowed = cpu_threads.allowed_cpus()
+ALLOWED = cpu_threads.allowed_cpus()
+
+
+@pytest.mark.parametrize(
+    "threads, bind, want_threads, want_cpus",
+    [
+        (None, "auto", len(ALLOWED), None),  # in the caller's process: sized, not pinned
+        (1, "none", 1, None),
+        (None, str(ALLOWED[-1]), 1, [ALLOWED[-1]]),  # an explicit list pins, here too
+    ],
+)
+def test_the_engine_runs_its_threads_where_it_was_told(threads, bind, want_threads, want_cpus):
     code = PROBE.format(threads=threads, bind=bind)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
-    want = threads or len(allowed)
-    assert got["threads"] == want
-    if bind == "auto":  # pinned: thread i sits on the i-th allowed core
-        assert got["cpus"] == allowed[:want]
+    assert got["threads"] == want_threads
+    if want_cpus:  # pinned: thread i sits on the i-th listed core
+        assert got["cpus"] == want_cpus
+    assert got["affinity"] == (want_cpus or ALLOWED)  # what the caller's thread (and all it starts) may use
