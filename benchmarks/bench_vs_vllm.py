@@ -144,6 +144,7 @@ def run_fulcrum(args: argparse.Namespace, wl: dict) -> dict:
         "enable_prefix_caching": c.enable_prefix_caching,
         "kv_cache_memory_bytes": c.kv_cache_memory,
         "kernel_isa": cpu_ext.isa(),
+        "torch_isa": torch.backends.cpu.get_cpu_capability(),
         "torch_threads": torch.get_num_threads(),
     }
     return result

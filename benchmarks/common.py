@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+import fulcrum  # noqa: F401  (early: under FULCRUM_CPU_ISA it caps torch's kernels before any op runs)
+
 REPO = Path(__file__).resolve().parent.parent
 BUNDLED = REPO / "models" / "tiny-shakespeare-target"
 
@@ -124,7 +126,13 @@ def cpu_summary() -> str:
             elif key.strip() == "flags" and not flags:
                 flags = set(value.split())
     have = " ".join(f for f in ISA_FLAGS if f in flags) or "none of avx2/avx512/amx"
-    return f"{name}, {len(os.sched_getaffinity(0))} cores, flags: {have}, torch {torch.__version__}"
+    from fulcrum.kernels import cpu_ext
+
+    forced = f" (FULCRUM_CPU_ISA={os.environ['FULCRUM_CPU_ISA']})" if os.environ.get("FULCRUM_CPU_ISA") else ""
+    return (
+        f"{name}, {len(os.sched_getaffinity(0))} cores, flags: {have}, torch {torch.__version__}; "
+        f"fulcrum kernels at {cpu_ext.isa()}{forced}, torch ops at {torch.backends.cpu.get_cpu_capability()}"
+    )
 
 
 def matmul_floor(model, reqs, dtype: str) -> dict:
@@ -141,6 +149,7 @@ def matmul_floor(model, reqs, dtype: str) -> dict:
     tokens = sum(len(p) for p, _ in reqs) + sum(o - 1 for _, o in reqs)
     flops = 2 * layer_weights * tokens + 2 * hidden * vocab * sum(o for _, o in reqs)
     inter = max(p.shape[0] for p in model.model.layers[0].parameters() if p.dim() == 2)
-    rates = {m: measure_matmul_flops(dtype, m, hidden, inter) for m in (64, 512)}
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+    rates = {m: measure_matmul_flops(short, m, hidden, inter) for m in (64, 512)}
     rate = max(rates.values())
     return {"matmul_flops": flops, "gemm_flops_per_s": rate, "gemm_rates": rates, "floor_s": flops / rate}

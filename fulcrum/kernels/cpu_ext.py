@@ -7,8 +7,8 @@ headers they use (at::parallel_for, c10::BFloat16), never <torch/extension.h>: t
 compile on a 2-core machine, three times over, before a server could report ready; a kernel now builds in a few
 seconds. Each kernel picks the highest level it has a build for (all three: AVX2 at least; the GEMV uses AVX-512
 BF16's dot products); below AVX2, with FULCRUM_CPU_KERNELS=0, or when the build fails (no compiler), `load`
-returns None and callers stay on PyTorch ops. FULCRUM_CPU_ISA=none|avx2|avx512|avx512_bf16 forces a lower level
-than the CPU's.
+returns None and callers stay on PyTorch ops. The level itself (FULCRUM_CPU_ISA=none|avx2|avx512|avx512_bf16|amx
+forces a lower one than the CPU's, torch's libraries included) is `fulcrum.utils.cpu_isa`'s.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ import sysconfig
 import tempfile
 
 import torch
+
+# the kernels pick their level through these (re-exported: one home for the level, utils/cpu_isa.py)
+from fulcrum.utils.cpu_isa import ISA_LEVELS, at_least, best, detected_isa, isa  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +54,12 @@ static inline void store(float* y, float v) { *y = v; }
 static inline void store(c10::BFloat16* y, float v) { *y = c10::BFloat16(v); }
 """
 
-# ISA levels, lowest first, with the CPU flags each needs and the compiler flags its kernels are built with
-ISA_LEVELS = ("none", "avx2", "avx512", "avx512_bf16")
-ISA_CPU_FLAGS = {
-    "avx2": {"avx2", "fma"},
-    "avx512": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"},
-    "avx512_bf16": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
-}
 ISA_FLAGS = {
     "none": ["-O2", "-fopenmp"],  # code that needs no vector ISA (thread placement)
     "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
     "avx512": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"],
     "avx512_bf16": FLAGS,
+    "amx": FLAGS,  # the AVX-512 BF16 builds: AMX itself is oneDNN's, through torch's bf16 matmuls
 }
 # Vector primitives a kernel can be written against once and built for any level: vf holds VW floats.
 VECTOR_PRELUDE = {
@@ -113,48 +110,6 @@ static inline vf vexp2i(vf p, vf n) {  // p * 2^n for integral n >= -126: n goes
 }
 """,
 }
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def detected_isa() -> str:
-    """The highest level this CPU has."""
-    flags = _cpu_flags()
-    return next((lvl for lvl in reversed(ISA_LEVELS[1:]) if ISA_CPU_FLAGS[lvl] <= flags), "none")
-
-
-def isa() -> str:
-    """The level kernels are built for: the CPU's own, or a lower one forced with FULCRUM_CPU_ISA (so that every
-    path can be tested on a machine that has a higher one); FULCRUM_CPU_KERNELS=0 turns them all off."""
-    if os.environ.get("FULCRUM_CPU_KERNELS", "1") == "0":
-        return "none"
-    level = detected_isa()
-    forced = os.environ.get("FULCRUM_CPU_ISA")
-    if forced:
-        if forced not in ISA_LEVELS:
-            raise ValueError(f"FULCRUM_CPU_ISA must be one of {', '.join(ISA_LEVELS)}, got {forced!r}")
-        if ISA_LEVELS.index(forced) < ISA_LEVELS.index(level):
-            level = forced
-    return level
-
-
-def at_least(level: str) -> bool:
-    return ISA_LEVELS.index(isa()) >= ISA_LEVELS.index(level)
-
-
-def best(*levels: str) -> str:
-    """The first of `levels` (highest first) that this CPU, under FULCRUM_CPU_ISA, has; the last one otherwise
-    (whose `load` then returns None when the CPU is below it)."""
-    return next((lvl for lvl in levels if at_least(lvl)), levels[-1])
 
 
 def vector_prelude(level: str) -> str:
