@@ -93,9 +93,13 @@ def hf_generate_batch(model, reqs) -> tuple[float, int, int]:
 
 def decode_weight_bytes(model) -> int:
     """Bytes of weights one decode step reads: every parameter once (`parameters()` lists a tied
-    embedding once, as the LM head reads it whole), but an untied input embedding only by one row."""
+    embedding once, as the LM head reads it whole), but an untied input embedding only by one row; quantized
+    layers' packed weights and scales (their buffers) once. A quantized LM head reads its own packed copy, so a
+    tied embedding is then read by one row too."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not getattr(model, "tie_word_embeddings", False):
+    quantized = [m for m in model.modules() if hasattr(m, "quant_method") and not hasattr(m, "weight")]
+    total += sum(b.numel() * b.element_size() for m in quantized for b in m.buffers(recurse=False))
+    if not getattr(model, "tie_word_embeddings", False) or model.lm_head in quantized:
         emb = model.model.embed_tokens.weight
         total -= emb.numel() * emb.element_size()
     return total
@@ -104,14 +108,16 @@ def decode_weight_bytes(model) -> int:
 BATCH1_TOKENS = 48  # per batch-1 round: the first comes from the prefill, the rest are timed decode steps
 
 
-def batch1_decode(folder, dtype, device, vocab, kv, rounds: int = 5, n_tokens: int = BATCH1_TOKENS) -> list[dict]:
+def batch1_decode(
+    folder, dtype, device, vocab, kv, rounds: int = 5, n_tokens: int = BATCH1_TOKENS, **engine_kw
+) -> list[dict]:
     """Batch-1 decode tok/s, each round beside a bandwidth probe taken just before it.
 
     This VM's read bandwidth moves between ~30 and ~60 GB/s from one minute to the next, so a probe
     taken minutes away from the decode says little; each round pairs the two."""
     from fulcrum import LLM, SamplingParams
 
-    llm = LLM(model=str(folder), dtype=dtype, device=device, max_num_seqs=1, kv_cache_memory=kv)
+    llm = LLM(model=str(folder), dtype=dtype, device=device, max_num_seqs=1, kv_cache_memory=kv, **engine_kw)
     weight_bytes = decode_weight_bytes(llm.core.runner.model)
     g = torch.Generator().manual_seed(1)
     llm.generate([[11] * 32], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -154,9 +160,7 @@ def main() -> None:
     rows, results = [], {}
     kv = int(args.kv_cache_gb * 2**30)
     floor = {} if args.device == "cpu" else None
-    dt, n = run_fulcrum(
-        folder, reqs, args.dtype, args.device, floor, max_num_seqs=args.num_prompts, kv_cache_memory=kv
-    )
+    dt, n = run_fulcrum(folder, reqs, args.dtype, args.device, floor, max_num_seqs=args.num_prompts, kv_cache_memory=kv)
     results["fulcrum"] = n / dt
     rows.append(("fulcrum LLM.generate", f"{dt:.1f}", n, f"{n / dt:.1f}"))
     print(f"fulcrum: {n / dt:.1f} tok/s", flush=True)

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from fulcrum.config import DEFAULT_MODEL
+from fulcrum.config import DEFAULT_MODEL, INT4_GROUP_SIZES, QUANTIZATIONS
 from fulcrum.sampling_params import DEFAULT_MAX_TOKENS
 
 
@@ -24,6 +24,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true", help="compute each prompt in one step, never split")
     g.add_argument("--seed", type=int, default=0, help="engine seed")
+    g.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="quantize the linear weights at load time: int8 (per channel) or int4 (per group)",
+    )
+    g.add_argument(
+        "--quantization-group-size", type=int, choices=INT4_GROUP_SIZES, default=128, help="int4's group size"
+    )
     g.add_argument("--cpu-threads", type=int, default=None, help="CPU compute threads (default: one per core)")
     g.add_argument(
         "--cpu-bind",
@@ -48,6 +57,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_chunked_prefill=not args.no_chunked_prefill,
         seed=args.seed,
         cpu_threads=args.cpu_threads,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
         cpu_bind=args.cpu_bind,
     )
 
@@ -168,9 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_serve)
 
     from fulcrum.bench.cli import add_bench_parser
+    from fulcrum.eval.cli import add_eval_parser
     from fulcrum.plan.cli import add_plan_parser
 
     add_bench_parser(sub)
+    add_eval_parser(sub)
     # plan/ imports neither torch (which fulcrum.config does) nor what measures: the CLI joins them, handing it the
     # bundled model as the default and fulcrum.probe's measurements
     add_plan_parser(sub).set_defaults(

@@ -21,6 +21,10 @@ DTYPES = {
     "half": torch.float16,
 }
 
+# Weight-only quantization methods (fulcrum/quant) and int4's group sizes
+QUANTIZATIONS = ("int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128)
+
 # The model that ships in the repository; every command uses it when no model is given.
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-shakespeare-target"
 
@@ -81,10 +85,17 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     eos_token_ids: list[int] = field(default_factory=list)
+    quantization: str | None = None  # one of QUANTIZATIONS: linear weights quantized at load time
+    quantization_group_size: int = 128
 
     @classmethod
     def from_path(
-        cls, path: str | Path | None = None, dtype: str | torch.dtype = "auto", max_model_len: int | None = None
+        cls,
+        path: str | Path | None = None,
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        quantization: str | None = None,
+        quantization_group_size: int = 128,
     ) -> ModelConfig:
         path = model_path(path)
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -97,6 +108,8 @@ class ModelConfig:
             dtype=resolve_dtype(dtype, hf_config),
             max_model_len=max_model_len or limit,
             eos_token_ids=read_eos_token_ids(path, hf_config),
+            quantization=quantization,
+            quantization_group_size=quantization_group_size,
         )
 
 
@@ -130,6 +143,9 @@ class EngineConfig:
     # to the i-th allowed core, "none" leaves placement to the OS, "0-3,6" pins to those cores (kernels/cpu_threads)
     cpu_threads: int | None = None
     cpu_bind: str = "auto"
+    # weight-only quantization at load time (int8 per channel, int4 per group of quantization_group_size inputs)
+    quantization: str | None = None
+    quantization_group_size: int = 128
 
     def __post_init__(self) -> None:
         checks = {
@@ -140,9 +156,15 @@ class EngineConfig:
             "kv_cache_memory": self.kv_cache_memory is None or self.kv_cache_memory > 0,
             "cpu_threads": self.cpu_threads is None or self.cpu_threads >= 1,
             "cpu_bind": _is_cpu_bind(self.cpu_bind),
+            "quantization": self.quantization is None or self.quantization in QUANTIZATIONS,
+            "quantization_group_size": self.quantization_group_size in INT4_GROUP_SIZES,
         }
         for name, ok in checks.items():
             if not ok:
-                raise InvalidRequestError(f"{name} has an invalid value: {getattr(self, name)!r}", param=name)
+                hint = {
+                    "quantization": f" (supported: {', '.join(QUANTIZATIONS)})",
+                    "quantization_group_size": f" (supported: {', '.join(map(str, INT4_GROUP_SIZES))})",
+                }.get(name, "")
+                raise InvalidRequestError(f"{name} has an invalid value: {getattr(self, name)!r}{hint}", param=name)
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"

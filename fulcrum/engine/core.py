@@ -37,7 +37,9 @@ class EngineCore:
         """`own_process`: the core runs in a process of its own beside a frontend (fulcrum serve): on CPU its
         threads are pinned and the frontend is left a core (kernels/cpu_threads)."""
         self.config = config
-        self.model_config = ModelConfig.from_path(config.model, config.dtype, config.max_model_len)
+        self.model_config = ModelConfig.from_path(
+            config.model, config.dtype, config.max_model_len, config.quantization, config.quantization_group_size
+        )
         self.runner = ModelRunner(config, self.model_config, own_process)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.model_config.max_model_len, self.kv)

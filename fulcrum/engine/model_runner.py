@@ -15,6 +15,7 @@ from fulcrum.kernels import cpu_threads, huge_page_empty, move_parameters_to_hug
 from fulcrum.layers.attention import Attention, AttentionMetadata
 from fulcrum.layers.sampler import Sampler, SamplingMetadata
 from fulcrum.models.loader import load_model
+from fulcrum.quant import describe
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,13 @@ class ModelRunner:
         self.device = torch.device(engine_config.device)
         torch.manual_seed(engine_config.seed)
         self.model = load_model(model_config, self.device)
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
+        log.info(
+            "weights: %.1f MiB (%s, quantization %s)",
+            self.weight_bytes / 2**20,
+            model_config.dtype,
+            describe(model_config.quantization, model_config.quantization_group_size),
+        )
         if self.device.type == "cpu":
             move_parameters_to_huge_pages(self.model)  # a decode step streams them all: fewer TLB misses
         self.vocab_size = model_config.hf_config.vocab_size
@@ -59,7 +67,7 @@ class ModelRunner:
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.sampler = Sampler()
-        warm_up(self.device)  # build or load the CPU kernels now, not in the middle of the first request
+        warm_up(self.device, quantized=model_config.quantization is not None)  # build or load the CPU kernels now, not in the middle of the first request
         if self.device.type == "cpu":  # after the builds, which would otherwise inherit the pinning
             try:
                 threads = cpu_threads.apply(

@@ -9,17 +9,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from fulcrum.kernels import cpu_attention, cpu_gemv, cpu_norm
+from fulcrum.kernels import cpu_attention, cpu_gemv, cpu_norm, cpu_qgemv
 from fulcrum.kernels.hugepages import huge_page_empty, move_parameters_to_huge_pages
 
 __all__ = ["huge_page_empty", "move_parameters_to_huge_pages", "warm_up"]
 
 
-def warm_up(device: str | torch.device) -> None:
+def warm_up(device: str | torch.device, quantized: bool = False) -> None:
     """Build or load every kernel `device` runs on now (about 10 s the first time in an environment on 2 cores,
     the builds side by side), so a server reports ready with them in place instead of building them in the middle
     of the first request."""
     if torch.device(device).type != "cpu":
         return
-    with ThreadPoolExecutor(max_workers=3) as pool:  # each build is a compiler process: threads suffice
-        list(pool.map(lambda kernel: kernel.available(), (cpu_attention, cpu_gemv, cpu_norm)))
+    kernels = (cpu_attention, cpu_gemv, cpu_norm) + ((cpu_qgemv,) if quantized else ())
+    with ThreadPoolExecutor(max_workers=len(kernels)) as pool:  # each build is a compiler process: threads suffice
+        list(pool.map(lambda kernel: kernel.available(), kernels))

@@ -38,10 +38,18 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for the given hidden states; with tied embeddings the weight is the embedding's."""
+    """Logits for the given hidden states; with tied embeddings the weight is the embedding's. A `quant_method`
+    (fulcrum.quant) quantizes it after loading; a tied embedding then keeps the full-precision table for its
+    lookups, which read only the rows of a step's tokens."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None, quant_method=None):
+        super().__init__(vocab_size, hidden_size, dtype)
+        if quant_method is not None:
+            self.quant_method = quant_method
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = cpu_gemv.linear(hidden, self.weight)
+        method = getattr(self, "quant_method", None)
+        logits = method.apply(self, hidden, None) if method is not None else cpu_gemv.linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = tp_all_gather(logits)
         return logits[..., : self.vocab_size]

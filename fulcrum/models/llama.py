@@ -22,15 +22,20 @@ from fulcrum.utils.hf_config import layer_sliding_windows
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, dtype):
+    def __init__(
+        self, cfg: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, dtype, quant
+    ):
         super().__init__()
         hd = config_head_dim(cfg)
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, hd, cfg.num_attention_heads, cfg.num_key_value_heads, bias=qkv_bias, dtype=dtype
-        )
+            cfg.hidden_size, hd, cfg.num_attention_heads, cfg.num_key_value_heads, bias=qkv_bias, dtype=dtype,
+            quant_method=quant(),
+        )  # fmt: skip
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, hd
         self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=o_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * hd, cfg.hidden_size, bias=o_bias, dtype=dtype, quant_method=quant()
+        )
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, hd, hd**-0.5, sliding_window=layer_sliding_windows(cfg)[layer_idx]
         )
@@ -53,13 +58,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: PretrainedConfig, bias: bool, dtype):
+    def __init__(self, cfg: PretrainedConfig, bias: bool, dtype, quant):
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         inter = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], bias=bias, dtype=dtype)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=bias, dtype=dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [inter, inter], bias=bias, dtype=dtype, quant_method=quant()
+        )
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=bias, dtype=dtype, quant_method=quant())
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,10 +74,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: PretrainedConfig, layer_idx: int, family: type[LlamaForCausalLM], dtype):
+    def __init__(self, cfg: PretrainedConfig, layer_idx: int, family: type[LlamaForCausalLM], dtype, quant):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, family.qkv_bias(cfg), family.o_bias(cfg), family.qk_norm, dtype)
-        self.mlp = LlamaMLP(cfg, getattr(cfg, "mlp_bias", False), dtype)
+        self.self_attn = LlamaAttention(
+            cfg, layer_idx, family.qkv_bias(cfg), family.o_bias(cfg), family.qk_norm, dtype, quant
+        )
+        self.mlp = LlamaMLP(cfg, getattr(cfg, "mlp_bias", False), dtype, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
@@ -80,10 +89,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: PretrainedConfig, family: type[LlamaForCausalLM], dtype):
+    def __init__(self, cfg: PretrainedConfig, family: type[LlamaForCausalLM], dtype, quant):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, family, dtype) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, family, dtype, quant) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(config_head_dim(cfg), cfg.max_position_embeddings, rope_parameters(cfg))
 
@@ -114,11 +125,13 @@ class LlamaForCausalLM(nn.Module):
     def o_bias(cfg) -> bool:
         return bool(getattr(cfg, "attention_bias", False))
 
-    def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype | None = None, quant=None):
+        """`quant`: a factory of each linear layer's quant_method (None: full precision); see fulcrum.quant."""
         super().__init__()
+        quant = quant or (lambda: None)
         self.config = cfg
-        self.model = LlamaModel(cfg, type(self), dtype)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.model = LlamaModel(cfg, type(self), dtype, quant)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, quant_method=quant())
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -15,6 +15,7 @@ from fulcrum.config import ModelConfig
 from fulcrum.errors import ModelLoadError, WeightLoadError, WeightShapeError
 from fulcrum.layers.linear import copy_checked
 from fulcrum.models.registry import model_class
+from fulcrum.quant import method_factory
 
 # Buffers some checkpoints carry that the model recomputes.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -107,7 +108,8 @@ def load_weights(model: nn.Module, path: Path) -> None:
 
 def load_model(config: ModelConfig, device: str | torch.device = "cpu") -> nn.Module:
     cls = model_class(config.hf_config)
+    quant = method_factory(config.quantization, config.quantization_group_size)
     with torch.device(device):
-        model = cls(config.hf_config, dtype=config.dtype)
+        model = cls(config.hf_config, dtype=config.dtype, quant=quant)
     load_weights(model, config.path)
     return model.eval()

@@ -1,0 +1,64 @@
+"""`fulcrum eval`: perplexity of a configuration on a text, and its KL divergence from a reference run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from fulcrum.config import DEFAULT_MODEL, INT4_GROUP_SIZES, QUANTIZATIONS
+
+
+def add_eval_parser(sub) -> argparse.ArgumentParser:
+    e = sub.add_parser(
+        "eval",
+        help="perplexity on a text, and KL divergence / top-1 agreement against the unquantized model",
+        description="Perplexity of a model (any --quantization) on a text file in sliding windows; with a "
+        "reference run (default: the same model unquantized, when --quantization is given) also the mean and "
+        "99th-percentile KL divergence of the next-token distributions, top-1 agreement and the perplexity ratio. "
+        "Default data: the held-out last 10%% of ../shared/data/tinyshakespeare.txt (the bundled model's).",
+    )
+    e.add_argument("model_pos", nargs="?", metavar="MODEL", help="model folder (default: the bundled model)")
+    e.add_argument("--model", default=str(DEFAULT_MODEL))
+    e.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 (auto: the checkpoint's)")
+    e.add_argument("--quantization", choices=QUANTIZATIONS, default=None)
+    e.add_argument("--quantization-group-size", type=int, choices=INT4_GROUP_SIZES, default=128)
+    e.add_argument("--data", default=None, help="a UTF-8 text file, scored whole (default: the held-out Shakespeare)")
+    e.add_argument("--context", type=int, default=256, help="tokens per window")
+    e.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: context / 2)")
+    e.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
+    r = e.add_argument_group("reference run")
+    r.add_argument("--reference-model", default=None, help="default: the model itself")
+    r.add_argument("--reference-dtype", default=None, help="default: --dtype")
+    r.add_argument("--reference-quantization", choices=QUANTIZATIONS, default=None, help="default: none")
+    r.add_argument("--no-reference", action="store_true", help="perplexity only")
+    e.add_argument("--json", action="store_true", help="print the figures as JSON")
+    e.set_defaults(func=run_eval)
+    return e
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from fulcrum.eval.perplexity import DEFAULT_DATA, RunSpec, evaluate, format_result, held_out_text
+
+    model = args.model_pos or args.model
+    run = RunSpec(model, args.dtype, args.quantization, args.quantization_group_size)
+    want_ref = not args.no_reference and (
+        args.quantization or args.reference_model or args.reference_dtype or args.reference_quantization
+    )
+    reference = None
+    if want_ref:
+        reference = RunSpec(
+            args.reference_model or model,
+            args.reference_dtype or args.dtype,
+            args.reference_quantization,
+            args.quantization_group_size,
+        )
+    try:
+        text = Path(args.data).read_text(encoding="utf-8") if args.data else held_out_text(DEFAULT_DATA)
+        result = evaluate(run, text, reference, args.context, args.stride, args.max_windows)
+    except (OSError, ValueError) as e:
+        print(f"fulcrum eval: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.as_dict(), indent=2) if args.json else format_result(result))
+    return 0

@@ -1,0 +1,52 @@
+"""Weight-only quantization as pure tensor functions: quantize, pack, and dequantize back (the reference every
+kernel and test is held to). Formats as `fulcrum.kernels.cpu_qgemv` reads them."""
+
+from __future__ import annotations
+
+import torch
+
+from fulcrum.config import INT4_GROUP_SIZES  # noqa: F401  (the group sizes the int4 format takes)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (q [O, I] int8 in -127..127, scale [O] fp32), W ~ q * scale."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4 (a zero point per group, as GPTQ and AWQ store it): q in 0..15 with
+    W ~ q * scale + offset per group of `group_size` inputs. Returns (packed [O, I/2] uint8, scale, offset [O, I/G])."""
+    out_f, in_f = w.shape
+    g = w.float().reshape(out_f, in_f // group_size, group_size)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)  # the range holds 0, so zero stays exact
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    zero = torch.round(-lo / scale).clamp(0, 15)
+    q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp(0, 15).to(torch.uint8)
+    return pack_int4(q.reshape(out_f, in_f)), scale, -zero * scale
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[O, I] values 0..15 -> [O, I/2] bytes: in each 32 values, byte j = value j | value (j + 16) << 4."""
+    out_f, in_f = q.shape
+    c = q.to(torch.uint8).reshape(out_f, in_f // 32, 2, 16)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(out_f, in_f // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    out_f, half = packed.shape
+    b = packed.reshape(out_f, half // 16, 16)
+    return torch.stack([b & 15, b >> 4], dim=2).reshape(out_f, half * 2)
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    q = unpack_int4(packed).float()
+    out_f, in_f = q.shape
+    g = q.reshape(out_f, scale.shape[1], -1)
+    return (g * scale[..., None] + offset[..., None]).reshape(out_f, in_f)

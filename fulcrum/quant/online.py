@@ -1,0 +1,115 @@
+"""Online weight-only quantization: a 16/32-bit checkpoint loads as usual, then each linear weight is quantized
+in place (int8 per channel, int4 per group), and the full-precision copy is freed.
+
+Few rows (decode) go through `cpu_qgemv`, which reads the packed bytes; many rows (prefill, large batches) through
+a dequantized copy of the weight in the input's dtype, made for that call only, and a dense matmul (torch's packed
+int8/int4 matmuls measured slower there: 3-30x in fp32, 2.4-3x behind dense bf16 at 256 rows). Off CPU, or where
+the kernel is missing, the same dequantized matmul in PyTorch ops: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fulcrum.errors import ModelLoadError
+from fulcrum.kernels import cpu_qgemv
+from fulcrum.quant import formats
+from fulcrum.quant.base import UnquantizedLinearMethod
+
+
+class OnlineQuantMethod(UnquantizedLinearMethod):
+    """Weights are created and loaded in full precision (the unquantized method's), quantized after loading."""
+
+    name = ""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = layer.weight.data
+        self.check_shape(layer, w.shape)
+        for key, value in self.quantize(w).items():
+            layer.register_buffer(key, value.to(w.device))
+        layer.out_dtype = w.dtype
+        del layer.weight  # the loaded full-precision tensor is freed (a tied embedding keeps its own reference)
+
+    def check_shape(self, layer: nn.Module, shape: torch.Size) -> None:
+        pass
+
+    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        """The weight the layer computes with, as fp32 [O, I]: the reference for kernels and tests."""
+        raise NotImplementedError
+
+    def apply(self, layer, x, bias):
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.device.type == "cpu" and cpu_qgemv.usable(x2, bias):
+            y = self.gemv(layer, x2, bias)
+        else:
+            y = self.matmul(layer, x2, bias)
+        return y.reshape(*lead, y.shape[-1])
+
+    def gemv(self, layer, x, bias):
+        raise NotImplementedError
+
+    def matmul(self, layer, x, bias):
+        """Many rows: the weight dequantized for this call (by the kernel on CPU), then a dense matmul."""
+        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and cpu_qgemv.available():
+            return F.linear(x, self.dequantize_fast(layer, x.dtype), bias)
+        return F.linear(x, self.dequantize(layer).to(x.dtype), bias)
+
+    def dequantize_fast(self, layer, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in `dtype` by the CPU kernel, in its reused buffer."""
+        raise NotImplementedError
+
+
+class Int8Method(OnlineQuantMethod):
+    """int8 weights, one symmetric scale per output channel."""
+
+    name = "int8"
+
+    def quantize(self, w):
+        q, scale = formats.quantize_int8(w)
+        return {"qweight": q, "scales": scale}
+
+    def dequantize(self, layer):
+        return formats.dequantize_int8(layer.qweight, layer.scales)
+
+    def gemv(self, layer, x, bias):
+        return cpu_qgemv.int8(x, layer.qweight, layer.scales, bias)
+
+    def dequantize_fast(self, layer, dtype):
+        return cpu_qgemv.dequantize_int8(layer.qweight, layer.scales, dtype)
+
+
+class Int4Method(OnlineQuantMethod):
+    """int4 weights in groups of `group_size` inputs, each with a scale and a zero point."""
+
+    name = "int4"
+
+    def __init__(self, group_size: int = 128):
+        self.group_size = group_size
+
+    def check_shape(self, layer, shape):
+        if shape[1] % self.group_size:
+            fits = [g for g in formats.INT4_GROUP_SIZES if shape[1] % g == 0]
+            raise ModelLoadError(
+                f"int4 with group size {self.group_size} needs input features divisible by it; a "
+                f"{type(layer).__name__} has {shape[1]}"
+                + (f" (group sizes that fit: {', '.join(map(str, fits))})" if fits else " (no int4 group size fits)")
+            )
+
+    def quantize(self, w):
+        packed, scale, offset = formats.quantize_int4(w, self.group_size)
+        return {"qweight": packed, "scales": scale, "offsets": offset}
+
+    def dequantize(self, layer):
+        return formats.dequantize_int4(layer.qweight, layer.scales, layer.offsets)
+
+    def gemv(self, layer, x, bias):
+        return cpu_qgemv.int4(x, layer.qweight, layer.scales, layer.offsets, self.group_size, bias)
+
+    def dequantize_fast(self, layer, dtype):
+        return cpu_qgemv.dequantize_int4(layer.qweight, layer.scales, layer.offsets, self.group_size, dtype)

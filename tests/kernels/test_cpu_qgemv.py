@@ -1,0 +1,63 @@
+"""The quantized GEMV computes x @ dequant(W)^T + b, the dequantized weight being the formats' reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fulcrum.kernels import cpu_qgemv
+from fulcrum.quant import formats
+
+pytestmark = pytest.mark.skipif(not cpu_qgemv.available(), reason="needs an x86 CPU with AVX2 and a compiler")
+
+
+def close(got, ref, tol):
+    return ((got.float() - ref).abs() / (ref.abs() + 1)).max() < tol
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 64])  # 7: a group of 4 rows and a remainder of 3
+@pytest.mark.parametrize("shape", [(96, 64), (130, 77), (5, 4864)])  # 77: a tail past the vector loop
+def test_int8_matches_the_dequantized_weight(dtype, tol, rows, shape):
+    g = torch.Generator().manual_seed(0)
+    w, x, b = torch.randn(shape, generator=g), torch.randn(rows, shape[1], generator=g), torch.randn(shape[0])
+    q, scale = formats.quantize_int8(w)
+    x, b = x.to(dtype), b.to(dtype)
+    ref = F.linear(x.float(), formats.dequantize_int8(q, scale), b.float())
+    got = cpu_qgemv.int8(x, q, scale, b)
+    assert got.dtype == dtype and got.shape == (rows, shape[0]) and close(got, ref, tol)
+    assert close(cpu_qgemv.int8(x, q, scale), ref - b.float(), tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("group, shape", [(32, (96, 64)), (64, (130, 192)), (128, (7, 4864))])
+def test_int4_matches_the_dequantized_weight(dtype, tol, rows, group, shape):
+    g = torch.Generator().manual_seed(1)
+    w, x, b = torch.randn(shape, generator=g), torch.randn(rows, shape[1], generator=g), torch.randn(shape[0])
+    packed, scale, offset = formats.quantize_int4(w, group)
+    x, b = x.to(dtype), b.to(dtype)
+    ref = F.linear(x.float(), formats.dequantize_int4(packed, scale, offset), b.float())
+    got = cpu_qgemv.int4(x, packed, scale, offset, group, b)
+    assert got.dtype == dtype and close(got, ref, tol)
+
+
+def test_the_whole_weight_dequantizes_as_the_reference_does():
+    w = torch.randn(70, 256)
+    q, scale = formats.quantize_int8(w)
+    assert torch.equal(cpu_qgemv.dequantize_int8(q, scale), formats.dequantize_int8(q, scale))
+    bf = cpu_qgemv.dequantize_int8(q, scale, torch.bfloat16)
+    assert bf.dtype == torch.bfloat16 and torch.equal(bf, formats.dequantize_int8(q, scale).bfloat16())
+    for group in (32, 128):
+        packed, s, m = formats.quantize_int4(w, group)
+        ref = formats.dequantize_int4(packed, s, m)
+        assert torch.allclose(cpu_qgemv.dequantize_int4(packed, s, m, group), ref, atol=1e-6)
+        bf = cpu_qgemv.dequantize_int4(packed, s, m, group, torch.bfloat16).float()
+        assert torch.allclose(bf, ref, rtol=1e-2, atol=1e-6)
+
+
+def test_few_rows_only():
+    rows = cpu_qgemv.max_rows(torch.float32)
+    assert cpu_qgemv.usable(torch.randn(rows, 8))
+    assert not cpu_qgemv.usable(torch.randn(rows + 1, 8))
+    assert not cpu_qgemv.usable(torch.randn(1, 8, dtype=torch.float16))
+    assert not cpu_qgemv.usable(torch.randn(1, 8), torch.randn(8, dtype=torch.bfloat16))

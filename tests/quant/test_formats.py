@@ -1,0 +1,36 @@
+"""The weight formats round-trip within half a quantization step, and int4's packing is the one documented."""
+
+import pytest
+import torch
+
+from fulcrum.quant import formats
+
+
+def test_int8_error_is_within_half_a_step_per_channel():
+    w = torch.randn(48, 200) * torch.linspace(0.01, 3, 48)[:, None]  # channels of very different ranges
+    q, scale = formats.quantize_int8(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127 and scale.shape == (48,)
+    err = (formats.dequantize_int8(q, scale) - w).abs()
+    assert (err <= scale[:, None] / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_error_is_within_half_a_step_per_group_and_zero_is_exact(group):
+    w = torch.randn(16, 256)
+    w[:, :group] = w[:, :group].abs()  # a group with no negative value: its range is stretched to hold 0
+    w[3, 5] = 0.0
+    packed, scale, offset = formats.quantize_int4(w, group)
+    assert packed.shape == (16, 128) and packed.dtype == torch.uint8 and scale.shape == (16, 256 // group)
+    deq = formats.dequantize_int4(packed, scale, offset)
+    step = scale.repeat_interleave(group, dim=1)
+    assert ((deq - w).abs() <= step / 2 + 1e-6).all()
+    assert deq[3, 5] == 0.0
+
+
+def test_int4_packing_puts_value_j_and_j_plus_16_in_one_byte():
+    q = torch.arange(64).remainder(16).reshape(1, 64)
+    packed = formats.pack_int4(q)
+    assert packed[0, 0].item() == 0 | (0 << 4) and packed[0, 1].item() == 1 | (1 << 4)
+    q = torch.randint(0, 16, (3, 96))
+    assert torch.equal(formats.unpack_int4(formats.pack_int4(q)), q.to(torch.uint8))
+    assert formats.pack_int4(q)[1, 2].item() == int(q[1, 2]) | int(q[1, 18]) << 4

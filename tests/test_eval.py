@@ -1,0 +1,33 @@
+"""`fulcrum eval`: a model against itself gives KL 0 and 100% agreement; a quantized run is scored against the
+unquantized one; the windows score every token once."""
+
+import json
+
+import pytest
+
+from fulcrum.cli import main
+from fulcrum.config import DEFAULT_MODEL
+from fulcrum.eval.perplexity import RunSpec, evaluate, held_out_text, windows
+
+
+@pytest.mark.parametrize("n, context, stride", [(10, 4, 2), (1000, 256, 128), (300, 256, 256), (5, 256, 128)])
+def test_windows_score_every_token_after_the_first_once(n, context, stride):
+    spans = windows(n, context, stride)
+    scored = [i for start, end, first in spans for i in range(first, end)]
+    assert scored == list(range(1, n))
+    assert all(end - start <= context for start, end, _ in spans)
+
+
+def test_the_bundled_model_against_itself_and_int8(capsys):
+    text = held_out_text()[:6000]
+    same = evaluate(RunSpec(str(DEFAULT_MODEL)), text, RunSpec(str(DEFAULT_MODEL)), context=128)
+    assert same.kl_mean == 0 and same.kl_p99 == 0 and same.top1_agreement == 1 and same.perplexity_ratio == 1
+    assert 10 < same.perplexity < 200  # a trained model (validation loss 3.82 nats: perplexity ~46)
+
+    assert main(["eval", "--quantization", "int8", "--data", "/dev/null"]) == 2  # an empty text: a clear error
+    assert "shorter than two tokens" in capsys.readouterr().err
+    assert main(["eval", "--quantization", "int8", "--context", "128", "--max-windows", "8", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["reference"].endswith("quantization=none") and r["run"].endswith("quantization=int8")
+    assert r["tokens_scored"] == 127 + 7 * 64
+    assert 0 < r["kl_mean"] < 0.01 and r["top1_agreement"] > 0.95 and abs(r["perplexity_ratio"] - 1) < 0.01
