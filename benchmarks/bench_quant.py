@@ -24,6 +24,7 @@ from benchmarks.common import add_model_args, cpu_summary, model_folder, print_t
 CONFIGS = {
     "none": {},
     "int8": {"quantization": "int8"},
+    "fp8": {"quantization": "fp8"},
     "int4-g128": {"quantization": "int4", "quantization_group_size": 128},
     "int4-g32": {"quantization": "int4", "quantization_group_size": 32},
 }

@@ -22,7 +22,7 @@ DTYPES = {
 }
 
 # Weight-only quantization methods (fulcrum/quant) and int4's group sizes
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "fp8")
 INT4_GROUP_SIZES = (32, 64, 128)
 
 # The model that ships in the repository; every command uses it when no model is given.

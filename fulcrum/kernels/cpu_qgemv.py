@@ -8,6 +8,7 @@ AVX2 and AVX-512; the row split and the L2 blocking are the dense GEMV's (`cpu_g
 
 Formats (fulcrum's own, made by `fulcrum.quant` at load time from any checkpoint's weights):
 - int8: w [O, I] int8, scale [O] fp32: W[o, i] = w[o, i] * scale[o].
+- fp8: the same with w in float8_e4m3fn, widened through fp16 (F16C), since x86 CPUs have no fp8 arithmetic.
 - int4: w [O, I / 2] uint8, scale and offset [O, I / G] fp32, G a multiple of 32:
   W[o, i] = q * scale[o, i / G] + offset[o, i / G], q the 4-bit value in 0..15. In each 32 values of a row
   (16 bytes), byte j holds value j in its low nibble and value j + 16 in its high one, so one load of VW bytes
@@ -39,6 +40,14 @@ static inline void vload_u4(const uint8_t* p, vf& lo, vf& hi) {
   lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
   hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
 }
+// VW fp8 e4m3 bytes as fp16 (sign, then exponent and mantissa 7 bits up; F16C widens fp16 exactly, subnormals
+// included): the value times 2^-8, since fp16's exponent bias is 15 against e4m3's 7. Callers fold 2^8 into the scale.
+static inline vf vload_f8(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_cvtph_ps(h);
+}
 // VW floats to bf16, rounded to nearest even (finite values: weights)
 static inline void vstore_bf16(c10::BFloat16* p, vf a) {
   const __m512i u = _mm512_castps_si512(a);
@@ -56,6 +65,12 @@ static inline void vload_u4(const uint8_t* p, vf& lo, vf& hi) {
   lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
   hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
 }
+static inline vf vload_f8(const uint8_t* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+  return _mm256_cvtph_ps(h);
+}
 static inline void vstore_bf16(c10::BFloat16* p, vf a) {
   const __m256i u = _mm256_castps_si256(a);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -67,13 +82,29 @@ static inline void vstore_bf16(c10::BFloat16* p, vf a) {
 }
 
 _BODY = r"""
+#include <cmath>
 #include <vector>
 
 template <typename T> static inline float scalar(T v) { return float(v); }
 
-// int8, per-channel scale: M input rows against weight rows [begin, end)
-template <int M, typename T>
-static void rows_i8(const T* x, const int8_t* w, const float* scale, const T* bias, T* y, int64_t I, int64_t O,
+// One byte per weight, per-channel scale: int8, or fp8 e4m3 (FP8 true: read as 2^-8 times its value)
+static inline float fp8_to_f32(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  const float v = e ? std::ldexp(1.f + m / 8.f, e - 7) : std::ldexp(m / 8.f, -6);
+  return b & 0x80 ? -v : v;
+}
+template <bool FP8> static inline vf vload_w(const int8_t* p) {
+  if constexpr (FP8) return vload_f8((const uint8_t*)p);
+  else return vload_i8(p);
+}
+template <bool FP8> static inline float weight(int8_t v) {
+  if constexpr (FP8) return fp8_to_f32(uint8_t(v)) / 256.f;
+  else return float(v);
+}
+
+// M input rows against weight rows [begin, end)
+template <int M, bool FP8, typename T>
+static void rows_i8(const float* x, const int8_t* w, const float* scale, const T* bias, T* y, int64_t I, int64_t O,
                     int64_t begin, int64_t end) {
   const int64_t IV = I / (2 * VW) * (2 * VW);
   for (int64_t o = begin; o < end; ++o) {
@@ -81,7 +112,7 @@ static void rows_i8(const T* x, const int8_t* w, const float* scale, const T* bi
     vf acc[M], acc2[M];  // two chains per input row hide the FMA latency
     for (int m = 0; m < M; ++m) acc[m] = acc2[m] = vzero();
     for (int64_t i = 0; i < IV; i += 2 * VW) {
-      const vf wv = vload_i8(wr + i), wv2 = vload_i8(wr + i + VW);
+      const vf wv = vload_w<FP8>(wr + i), wv2 = vload_w<FP8>(wr + i + VW);
       for (int m = 0; m < M; ++m) {
         acc[m] = vfmadd(wv, vload(x + m * I + i), acc[m]);
         acc2[m] = vfmadd(wv2, vload(x + m * I + i + VW), acc2[m]);
@@ -89,8 +120,8 @@ static void rows_i8(const T* x, const int8_t* w, const float* scale, const T* bi
     }
     for (int m = 0; m < M; ++m) {
       float s = vsum(vadd(acc[m], acc2[m]));
-      for (int64_t i = IV; i < I; ++i) s += float(wr[i]) * scalar(x[m * I + i]);
-      s *= scale[o];
+      for (int64_t i = IV; i < I; ++i) s += weight<FP8>(wr[i]) * x[m * I + i];
+      s *= FP8 ? scale[o] * 256.f : scale[o];
       if (bias) s += scalar(bias[o]);
       store(y + m * O + o, s);
     }
@@ -100,7 +131,7 @@ static void rows_i8(const T* x, const int8_t* w, const float* scale, const T* bi
 // int4, group-wise scale and offset: sum over a group of (q * s + m) * x = s * sum(q * x) + m * sum(x), the
 // second term from xsum [M, I / G], computed once per call
 template <int M, typename T>
-static void rows_i4(const T* x, const uint8_t* w, const float* scale, const float* offset, const float* xsum,
+static void rows_i4(const float* x, const uint8_t* w, const float* scale, const float* offset, const float* xsum,
                     const T* bias, T* y, int64_t I, int64_t O, int64_t G, int64_t begin, int64_t end) {
   const int64_t ng = I / G;
   for (int64_t o = begin; o < end; ++o) {
@@ -151,30 +182,41 @@ static void split_rows(int64_t M, int64_t O, int64_t row_bytes, F f) {
   });
 }
 
-template <typename T>
-static void qgemv_i8(const T* x, const int8_t* w, const float* scale, const T* bias, T* y, int64_t M, int64_t I,
+// The input rows as fp32, widened once per call rather than once per weight row
+template <typename T> static std::vector<float> widen(const T* x, int64_t n) {
+  std::vector<float> out(n);
+  for (int64_t i = 0; i < n; ++i) out[i] = scalar(x[i]);
+  return out;
+}
+
+template <bool FP8, typename T>
+static void qgemv_i8(const T* x_in, const int8_t* w, const float* scale, const T* bias, T* y, int64_t M, int64_t I,
                      int64_t O) {
+  const std::vector<float> xf = widen(x_in, M * I);
+  const float* x = xf.data();
   split_rows(M, O, I, [&](int64_t m0, int64_t n, int64_t o, int64_t oe) {
-    const T* xm = x + m0 * I;
+    const float* xm = x + m0 * I;
     T* ym = y + m0 * O;
     switch (n) {
-      case 1: rows_i8<1>(xm, w, scale, bias, ym, I, O, o, oe); break;
-      case 2: rows_i8<2>(xm, w, scale, bias, ym, I, O, o, oe); break;
-      case 3: rows_i8<3>(xm, w, scale, bias, ym, I, O, o, oe); break;
-      default: rows_i8<4>(xm, w, scale, bias, ym, I, O, o, oe); break;
+      case 1: rows_i8<1, FP8>(xm, w, scale, bias, ym, I, O, o, oe); break;
+      case 2: rows_i8<2, FP8>(xm, w, scale, bias, ym, I, O, o, oe); break;
+      case 3: rows_i8<3, FP8>(xm, w, scale, bias, ym, I, O, o, oe); break;
+      default: rows_i8<4, FP8>(xm, w, scale, bias, ym, I, O, o, oe); break;
     }
   });
 }
 
 template <typename T>
-static void qgemv_i4(const T* x, const uint8_t* w, const float* scale, const float* offset, const T* bias, T* y,
+static void qgemv_i4(const T* x_in, const uint8_t* w, const float* scale, const float* offset, const T* bias, T* y,
                      int64_t M, int64_t I, int64_t O, int64_t G) {
   const int64_t ng = I / G;
+  const std::vector<float> xf = widen(x_in, M * I);
+  const float* x = xf.data();
   std::vector<float> xsum(M * ng, 0.f);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t i = 0; i < I; ++i) xsum[m * ng + i / G] += scalar(x[m * I + i]);
+    for (int64_t i = 0; i < I; ++i) xsum[m * ng + i / G] += x[m * I + i];
   split_rows(M, O, I / 2, [&](int64_t m0, int64_t n, int64_t o, int64_t oe) {
-    const T* xm = x + m0 * I;
+    const float* xm = x + m0 * I;
     const float* xs = xsum.data() + m0 * ng;
     T* ym = y + m0 * O;
     switch (n) {
@@ -186,12 +228,17 @@ static void qgemv_i4(const T* x, const uint8_t* w, const float* scale, const flo
   });
 }
 
-// x [M, I] and y [M, O] in one dtype (bf16 when `bf16`, else fp32), bias [O] in it too or null
-extern "C" void fulcrum_qgemv_int8(int64_t bf16, const void* x, const void* w, const void* scale, const void* bias,
-                                   void* y, int64_t M, int64_t I, int64_t O) {
+// x [M, I] and y [M, O] in one dtype (bf16 when `bf16`, else fp32), bias [O] in it too or null; w int8, or fp8
+// e4m3 bytes when `fp8`
+extern "C" void fulcrum_qgemv_int8(int64_t bf16, int64_t fp8, const void* x, const void* w, const void* scale,
+                                   const void* bias, void* y, int64_t M, int64_t I, int64_t O) {
   using B = c10::BFloat16;
-  if (bf16) qgemv_i8((const B*)x, (const int8_t*)w, (const float*)scale, (const B*)bias, (B*)y, M, I, O);
-  else qgemv_i8((const float*)x, (const int8_t*)w, (const float*)scale, (const float*)bias, (float*)y, M, I, O);
+  const int8_t* q = (const int8_t*)w;
+  const float* s = (const float*)scale;
+  if (bf16 && fp8) qgemv_i8<true>((const B*)x, q, s, (const B*)bias, (B*)y, M, I, O);
+  else if (bf16) qgemv_i8<false>((const B*)x, q, s, (const B*)bias, (B*)y, M, I, O);
+  else if (fp8) qgemv_i8<true>((const float*)x, q, s, (const float*)bias, (float*)y, M, I, O);
+  else qgemv_i8<false>((const float*)x, q, s, (const float*)bias, (float*)y, M, I, O);
 }
 
 extern "C" void fulcrum_qgemv_int4(int64_t bf16, const void* x, const void* w, const void* scale,
@@ -207,14 +254,15 @@ extern "C" void fulcrum_qgemv_int4(int64_t bf16, const void* x, const void* w, c
 static inline void vstore_t(float* p, vf a) { vstore(p, a); }
 static inline void vstore_t(c10::BFloat16* p, vf a) { vstore_bf16(p, a); }
 
-template <typename T>
+template <bool FP8, typename T>
 static void dequant_i8(const int8_t* q, const float* s, T* y, int64_t O, int64_t I) {
   at::parallel_for(0, O, std::max<int64_t>(1, 65536 / I), [&](int64_t b, int64_t e) {
     for (int64_t o = b; o < e; ++o) {
-      const vf so = vset1(s[o]);
+      const float so = FP8 ? s[o] * 256.f : s[o];
+      const vf sv = vset1(so);
       int64_t i = 0;
-      for (; i + VW <= I; i += VW) vstore_t(y + o * I + i, vmul(vload_i8(q + o * I + i), so));
-      for (; i < I; ++i) y[o * I + i] = T(float(q[o * I + i]) * s[o]);
+      for (; i + VW <= I; i += VW) vstore_t(y + o * I + i, vmul(vload_w<FP8>(q + o * I + i), sv));
+      for (; i < I; ++i) y[o * I + i] = T(weight<FP8>(q[o * I + i]) * so);
     }
   });
 }
@@ -236,11 +284,14 @@ static void dequant_i4(const uint8_t* q, const float* s, const float* m, T* y, i
   });
 }
 
-extern "C" void fulcrum_dequant_int8(int64_t bf16, const void* w, const void* scale, void* out, int64_t O, int64_t I) {
+extern "C" void fulcrum_dequant_int8(int64_t bf16, int64_t fp8, const void* w, const void* scale, void* out,
+                                     int64_t O, int64_t I) {
   const int8_t* q = (const int8_t*)w;
   const float* s = (const float*)scale;
-  if (bf16) dequant_i8(q, s, (c10::BFloat16*)out, O, I);
-  else dequant_i8(q, s, (float*)out, O, I);
+  if (bf16 && fp8) dequant_i8<true>(q, s, (c10::BFloat16*)out, O, I);
+  else if (bf16) dequant_i8<false>(q, s, (c10::BFloat16*)out, O, I);
+  else if (fp8) dequant_i8<true>(q, s, (float*)out, O, I);
+  else dequant_i8<false>(q, s, (float*)out, O, I);
 }
 
 extern "C" void fulcrum_dequant_int4(int64_t bf16, const void* w, const void* scale, const void* offset, void* out,
@@ -268,9 +319,9 @@ def _module():
         return None
     P, I64 = cpu_ext.PTR, cpu_ext.I64
     return {
-        "int8": cpu_ext.bind(lib.fulcrum_qgemv_int8, None, I64, P, P, P, P, P, I64, I64, I64),
+        "int8": cpu_ext.bind(lib.fulcrum_qgemv_int8, None, I64, I64, P, P, P, P, P, I64, I64, I64),
         "int4": cpu_ext.bind(lib.fulcrum_qgemv_int4, None, I64, P, P, P, P, P, P, I64, I64, I64, I64),
-        "dequant_int8": cpu_ext.bind(lib.fulcrum_dequant_int8, None, I64, P, P, P, I64, I64),
+        "dequant_int8": cpu_ext.bind(lib.fulcrum_dequant_int8, None, I64, I64, P, P, P, I64, I64),
         "dequant_int4": cpu_ext.bind(lib.fulcrum_dequant_int4, None, I64, P, P, P, P, I64, I64, I64),
     }
 
@@ -279,6 +330,7 @@ def available() -> bool:
     return _module() is not None
 
 
+@functools.cache
 def max_rows(dtype: torch.dtype) -> int:
     return (MAX_ROWS if cpu_ext.at_least("avx512_bf16") else MAX_ROWS_NO_NATIVE_BF16).get(dtype, 0)
 
@@ -300,11 +352,11 @@ def _ptr(t: torch.Tensor | None):
 
 
 def int8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, I] @ (w [O, I] int8 * scale [O, 1])^T + bias, in x's dtype."""
+    """x [M, I] @ (w [O, I] * scale [O, 1])^T + bias, in x's dtype; w int8, or float8_e4m3fn."""
     x = x.contiguous()
     y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-    _module()["int8"](x.dtype == torch.bfloat16, x.data_ptr(), w.data_ptr(), scale.data_ptr(), _ptr(bias),
-                      y.data_ptr(), x.shape[0], x.shape[1], w.shape[0])  # fmt: skip
+    _module()["int8"](x.dtype == torch.bfloat16, w.dtype == torch.float8_e4m3fn, x.data_ptr(), w.data_ptr(),
+                      scale.data_ptr(), _ptr(bias), y.data_ptr(), x.shape[0], x.shape[1], w.shape[0])  # fmt: skip
     return y
 
 
@@ -338,10 +390,11 @@ def _scratch(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
 
 
 def dequantize_int8(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The int8 weight as [O, I] in `dtype` (fp32 or bf16), in a buffer the next call reuses: use it at once."""
+    """The int8 (or float8_e4m3fn) weight as [O, I] in `dtype` (fp32 or bf16), in a buffer the next call reuses:
+    use it at once."""
     out = _scratch(tuple(w.shape), dtype)
-    _module()["dequant_int8"](dtype == torch.bfloat16, w.data_ptr(), scale.data_ptr(), out.data_ptr(), w.shape[0],
-                              w.shape[1])  # fmt: skip
+    _module()["dequant_int8"](dtype == torch.bfloat16, w.dtype == torch.float8_e4m3fn, w.data_ptr(), scale.data_ptr(),
+                              out.data_ptr(), w.shape[0], w.shape[1])  # fmt: skip
     return out
 
 

@@ -17,10 +17,12 @@ def method_factory(quantization: str | None, group_size: int = 128) -> Callable[
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
     if quantization == "int4" and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
-    from fulcrum.quant.online import Int4Method, Int8Method
+    from fulcrum.quant.online import Fp8Method, Int4Method, Int8Method
 
     if quantization == "int8":
         return Int8Method
+    if quantization == "fp8":
+        return Fp8Method
     return lambda: Int4Method(group_size)
 
 

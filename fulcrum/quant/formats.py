@@ -20,6 +20,22 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 e4m3 with one fp32 scale per output channel: (q [O, I] float8_e4m3fn, scale [O]), W ~ q * scale. A
+    per-tensor scale (as some checkpoints store) is the same with every channel's scale equal."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[:, None]
+
+
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric group-wise int4 (a zero point per group, as GPTQ and AWQ store it): q in 0..15 with
     W ~ q * scale + offset per group of `group_size` inputs. Returns (packed [O, I/2] uint8, scale, offset [O, I/G])."""

@@ -113,3 +113,16 @@ class Int4Method(OnlineQuantMethod):
 
     def dequantize_fast(self, layer, dtype):
         return cpu_qgemv.dequantize_int4(layer.qweight, layer.scales, layer.offsets, self.group_size, dtype)
+
+
+class Fp8Method(Int8Method):
+    """fp8 (e4m3) weights, one scale per output channel; on CPU stored as fp8 and widened in the kernel."""
+
+    name = "fp8"
+
+    def quantize(self, w):
+        q, scale = formats.quantize_fp8(w)
+        return {"qweight": q, "scales": scale}
+
+    def dequantize(self, layer):
+        return formats.dequantize_fp8(layer.qweight, layer.scales)

@@ -7,6 +7,7 @@ its vector level, oneDNN and MKL their ISA, once, at their first use).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -40,15 +41,17 @@ TORCH_ISA_ENV = {
 }
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's flags, read once (the kernels' choices ask per call)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def detected_isa() -> str:

@@ -17,12 +17,14 @@ def close(got, ref, tol):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 64])  # 7: a group of 4 rows and a remainder of 3
 @pytest.mark.parametrize("shape", [(96, 64), (130, 77), (5, 4864)])  # 77: a tail past the vector loop
-def test_int8_matches_the_dequantized_weight(dtype, tol, rows, shape):
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_int8_and_fp8_match_the_dequantized_weight(dtype, tol, rows, shape, fmt):
     g = torch.Generator().manual_seed(0)
     w, x, b = torch.randn(shape, generator=g), torch.randn(rows, shape[1], generator=g), torch.randn(shape[0])
-    q, scale = formats.quantize_int8(w)
+    w[0, :5] = torch.tensor([1e-9, -1e-7, 3e-6, 0.0, -0.0])  # fp8 subnormals and zeros
+    q, scale = getattr(formats, f"quantize_{fmt}")(w)
     x, b = x.to(dtype), b.to(dtype)
-    ref = F.linear(x.float(), formats.dequantize_int8(q, scale), b.float())
+    ref = F.linear(x.float(), getattr(formats, f"dequantize_{fmt}")(q, scale), b.float())
     got = cpu_qgemv.int8(x, q, scale, b)
     assert got.dtype == dtype and got.shape == (rows, shape[0]) and close(got, ref, tol)
     assert close(cpu_qgemv.int8(x, q, scale), ref - b.float(), tol)
@@ -47,6 +49,12 @@ def test_the_whole_weight_dequantizes_as_the_reference_does():
     assert torch.equal(cpu_qgemv.dequantize_int8(q, scale), formats.dequantize_int8(q, scale))
     bf = cpu_qgemv.dequantize_int8(q, scale, torch.bfloat16)
     assert bf.dtype == torch.bfloat16 and torch.equal(bf, formats.dequantize_int8(q, scale).bfloat16())
+    w[0, :3] = torch.tensor([1e-7, -3e-6, 0.0])  # subnormals
+    q, scale = formats.quantize_fp8(w)
+    q[1, 7] = torch.tensor(-0.0, dtype=torch.float8_e4m3fn)
+    ref = formats.dequantize_fp8(q, scale)
+    assert torch.allclose(cpu_qgemv.dequantize_int8(q, scale), ref, rtol=1e-6, atol=0)
+    assert torch.equal(cpu_qgemv.dequantize_int8(q, scale, torch.bfloat16), ref.bfloat16())
     for group in (32, 128):
         packed, s, m = formats.quantize_int4(w, group)
         ref = formats.dequantize_int4(packed, s, m)

@@ -34,3 +34,14 @@ def test_int4_packing_puts_value_j_and_j_plus_16_in_one_byte():
     q = torch.randint(0, 16, (3, 96))
     assert torch.equal(formats.unpack_int4(formats.pack_int4(q)), q.to(torch.uint8))
     assert formats.pack_int4(q)[1, 2].item() == int(q[1, 2]) | int(q[1, 18]) << 4
+
+
+def test_fp8_keeps_e4m3s_relative_precision_per_channel():
+    w = torch.randn(32, 256) * torch.linspace(0.01, 3, 32)[:, None]
+    q, scale = formats.quantize_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (32,)
+    deq = formats.dequantize_fp8(q, scale)
+    normal = w.abs() >= scale[:, None] * 2**-6  # e4m3's normal range: 3 mantissa bits, a relative step of 1/16
+    assert ((deq - w).abs() <= w.abs() / 16 + 1e-12)[normal].all()
+    assert ((deq - w).abs() <= scale[:, None] * 2**-10)[~normal].all()  # subnormals: half of 2^-9 of the scale
+    assert (deq.abs().amax(1) - w.abs().amax(1)).abs().max() < 1e-5  # the channel's largest value is exact

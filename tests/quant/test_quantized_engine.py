@@ -17,12 +17,17 @@ from tests.engine.hf_reference import hf_greedy
 from tests.tiny_models import save_tiny_model
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-METHODS = {"int8": {}, "int4-g32": {"quantization_group_size": 32}, "int4-g64": {"quantization_group_size": 64}}
+METHODS = {
+    "int8": {},
+    "fp8": {},
+    "int4-g32": {"quantization_group_size": 32},
+    "int4-g64": {"quantization_group_size": 64},
+}
 
 
 def dequantized(w: torch.Tensor, method: str, group: int) -> torch.Tensor:
-    if method == "int8":
-        return formats.dequantize_int8(*formats.quantize_int8(w))
+    if method in ("int8", "fp8"):
+        return getattr(formats, f"dequantize_{method}")(*getattr(formats, f"quantize_{method}")(w))
     return formats.dequantize_int4(*formats.quantize_int4(w, group))
 
 
@@ -74,7 +79,8 @@ def test_logits_and_greedy_tokens_match_the_dequantized_reference(models, tmp_pa
     assert (got - want).abs().max() < 1e-3 * want.abs().max()
     # the quantized model really holds packed weights, and no full-precision copy of them
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert not hasattr(qkv, "weight") and qkv.qweight.dtype == (torch.int8 if method == "int8" else torch.uint8)
+    packed = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}[method]
+    assert not hasattr(qkv, "weight") and qkv.qweight.dtype == packed
     assert not hasattr(model.lm_head, "weight")
 
     llm = LLM(model=str(models[family]), dtype="float32", kv_cache_memory=16 << 20, quantization=method, **kw)
@@ -98,7 +104,7 @@ def test_weight_bytes_fall_as_the_format_says(models):
 
 
 def test_bad_settings_name_what_is_supported(models):
-    with pytest.raises(InvalidRequestError, match="int8, int4"):
+    with pytest.raises(InvalidRequestError, match="int8, int4, fp8"):
         LLM(model=str(models["llama"]), quantization="int3")
     with pytest.raises(InvalidRequestError, match="32, 64, 128"):
         LLM(model=str(models["llama"]), quantization="int4", quantization_group_size=48)
