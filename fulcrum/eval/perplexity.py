@@ -106,7 +106,8 @@ def evaluate(
     model, mc = run.load()
     ref_model = reference.load()[0] if reference is not None else None
     context = min(context, mc.max_model_len)
-    ids = torch.tensor(load_tokenizer(mc.path).encode(text, add_special_tokens=False), dtype=torch.long)
+    tokens = load_tokenizer(mc.path).encode(text, add_special_tokens=False, verbose=False)  # no max-length warning
+    ids = torch.tensor(tokens, dtype=torch.long)
     if ids.numel() < 2:
         raise ValueError("the text is shorter than two tokens")
     spans = windows(ids.numel(), context, min(stride, context))
