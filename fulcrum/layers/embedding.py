@@ -28,19 +28,32 @@ class VocabParallelEmbedding(nn.Module):
         param.data.zero_()
         param.data[: part.shape[0]].copy_(part)
 
+    def share_quantized_table(self, head: ParallelLMHead) -> None:
+        """Tied embeddings with a quantized LM head: look rows up in the head's packed table (dequantizing only
+        the rows of the step's tokens) and free this full-precision copy."""
+        object.__setattr__(self, "_quantized_head", head)  # not a submodule: the head is the model's already
+        self.out_dtype = self.weight.dtype
+        del self.weight
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        head = getattr(self, "_quantized_head", None)
+        if head is None:
+            return F.embedding(ids, self.weight)
+        flat = ids.reshape(-1)
+        return head.quant_method.dequantize_rows(head, flat).to(self.out_dtype).reshape(*ids.shape, -1)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.start
         mask = (local >= 0) & (local < self.per_rank)
-        y = F.embedding(local.clamp(0, self.per_rank - 1), self.weight) * mask.unsqueeze(-1)
+        y = self._lookup(local.clamp(0, self.per_rank - 1)) * mask.unsqueeze(-1)
         return tp_all_reduce(y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the given hidden states; with tied embeddings the weight is the embedding's. A `quant_method`
-    (fulcrum.quant) quantizes it after loading; a tied embedding then keeps the full-precision table for its
-    lookups, which read only the rows of a step's tokens."""
+    (fulcrum.quant) quantizes it after loading; a tied embedding then looks its rows up in the packed table."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None, quant_method=None):
         super().__init__(vocab_size, hidden_size, dtype)

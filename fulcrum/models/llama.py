@@ -136,6 +136,11 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def after_loading(self) -> None:
+        """Once the weights are loaded (and quantized): a tied embedding reads the quantized LM head's table."""
+        if self.tie_word_embeddings and not hasattr(self.lm_head, "weight"):
+            self.model.embed_tokens.share_quantized_table(self.lm_head)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states for every token: [T, hidden]."""
         return self.model(input_ids, positions, meta)

@@ -104,6 +104,8 @@ def load_weights(model: nn.Module, path: Path) -> None:
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+    if hasattr(model, "after_loading"):
+        model.after_loading()
 
 
 def load_model(config: ModelConfig, device: str | torch.device = "cpu") -> nn.Module:

@@ -42,6 +42,10 @@ class OnlineQuantMethod(UnquantizedLinearMethod):
         """The weight the layer computes with, as fp32 [O, I]: the reference for kernels and tests."""
         raise NotImplementedError
 
+    def dequantize_rows(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` of the weight as fp32 [len(rows), I] (a tied embedding's lookup)."""
+        raise NotImplementedError
+
     def apply(self, layer, x, bias):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
@@ -77,6 +81,9 @@ class Int8Method(OnlineQuantMethod):
     def dequantize(self, layer):
         return formats.dequantize_int8(layer.qweight, layer.scales)
 
+    def dequantize_rows(self, layer, rows):
+        return formats.dequantize_int8(layer.qweight[rows], layer.scales[rows])
+
     def gemv(self, layer, x, bias):
         return cpu_qgemv.int8(x, layer.qweight, layer.scales, bias)
 
@@ -108,6 +115,9 @@ class Int4Method(OnlineQuantMethod):
     def dequantize(self, layer):
         return formats.dequantize_int4(layer.qweight, layer.scales, layer.offsets)
 
+    def dequantize_rows(self, layer, rows):
+        return formats.dequantize_int4(layer.qweight[rows], layer.scales[rows], layer.offsets[rows])
+
     def gemv(self, layer, x, bias):
         return cpu_qgemv.int4(x, layer.qweight, layer.scales, layer.offsets, self.group_size, bias)
 
@@ -126,3 +136,6 @@ class Fp8Method(Int8Method):
 
     def dequantize(self, layer):
         return formats.dequantize_fp8(layer.qweight, layer.scales)
+
+    def dequantize_rows(self, layer, rows):
+        return formats.dequantize_fp8(layer.qweight[rows], layer.scales[rows])
