@@ -94,13 +94,12 @@ def hf_generate_batch(model, reqs) -> tuple[float, int, int]:
 def decode_weight_bytes(model) -> int:
     """Bytes of weights one decode step reads: every parameter once (`parameters()` lists a tied
     embedding once, as the LM head reads it whole), but an untied input embedding only by one row; quantized
-    layers' packed weights and scales (their buffers) once. A quantized LM head reads its own packed copy, so a
-    tied embedding is then read by one row too."""
+    layers' packed weights and scales (their buffers) once; a tied embedding then reads rows of the LM head's."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     quantized = [m for m in model.modules() if hasattr(m, "quant_method") and not hasattr(m, "weight")]
     total += sum(b.numel() * b.element_size() for m in quantized for b in m.buffers(recurse=False))
-    if not getattr(model, "tie_word_embeddings", False) or model.lm_head in quantized:
-        emb = model.model.embed_tokens.weight
+    emb = getattr(model.model.embed_tokens, "weight", None)  # gone when a tied table is the quantized head's
+    if emb is not None and (not getattr(model, "tie_word_embeddings", False) or model.lm_head in quantized):
         total -= emb.numel() * emb.element_size()
     return total
 

@@ -158,13 +158,14 @@ def build(name: str, source: str, flags: list[str]) -> str:
     return lib
 
 
-def load(name: str, source: str, level: str = "avx512_bf16") -> ctypes.CDLL | None:
+def load(name: str, source: str, level: str = "avx512_bf16", extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The library compiled for ISA `level` (its `extern "C"` functions reached through ctypes), or None where
-    the CPU (or FULCRUM_CPU_ISA) is below it or it cannot be built."""
+    the CPU (or FULCRUM_CPU_ISA) is below it or it cannot be built. `extra_flags`: compiler flags for an extension
+    the caller has checked the CPU for (e.g. -mavx512vnni)."""
     if not at_least(level):
         return None
     try:
-        return ctypes.CDLL(build(name, source, ISA_FLAGS[level]))
+        return ctypes.CDLL(build(name, source, [*ISA_FLAGS[level], *extra_flags]))
     except Exception as e:  # no compiler, no headers: stay correct, just slower
         log.warning("CPU kernel %s unavailable, using PyTorch ops: %s", name, e)
         return None

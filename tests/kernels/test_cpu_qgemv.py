@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fulcrum.kernels import cpu_qgemv
+from fulcrum.kernels import cpu_qgemv, cpu_qgemv_vnni
 from fulcrum.quant import formats
 
 pytestmark = pytest.mark.skipif(not cpu_qgemv.available(), reason="needs an x86 CPU with AVX2 and a compiler")
@@ -69,3 +69,29 @@ def test_few_rows_only():
     assert not cpu_qgemv.usable(torch.randn(rows + 1, 8))
     assert not cpu_qgemv.usable(torch.randn(1, 8, dtype=torch.float16))
     assert not cpu_qgemv.usable(torch.randn(1, 8), torch.randn(8, dtype=torch.bfloat16))
+
+
+def q8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x as the VNNI kernel sees it: int8 in blocks of 32, a scale per block (amax / 127), times its reciprocal and
+    rounded to nearest (a value x / s rounds the other way at a tie, and that one step shows in the sums)."""
+    b = x.float().reshape(x.shape[0], -1, 32)
+    s = b.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(s > 0, 1 / torch.where(s > 0, s, 1), 0)
+    return (torch.round(b * inv).clamp(-127, 127) * s).reshape(x.shape)
+
+
+@pytest.mark.skipif(not cpu_qgemv_vnni.available(), reason="needs AVX-512 VNNI (and BF16) and a compiler")
+@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+@pytest.mark.parametrize("group, shape", [(32, (96, 64)), (64, (130, 192)), (128, (40, 896))])
+def test_vnni_int8_and_int4_match_the_dequantized_weight_on_the_quantized_input(rows, group, shape):
+    g = torch.Generator().manual_seed(2)
+    w, x, b = torch.randn(shape, generator=g), torch.randn(rows, shape[1], generator=g), torch.randn(shape[0])
+    x, b = x.bfloat16(), b.bfloat16()
+    xq = q8_blocks(x)
+    q, scale = formats.quantize_int8(w)
+    tol = 2e-2  # the bf16 output's rounding, as for the widening GEMV's bf16 results
+    assert close(cpu_qgemv_vnni.int8(x, q, scale, b), F.linear(xq, formats.dequantize_int8(q, scale), b.float()), tol)
+    packed, s, m = formats.quantize_int4(w, group)
+    ref = F.linear(xq, formats.dequantize_int4(packed, s, m), b.float())
+    assert close(cpu_qgemv_vnni.int4(x, packed, s, m, group, b), ref, tol)
+    assert cpu_qgemv_vnni.usable(x) and not cpu_qgemv_vnni.usable(x.float()) and not cpu_qgemv_vnni.usable(x[:, :32])
