@@ -20,11 +20,12 @@ HUGE_PAGE = 2 << 20
 ALIGN = 64  # each tensor starts on a cache line
 
 
-def huge_page_bytes(nbytes: int) -> torch.Tensor:
+def huge_page_bytes(nbytes: int, huge: bool = True) -> torch.Tensor:
     """A zeroed uint8 CPU tensor of `nbytes`, starting on a 2 MiB boundary, backed by huge pages where
-    the kernel grants them. The tensor keeps the mapping alive."""
+    the kernel grants them (ordinary pages, faulted in as first written, with `huge=False`). The tensor keeps the
+    mapping alive."""
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # THP off in this kernel: ordinary pages
             region.madvise(mmap.MADV_HUGEPAGE)
     buf = torch.frombuffer(region, dtype=torch.uint8)
@@ -32,12 +33,12 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor:
     return buf[start : start + nbytes]
 
 
-def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor on huge pages (anonymous mappings start zeroed)."""
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = True) -> torch.Tensor:
+    """A zeroed CPU tensor on huge pages (anonymous mappings start zeroed); `huge=False`: ordinary pages."""
     n = 1
     for s in shape:
         n *= s
-    return huge_page_bytes(n * dtype.itemsize).view(dtype).view(shape)
+    return huge_page_bytes(n * dtype.itemsize, huge).view(dtype).view(shape)
 
 
 def move_parameters_to_huge_pages(model: nn.Module) -> int:
