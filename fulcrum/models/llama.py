@@ -16,7 +16,7 @@ from fulcrum.layers.attention import Attention, AttentionMetadata
 from fulcrum.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from fulcrum.layers.layernorm import RMSNorm
 from fulcrum.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from fulcrum.layers.rotary import RotaryEmbedding, apply_rotary
+from fulcrum.layers.rotary import RotaryEmbedding
 from fulcrum.utils.hf_config import head_dim as config_head_dim
 from fulcrum.utils.hf_config import layer_sliding_windows
 
@@ -52,8 +52,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
-        o = self.attn(q, k, v, meta)
+        o = self.attn(q, k, v, meta, rope)  # rotary applied there, fused with the KV-cache write on CPU
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

@@ -1,0 +1,118 @@
+"""Rotary embedding and the KV-cache write as one CPU kernel: q and k rotated in place, the rotated k and v
+copied into their cache slots.
+
+PyTorch spends ten small ops on this per layer (four multiplies, two adds, two rolls, two index copies), each paying
+its fixed cost on decode-sized inputs: about as long as the bundled model's GEMVs. The kernel keeps the reference
+arithmetic: in bf16 each product and the sum are rounded as the PyTorch ops round them, so outputs are identical.
+Built by `fulcrum.kernels.cpu_ext` (plain loops, vectorised by the compiler for the level); callers fall back to
+PyTorch ops where it is not available.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fulcrum.kernels import cpu_ext
+
+_SOURCE = (
+    cpu_ext.PRELUDE
+    + r"""
+// a * c + b * s as two rounded products and a rounded sum, never one fused multiply-add: fp32 results then equal
+// PyTorch's bit for bit too
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#else
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+template <typename T> static inline T mul_add(T a, T c, T b, T s) {
+  // (a * c) + (b * s), each step rounded to T, as the PyTorch ops on T tensors do
+  return T(float(T(float(a) * float(c))) + float(T(float(b) * float(s))));
+}
+
+// x [T, heads, D] with a row stride of `xs` elements per token; cos/sin [T, D] (sin signed for rotate-half)
+template <typename T>
+static inline void rotate_row(T* x, const T* c, const T* s, int64_t D) {
+  const int64_t h = D / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    const T a = x[i], b = x[i + h];
+    x[i] = mul_add(a, c[i], b, s[i]);
+    x[i + h] = mul_add(b, c[i + h], a, s[i + h]);
+  }
+}
+
+template <typename T>
+static void rope_cache(T* q, T* k, const T* v, const T* cos, const T* sin, const int64_t* slots, T* kc, T* vc,
+                       int64_t ntok, int64_t H, int64_t KVH, int64_t D, int64_t qs, int64_t ks, int64_t vs) {
+  at::parallel_for(0, ntok, std::max<int64_t>(1, 256 / (H + KVH)), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const T* c = cos + t * D;
+      const T* s = sin + t * D;
+      for (int64_t hh = 0; hh < H; ++hh) rotate_row(q + t * qs + hh * D, c, s, D);
+      for (int64_t hh = 0; hh < KVH; ++hh) rotate_row(k + t * ks + hh * D, c, s, D);
+      if (!kc) continue;
+      const int64_t slot = slots[t];
+      std::memcpy(kc + slot * KVH * D, k + t * ks, KVH * D * sizeof(T));
+      std::memcpy(vc + slot * KVH * D, v + t * vs, KVH * D * sizeof(T));
+    }
+  });
+}
+
+extern "C" void fulcrum_rope_cache(int64_t bf16, void* q, void* k, const void* v, const void* cos, const void* sin,
+                                   const void* slots, void* kc, void* vc, int64_t ntok, int64_t H, int64_t KVH,
+                                   int64_t D, int64_t qs, int64_t ks, int64_t vs) {
+  using B = at::BFloat16;
+  const int64_t* sl = (const int64_t*)slots;
+  if (bf16) rope_cache((B*)q, (B*)k, (const B*)v, (const B*)cos, (const B*)sin, sl, (B*)kc, (B*)vc, ntok, H, KVH, D, qs, ks, vs);
+  else rope_cache((float*)q, (float*)k, (const float*)v, (const float*)cos, (const float*)sin, sl, (float*)kc, (float*)vc, ntok, H, KVH, D, qs, ks, vs);
+}
+"""
+)
+
+_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@functools.cache
+def _module():
+    lvl = cpu_ext.best("avx512_bf16", "avx512", "avx2")
+    lib = cpu_ext.load(f"fulcrum_cpu_rope_{lvl}", _SOURCE, lvl)
+    if lib is None:
+        return None
+    P, I64 = cpu_ext.PTR, cpu_ext.I64
+    return cpu_ext.bind(lib.fulcrum_rope_cache, None, I64, P, P, P, P, P, P, P, P, *[I64] * 7)
+
+
+def available() -> bool:
+    return _module() is not None
+
+
+def _rows_ok(x: torch.Tensor) -> bool:
+    """[T, heads, D] with heads and D packed (a token's heads side by side); tokens may be strided."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def usable(q, k, v, cos, sin, k_cache) -> bool:
+    return (
+        q.device.type == "cpu"
+        and q.dtype in _DTYPES
+        and k.dtype == v.dtype == cos.dtype == sin.dtype == q.dtype
+        and (k_cache is None or k_cache.dtype == q.dtype and k_cache.is_contiguous())
+        and _rows_ok(q) and _rows_ok(k) and _rows_ok(v)
+        and q.shape[2] % 2 == 0
+        and cos.is_contiguous() and sin.is_contiguous() and cos.numel() == q.shape[0] * q.shape[2]
+        and available()
+    )  # fmt: skip
+
+
+def rope_and_cache(q, k, v, cos, sin, slot_mapping, k_cache, v_cache) -> None:
+    """Rotate q and k in place; when a cache is given, write the rotated k and v to their slots in it."""
+    kc = None if k_cache is None else k_cache.data_ptr()
+    vc = None if v_cache is None else v_cache.data_ptr()
+    slots = None if slot_mapping is None else slot_mapping.to(torch.int64).contiguous()
+    _module()(
+        q.dtype == torch.bfloat16, q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        None if slots is None else slots.data_ptr(), kc, vc, q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+        q.stride(0), k.stride(0), v.stride(0),
+    )  # fmt: skip
