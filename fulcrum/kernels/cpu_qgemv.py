@@ -81,7 +81,25 @@ static inline void vstore_bf16(c10::BFloat16* p, vf a) {
 """,
 }
 
-_BODY = r"""
+# The row split every quantized GEMV shares (cpu_qgemv_vnni too)
+SPLIT_ROWS = r"""
+// Up to 4 input rows share one pass over the weights; more go 4 at a time over a block of weight rows small
+// enough to stay in L2, so the weights still come from memory once. `row_bytes`: bytes of one packed weight row.
+template <typename F>
+static void split_rows(int64_t M, int64_t O, int64_t row_bytes, F f) {
+  const int64_t block = std::max<int64_t>(1, 131072 / row_bytes);
+  const int64_t grain = std::max<int64_t>(1, 65536 / row_bytes);
+  at::parallel_for(0, O, grain, [&](int64_t b, int64_t e) {
+    for (int64_t o = b; o < e; o += block) {
+      const int64_t oe = std::min(e, o + block);
+      for (int64_t m0 = 0; m0 < M; m0 += 4) f(m0, std::min<int64_t>(4, M - m0), o, oe);
+    }
+  });
+}
+"""
+
+_BODY = (
+    r"""
 #include <cmath>
 #include <vector>
 
@@ -168,20 +186,9 @@ static void rows_i4(const float* x, const uint8_t* w, const float* scale, const 
   }
 }
 
-// Up to 4 input rows share one pass over the weights; more go 4 at a time over a block of weight rows small
-// enough to stay in L2, so the weights still come from memory once. `row_bytes`: bytes of one packed weight row.
-template <typename F>
-static void split_rows(int64_t M, int64_t O, int64_t row_bytes, F f) {
-  const int64_t block = std::max<int64_t>(1, 131072 / row_bytes);
-  const int64_t grain = std::max<int64_t>(1, 65536 / row_bytes);
-  at::parallel_for(0, O, grain, [&](int64_t b, int64_t e) {
-    for (int64_t o = b; o < e; o += block) {
-      const int64_t oe = std::min(e, o + block);
-      for (int64_t m0 = 0; m0 < M; m0 += 4) f(m0, std::min<int64_t>(4, M - m0), o, oe);
-    }
-  });
-}
-
+"""
+    + SPLIT_ROWS
+    + r"""
 // The input rows as fp32, widened once per call rather than once per weight row
 template <typename T> static std::vector<float> widen(const T* x, int64_t n) {
   std::vector<float> out(n);
@@ -302,6 +309,7 @@ extern "C" void fulcrum_dequant_int4(int64_t bf16, const void* w, const void* sc
   else dequant_i4(q, s, m, (float*)out, O, I, G);
 }
 """
+)
 
 _DTYPES = (torch.float32, torch.bfloat16)
 

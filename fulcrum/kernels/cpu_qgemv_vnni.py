@@ -15,10 +15,11 @@ import functools
 
 import torch
 
-from fulcrum.kernels import cpu_ext
+from fulcrum.kernels import cpu_ext, cpu_qgemv
 from fulcrum.utils.cpu_isa import cpu_flags
 
-_SOURCE = r"""
+_SOURCE = (
+    r"""
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
@@ -75,22 +76,13 @@ static QX quantize_x(const B* x, int64_t M, int64_t I, int64_t G) {
   return r;
 }
 
+"""
+    + cpu_qgemv.SPLIT_ROWS
+    + r"""
 static inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_hadd_ps(s, s);
   return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-
-template <typename F>
-static void split_rows(int64_t M, int64_t O, int64_t row_bytes, F f) {
-  const int64_t block = std::max<int64_t>(1, 131072 / row_bytes);
-  const int64_t grain = std::max<int64_t>(1, 65536 / row_bytes);
-  at::parallel_for(0, O, grain, [&](int64_t b, int64_t e) {
-    for (int64_t o = b; o < e; o += block) {
-      const int64_t oe = std::min(e, o + block);
-      for (int64_t m0 = 0; m0 < M; m0 += 4) f(m0, std::min<int64_t>(4, M - m0), o, oe);
-    }
-  });
 }
 
 template <int M>
@@ -185,6 +177,7 @@ extern "C" void fulcrum_qgemv_int4_vnni(const void* x, const void* w, const void
   });
 }
 """
+)
 
 
 @functools.cache

@@ -74,16 +74,19 @@ class Int8Method(OnlineQuantMethod):
     """int8 weights, one symmetric scale per output channel."""
 
     name = "int8"
+    # one byte per weight and a scale per channel: fp8 is the same layout with another element type
+    quantize_channels = staticmethod(formats.quantize_int8)
+    dequantize_channels = staticmethod(formats.dequantize_int8)
 
     def quantize(self, w):
-        q, scale = formats.quantize_int8(w)
+        q, scale = self.quantize_channels(w)
         return {"qweight": q, "scales": scale}
 
     def dequantize(self, layer):
-        return formats.dequantize_int8(layer.qweight, layer.scales)
+        return self.dequantize_channels(layer.qweight, layer.scales)
 
     def dequantize_rows(self, layer, rows):
-        return formats.dequantize_int8(layer.qweight[rows], layer.scales[rows])
+        return self.dequantize_channels(layer.qweight[rows], layer.scales[rows])
 
     def gemv(self, layer, x, bias):
         if layer.qweight.dtype == torch.int8 and cpu_qgemv_vnni.usable(x, bias):
@@ -134,13 +137,5 @@ class Fp8Method(Int8Method):
     """fp8 (e4m3) weights, one scale per output channel; on CPU stored as fp8 and widened in the kernel."""
 
     name = "fp8"
-
-    def quantize(self, w):
-        q, scale = formats.quantize_fp8(w)
-        return {"qweight": q, "scales": scale}
-
-    def dequantize(self, layer):
-        return formats.dequantize_fp8(layer.qweight, layer.scales)
-
-    def dequantize_rows(self, layer, rows):
-        return formats.dequantize_fp8(layer.qweight[rows], layer.scales[rows])
+    quantize_channels = staticmethod(formats.quantize_fp8)
+    dequantize_channels = staticmethod(formats.dequantize_fp8)
