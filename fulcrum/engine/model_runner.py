@@ -71,9 +71,8 @@ class ModelRunner:
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.sampler = Sampler()
-        warm_up(
-            self.device, quantized=model_config.quantization is not None
-        )  # build or load the CPU kernels now, not in the middle of the first request
+        # build or load the CPU kernels now, not in the middle of the first request
+        warm_up(self.device, quantized=model_config.quantization is not None)
         if self.device.type == "cpu":  # after the builds, which would otherwise inherit the pinning
             try:
                 threads = cpu_threads.apply(

@@ -106,11 +106,12 @@ def evaluate(
     model, mc = run.load()
     ref_model = reference.load()[0] if reference is not None else None
     context = min(context, mc.max_model_len)
+    stride = min(stride, context)
     tokens = load_tokenizer(mc.path).encode(text, add_special_tokens=False, verbose=False)  # no max-length warning
     ids = torch.tensor(tokens, dtype=torch.long)
     if ids.numel() < 2:
         raise ValueError("the text is shorter than two tokens")
-    spans = windows(ids.numel(), context, min(stride, context))
+    spans = windows(ids.numel(), context, stride)
     if max_windows:
         spans = spans[:max_windows]
     nll, ref_nll, kls, agree, scored = 0.0, 0.0, [], 0, 0
@@ -131,7 +132,7 @@ def evaluate(
         tokens_scored=scored,
         windows=len(spans),
         context=context,
-        stride=min(stride, context),
+        stride=stride,
         perplexity=math.exp(nll / scored),
     )
     if ref_model is not None:

@@ -61,6 +61,25 @@ ISA_FLAGS = {
     "avx512_bf16": FLAGS,
     "amx": FLAGS,  # the AVX-512 BF16 builds: AMX itself is oneDNN's, through torch's bf16 matmuls
 }
+# The row split of the GEMVs (dense and quantized): output rows over torch's OpenMP pool, about 64 KB of weights
+# per task so threads split evenly; up to 4 input rows share one pass over the weights, and more go 4 at a time
+# over a block of weight rows small enough to stay in L2, so the weights still come from memory once.
+# f(m0, n, begin, end) computes input rows m0..m0+n-1 (n <= 4) against weight rows [begin, end).
+SPLIT_ROWS = r"""
+// Up to 4 input rows share one pass over the weights; more go 4 at a time over a block of weight rows small
+// enough to stay in L2, so the weights still come from memory once. `row_bytes`: bytes of one packed weight row.
+template <typename F>
+static void split_rows(int64_t M, int64_t O, int64_t row_bytes, F f) {
+  const int64_t block = std::max<int64_t>(1, 131072 / row_bytes);
+  const int64_t grain = std::max<int64_t>(1, 65536 / row_bytes);
+  at::parallel_for(0, O, grain, [&](int64_t b, int64_t e) {
+    for (int64_t o = b; o < e; o += block) {
+      const int64_t oe = std::min(e, o + block);
+      for (int64_t m0 = 0; m0 < M; m0 += 4) f(m0, std::min<int64_t>(4, M - m0), o, oe);
+    }
+  });
+}
+"""
 # Vector primitives a kernel can be written against once and built for any level: vf holds VW floats.
 VECTOR_PRELUDE = {
     "avx512": r"""

@@ -131,27 +131,20 @@ static void rows_f32(const float* x, const float* w, const float* bias, Out* y, 
 
 """
 
-_COMMON = r"""// Up to 4 input rows share one pass over the weights. More rows go in groups of 4 over a block of
-// weight rows small enough to stay in L2, so the weights still come from memory only once.
+_COMMON = (
+    cpu_ext.SPLIT_ROWS
+    + r"""
 template <typename T, typename Out, typename Fn1, typename Fn2, typename Fn3, typename Fn4>
 static void run(const T* x, const T* w, const T* bias, Out* y, int64_t M, int64_t I, int64_t O,
                 Fn1 f1, Fn2 f2, Fn3 f3, Fn4 f4) {
-  const int64_t block = std::max<int64_t>(1, 131072 / (I * int64_t(sizeof(T))));
-  // about 64 KB of weights per task, so threads split the rows evenly without much scheduling
-  const int64_t grain = std::max<int64_t>(1, 65536 / (I * int64_t(sizeof(T))));
-  at::parallel_for(0, O, grain, [&](int64_t b, int64_t e) {
-    for (int64_t o = b; o < e; o += block) {
-      const int64_t oe = std::min(e, o + block);
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const T* xm = x + m0 * I;
-        Out* ym = y + m0 * O;
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 1: f1(xm, w, bias, ym, I, O, o, oe); break;
-          case 2: f2(xm, w, bias, ym, I, O, o, oe); break;
-          case 3: f3(xm, w, bias, ym, I, O, o, oe); break;
-          default: f4(xm, w, bias, ym, I, O, o, oe); break;
-        }
-      }
+  split_rows(M, O, I * int64_t(sizeof(T)), [&](int64_t m0, int64_t n, int64_t o, int64_t oe) {
+    const T* xm = x + m0 * I;
+    Out* ym = y + m0 * O;
+    switch (n) {
+      case 1: f1(xm, w, bias, ym, I, O, o, oe); break;
+      case 2: f2(xm, w, bias, ym, I, O, o, oe); break;
+      case 3: f3(xm, w, bias, ym, I, O, o, oe); break;
+      default: f4(xm, w, bias, ym, I, O, o, oe); break;
     }
   });
 }
@@ -180,6 +173,7 @@ extern "C" void fulcrum_gemv_f32(const void* x, const void* w, const void* bias,
       rows_f32<2, float>, rows_f32<3, float>, rows_f32<4, float>);
 }
 """
+)
 
 
 @functools.cache

@@ -4,7 +4,7 @@ A decode step streams every weight once, so bytes read per token set its speed: 
 16-bit, int4 cut them about 3.5x. The kernel reads the packed weights and widens them in registers (never a
 dequantized copy in memory), multiplies with FMA against x (fp32 or bf16, widened likewise), and applies the
 scales per output channel (int8) or per group (int4). Written once against cpu_ext's vector primitives, built for
-AVX2 and AVX-512; the row split and the L2 blocking are the dense GEMV's (`cpu_gemv`).
+AVX2 and AVX-512; the row split and the L2 blocking are the dense GEMV's (`cpu_ext.SPLIT_ROWS`).
 
 Formats (fulcrum's own, made by `fulcrum.quant` at load time from any checkpoint's weights):
 - int8: w [O, I] int8, scale [O] fp32: W[o, i] = w[o, i] * scale[o].
@@ -80,23 +80,6 @@ static inline void vstore_bf16(c10::BFloat16* p, vf a) {
 }
 """,
 }
-
-# The row split every quantized GEMV shares (cpu_qgemv_vnni too)
-SPLIT_ROWS = r"""
-// Up to 4 input rows share one pass over the weights; more go 4 at a time over a block of weight rows small
-// enough to stay in L2, so the weights still come from memory once. `row_bytes`: bytes of one packed weight row.
-template <typename F>
-static void split_rows(int64_t M, int64_t O, int64_t row_bytes, F f) {
-  const int64_t block = std::max<int64_t>(1, 131072 / row_bytes);
-  const int64_t grain = std::max<int64_t>(1, 65536 / row_bytes);
-  at::parallel_for(0, O, grain, [&](int64_t b, int64_t e) {
-    for (int64_t o = b; o < e; o += block) {
-      const int64_t oe = std::min(e, o + block);
-      for (int64_t m0 = 0; m0 < M; m0 += 4) f(m0, std::min<int64_t>(4, M - m0), o, oe);
-    }
-  });
-}
-"""
 
 _BODY = (
     r"""
@@ -187,7 +170,7 @@ static void rows_i4(const float* x, const uint8_t* w, const float* scale, const 
 }
 
 """
-    + SPLIT_ROWS
+    + cpu_ext.SPLIT_ROWS
     + r"""
 // The input rows as fp32, widened once per call rather than once per weight row
 template <typename T> static std::vector<float> widen(const T* x, int64_t n) {

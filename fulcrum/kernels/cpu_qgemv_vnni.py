@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from fulcrum.kernels import cpu_ext, cpu_qgemv
+from fulcrum.kernels import cpu_ext
 from fulcrum.utils.cpu_isa import cpu_flags
 
 _SOURCE = (
@@ -77,7 +77,7 @@ static QX quantize_x(const B* x, int64_t M, int64_t I, int64_t G) {
 }
 
 """
-    + cpu_qgemv.SPLIT_ROWS
+    + cpu_ext.SPLIT_ROWS
     + r"""
 static inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

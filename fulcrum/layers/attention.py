@@ -72,22 +72,18 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q [T, H, hd], k and v [T, KVH, hd]; `rope` (cos, signed sin [T, 1, hd]) rotates q and k first."""
         cached = meta.slot_mapping is not None and self.k_cache is not None
-        if rope is not None and cpu_rope.usable(q, k, v, rope[0], rope[1], self.k_cache if cached else None):
+        kc, vc = (self.k_cache, self.v_cache) if cached else (None, None)
+        if rope is not None and cpu_rope.usable(q, k, v, rope[0], rope[1], kc):
             # one kernel rotates q and k in place and writes k and v to their cache slots
-            kc = self.k_cache if cached else None
-            vc = self.v_cache if cached else None
             cpu_rope.rope_and_cache(q, k, v, rope[0], rope[1], meta.slot_mapping if cached else None, kc, vc)
-            if not cached:
-                return self._forward_no_cache(q, k, v, meta)
         else:
             if rope is not None:
                 q, k = apply_rotary(q, k, *rope)
-            if not cached:
-                return self._forward_no_cache(q, k, v, meta)
-            kc = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
-            vc = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-            kc.index_copy_(0, meta.slot_mapping, k)
-            vc.index_copy_(0, meta.slot_mapping, v)
+            if cached:
+                kc.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+                vc.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        if not cached:
+            return self._forward_no_cache(q, k, v, meta)
         if not meta.prefills and meta.decode_token_idx is not None:
             return self._decode(q, meta)  # a step of decodes only: the tokens are the decodes, in order
         out = torch.empty_like(q)

@@ -50,7 +50,7 @@ class OnlineQuantMethod(UnquantizedLinearMethod):
     def apply(self, layer, x, bias):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.device.type == "cpu" and cpu_qgemv.usable(x2, bias):
+        if cpu_qgemv.usable(x2, bias):  # CPU, few rows
             y = self.gemv(layer, x2, bias)
         else:
             y = self.matmul(layer, x2, bias)
