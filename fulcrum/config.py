@@ -24,6 +24,9 @@ DTYPES = {
 # Weight-only quantization methods (fulcrum/quant) and int4's group sizes
 QUANTIZATIONS = ("int8", "int4", "fp8")
 INT4_GROUP_SIZES = (32, 64, 128)
+# What the KV cache stores: "auto" is the model's dtype; fp8 (e4m3) and int8 hold one byte per value with an fp16
+# scale per token and KV head (fulcrum/quant/kv.py). "fp8_e4m3" is vLLM's other name for fp8.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 
 # The model that ships in the repository; every command uses it when no model is given.
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-shakespeare-target"
@@ -146,6 +149,7 @@ class EngineConfig:
     # weight-only quantization at load time (int8 per channel, int4 per group of quantization_group_size inputs)
     quantization: str | None = None
     quantization_group_size: int = 128
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
         checks = {
@@ -158,12 +162,14 @@ class EngineConfig:
             "cpu_bind": _is_cpu_bind(self.cpu_bind),
             "quantization": self.quantization is None or self.quantization in QUANTIZATIONS,
             "quantization_group_size": self.quantization_group_size in INT4_GROUP_SIZES,
+            "kv_cache_dtype": self.kv_cache_dtype in KV_CACHE_DTYPES,
         }
         for name, ok in checks.items():
             if not ok:
                 hint = {
                     "quantization": f" (supported: {', '.join(QUANTIZATIONS)})",
                     "quantization_group_size": f" (supported: {', '.join(map(str, INT4_GROUP_SIZES))})",
+                    "kv_cache_dtype": f" (supported: {', '.join(KV_CACHE_DTYPES)})",
                 }.get(name, "")
                 raise InvalidRequestError(f"{name} has an invalid value: {getattr(self, name)!r}{hint}", param=name)
         if self.device is None:

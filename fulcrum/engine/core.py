@@ -44,10 +44,11 @@ class EngineCore:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.model_config.max_model_len, self.kv)
         log.info(
-            "KV cache: %d blocks of %d tokens (%d tokens)",
+            "KV cache: %d blocks of %d tokens (%d tokens, %s)",
             self.kv.num_blocks,
             config.block_size,
             self.kv.num_blocks * config.block_size,
+            self.runner.kv_cache_dtype_name,
         )
 
     @property

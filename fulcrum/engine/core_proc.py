@@ -47,7 +47,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     except Exception as e:
         push.send(encoder.encode(CoreReady(error=f"{type(e).__name__}: {e}")))
         raise
-    ready = CoreReady(core.kv.num_blocks, config.block_size, core.max_model_len, core.vocab_size)
+    ready = CoreReady(
+        core.kv.num_blocks, config.block_size, core.max_model_len, core.vocab_size,
+        kv_cache_dtype=core.runner.kv_cache_dtype_name,
+    )  # fmt: skip
     push.send(encoder.encode(ready))
     try:
         _loop(core, pull, push)

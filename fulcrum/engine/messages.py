@@ -37,6 +37,7 @@ class CoreReady(msgspec.Struct):
     max_model_len: int = 0
     vocab_size: int = 0
     error: str | None = None  # set when the core failed to start
+    kv_cache_dtype: str = ""  # what the cache stores: the model's dtype, fp8 or int8
 
 
 class CoreOutputs(msgspec.Struct):

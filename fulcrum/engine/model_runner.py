@@ -12,10 +12,11 @@ from fulcrum.config import EngineConfig, ModelConfig
 from fulcrum.engine.scheduler import ScheduledRequest, SchedulerOutput
 from fulcrum.errors import InvalidRequestError, KVCacheTooSmallError
 from fulcrum.kernels import cpu_threads, huge_page_empty, move_parameters_to_huge_pages, warm_up
-from fulcrum.layers.attention import Attention, AttentionMetadata
+from fulcrum.layers.attention import Attention, AttentionMetadata, attach_kv_cache
 from fulcrum.layers.sampler import Sampler, SamplingMetadata
 from fulcrum.models.loader import load_model
 from fulcrum.quant import describe
+from fulcrum.quant import kv as kv_quant
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,14 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         a = self.attn_layers[0]
-        self.bytes_per_block = (
-            2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * model_config.dtype.itemsize
+        self.kv_format = kv_quant.kv_format(engine_config.kv_cache_dtype)
+        self.kv_cache_dtype_name = (
+            str(model_config.dtype).removeprefix("torch.")
+            if self.kv_format is None
+            else (f"{self.kv_format.name} with a scale per token and head")
         )
+        head_bytes = kv_quant.bytes_per_head(self.kv_format, a.head_dim, model_config.dtype)
+        self.bytes_per_block = 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * head_bytes
         self.num_blocks = self._num_kv_blocks()
         if self.num_blocks * self.block_size < model_config.max_model_len:
             raise KVCacheTooSmallError(
@@ -59,17 +65,14 @@ class ModelRunner:
                 f"{model_config.max_model_len}; give it more memory (kv_cache_memory / gpu_memory_utilization) "
                 "or lower max_model_len"
             )
-        shape = (2, len(self.attn_layers), self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-        if self.device.type == "cpu":
-            # Zeroed, faulted in as blocks are first written, on ordinary pages: where THP defrag is "madvise" (a
-            # common default) every huge-page fault of a madvised region compacts memory first, and the first
-            # writes of fresh blocks cost 4.6x as much (16 x 27.5k tokens of the bundled model: 303 against 66 ms;
-            # faulting all 2 GiB up front: 4.3 s), for a decode attention within 4% either way.
-            self.kv_cache = huge_page_empty(shape, model_config.dtype, huge=False)
-        else:
-            self.kv_cache = torch.zeros(shape, dtype=model_config.dtype, device=self.device)
-        for i, layer in enumerate(self.attn_layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        # On CPU zeroed, faulted in as blocks are first written, on ordinary pages: where THP defrag is "madvise" (a
+        # common default) every huge-page fault of a madvised region compacts memory first, and the first
+        # writes of fresh blocks cost 4.6x as much (16 x 27.5k tokens of the bundled model: 303 against 66 ms;
+        # faulting all 2 GiB up front: 4.3 s), for a decode attention within 4% either way.
+        empty = (lambda shape, dtype: huge_page_empty(shape, dtype, huge=False)) if self.device.type == "cpu" else None
+        self.kv_cache, self.kv_scales = attach_kv_cache(
+            self.attn_layers, self.num_blocks, self.block_size, model_config.dtype, self.kv_format, self.device, empty
+        )
         self.sampler = Sampler()
         # build or load the CPU kernels now, not in the middle of the first request
         warm_up(self.device, quantized=model_config.quantization is not None)

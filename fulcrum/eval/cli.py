@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from fulcrum.config import DEFAULT_MODEL, INT4_GROUP_SIZES, QUANTIZATIONS
+from fulcrum.config import DEFAULT_MODEL, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def add_eval_parser(sub) -> argparse.ArgumentParser:
@@ -24,6 +24,14 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 (auto: the checkpoint's)")
     e.add_argument("--quantization", choices=QUANTIZATIONS, default=None)
     e.add_argument("--quantization-group-size", type=int, choices=INT4_GROUP_SIZES, default=128)
+    e.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+        help="the run's KV cache (fp8, int8: quantized); scored through the decode path",
+    )  # fmt: skip
+    e.add_argument(
+        "--decode", action="store_true",
+        help="score through the decode path: one token per step, attention over a paged KV cache, as a server runs",
+    )  # fmt: skip
     e.add_argument("--data", default=None, help="a UTF-8 text file, scored whole (default: the held-out Shakespeare)")
     e.add_argument("--context", type=int, default=256, help="tokens per window")
     e.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: context / 2)")
@@ -42,9 +50,13 @@ def run_eval(args: argparse.Namespace) -> int:
     from fulcrum.eval.perplexity import DEFAULT_DATA, RunSpec, evaluate, format_result, held_out_text
 
     model = args.model_pos or args.model
-    run = RunSpec(model, args.dtype, args.quantization, args.quantization_group_size)
+    run = RunSpec(model, args.dtype, args.quantization, args.quantization_group_size, args.kv_cache_dtype)
     want_ref = not args.no_reference and (
-        args.quantization or args.reference_model or args.reference_dtype or args.reference_quantization
+        args.quantization
+        or args.kv_cache_dtype != "auto"
+        or args.reference_model
+        or args.reference_dtype
+        or args.reference_quantization
     )
     reference = None
     if want_ref:
@@ -56,7 +68,7 @@ def run_eval(args: argparse.Namespace) -> int:
         )
     try:
         text = Path(args.data).read_text(encoding="utf-8") if args.data else held_out_text(DEFAULT_DATA)
-        result = evaluate(run, text, reference, args.context, args.stride, args.max_windows)
+        result = evaluate(run, text, reference, args.context, args.stride, args.max_windows, args.decode)
     except (OSError, ValueError) as e:
         print(f"fulcrum eval: {e}", file=sys.stderr)
         return 2

@@ -4,8 +4,11 @@ run's (the same model unquantized): mean KL divergence, its 99th percentile, top
 The text is tokenized once and cut into windows of `context` tokens, `stride` apart; each window's last `stride`
 tokens are scored (all of the first window's), so every token is scored once, with at least context - stride tokens
 before it (as Hugging Face's perplexity guide does; llama.cpp scores the second half of each chunk, stride =
-context / 2). Both runs see the same windows, one full forward each, and the per-token figures are computed in
-float32.
+context / 2). Both runs see the same windows and the per-token figures are computed in float32.
+
+Each window is one full forward, or, through the decode path (`decode=True`, and always when a run quantizes its KV
+cache), decoded one token per step as a server decodes: windows side by side in one batch, every attention reading
+its context back from a paged KV cache (the token's own k/v included), so a quantized cache shows in the figures.
 """
 
 from __future__ import annotations
@@ -16,15 +19,18 @@ from pathlib import Path
 
 import torch
 
-from fulcrum.config import ModelConfig
-from fulcrum.layers.attention import AttentionMetadata
+from fulcrum.config import KV_CACHE_DTYPES, ModelConfig
+from fulcrum.layers.attention import Attention, AttentionMetadata, attach_kv_cache
 from fulcrum.models.loader import load_model
 from fulcrum.quant import describe
+from fulcrum.quant import kv as kv_quant
 from fulcrum.utils.tokenizer import load_tokenizer
 
 # the bundled model's held-out data: the last 10% of the corpus it was trained on (scripts/train_tiny.py)
 DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 HELD_OUT_FROM = 0.9
+DECODE_BATCH = 32  # windows decoded side by side on the decode path
+BLOCK_SIZE = 16  # the decode path's KV-cache block
 
 
 @dataclass
@@ -35,9 +41,18 @@ class RunSpec:
     dtype: str = "float32"
     quantization: str | None = None
     quantization_group_size: int = 128
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
 
     def label(self) -> str:
-        return f"{Path(self.model).name} {self.dtype} quantization={describe(self.quantization, self.quantization_group_size)}"
+        kv = "" if self.kv_cache_dtype == "auto" else f" kv-cache={self.kv_cache_dtype}"
+        return (
+            f"{Path(self.model).name} {self.dtype} quantization={describe(self.quantization, self.quantization_group_size)}"
+            + kv
+        )
 
     def load(self):
         mc = ModelConfig.from_path(self.model, self.dtype, None, self.quantization, self.quantization_group_size)
@@ -94,6 +109,45 @@ def log_probs(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
 
 
+@torch.inference_mode()
+def decode_log_probs(model, ids: torch.Tensor, kv_cache_dtype: str, dtype: torch.dtype):
+    """Sequences ids [D, n] decoded side by side one token per step through a paged KV cache of `kv_cache_dtype`:
+    yields each step's next-token log-softmax, float32 [D, vocab]."""
+    d, n = ids.shape
+    per_seq = -(-n // BLOCK_SIZE)
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    attach_kv_cache(layers, d * per_seq, BLOCK_SIZE, dtype, kv_quant.kv_format(kv_cache_dtype), ids.device)
+    tables = torch.arange(d * per_seq).view(d, per_seq)
+    try:
+        for p in range(n):
+            meta = AttentionMetadata(
+                query_lens=[1] * d,
+                slot_mapping=tables[:, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE,
+                decode_token_idx=torch.arange(d),
+                decode_block_tables=tables,
+                decode_context_lens=torch.full((d,), p + 1),
+                decode_max_context=p + 1,
+            )
+            hidden = model(ids[:, p], torch.full((d,), p), meta)
+            yield torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
+    finally:
+        for layer in layers:
+            layer.set_cache(None, None)
+
+
+def window_log_probs(model, mc, ids: torch.Tensor, group: list[tuple[int, int, int]], decode: bool, kv: str):
+    """(window index in `group`, first position, log-probs [positions, vocab]) over every position of the group's
+    windows (all of one length): one forward per window, or the decode path for the group at once, a step a time."""
+    if not decode:
+        for j, (start, end, _) in enumerate(group):
+            yield j, 0, log_probs(model, ids[start:end])
+        return
+    batch = torch.stack([ids[start:end] for start, end, _ in group])
+    for p, lp in enumerate(decode_log_probs(model, batch, kv, mc.dtype)):
+        for j in range(len(group)):
+            yield j, p, lp[j : j + 1]
+
+
 def evaluate(
     run: RunSpec,
     text: str,
@@ -101,8 +155,11 @@ def evaluate(
     context: int = 256,
     stride: int | None = None,
     max_windows: int | None = None,
+    decode: bool = False,
 ) -> EvalResult:
+    """`decode`: score through the decode path (implied when either run quantizes its KV cache)."""
     stride = stride or context // 2
+    decode = decode or run.kv_cache_dtype != "auto" or (reference is not None and reference.kv_cache_dtype != "auto")
     model, mc = run.load()
     ref_model = reference.load()[0] if reference is not None else None
     context = min(context, mc.max_model_len)
@@ -115,17 +172,34 @@ def evaluate(
     if max_windows:
         spans = spans[:max_windows]
     nll, ref_nll, kls, agree, scored = 0.0, 0.0, [], 0, 0
-    for start, end, first in spans:
-        window = ids[start:end]
-        targets = ids[first:end]  # scored tokens, each predicted at the position before it
-        lp = log_probs(model, window)[first - start - 1 : end - start - 1]
-        nll -= lp.gather(1, targets[:, None]).sum().item()
-        scored += targets.numel()
-        if ref_model is not None:
-            rlp = log_probs(ref_model, window)[first - start - 1 : end - start - 1]
-            ref_nll -= rlp.gather(1, targets[:, None]).sum().item()
-            kls.append((rlp.exp() * (rlp - lp)).sum(-1).clamp(min=0))
-            agree += (rlp.argmax(-1) == lp.argmax(-1)).sum().item()
+    # windows of one length go together (on the decode path DECODE_BATCH at a time)
+    groups = []
+    for span in spans:
+        same = groups and groups[-1][0][1] - groups[-1][0][0] == span[1] - span[0]
+        if same and (not decode or len(groups[-1]) < DECODE_BATCH):
+            groups[-1].append(span)
+        else:
+            groups.append([span])
+    ref_kv = reference.kv_cache_dtype if reference is not None else "auto"
+    for group in groups:
+        lps = window_log_probs(model, mc, ids, group, decode, run.kv_cache_dtype)
+        rlps = window_log_probs(ref_model, mc, ids, group, decode, ref_kv) if ref_model is not None else None
+        for j, p0, lp in lps:
+            rlp = next(rlps)[2] if rlps is not None else None
+            start, end, first = group[j]
+            # position p predicts token p + 1; each token is scored once, in the first window that reaches it
+            lo, hi = max(p0, first - start - 1), min(p0 + lp.shape[0], end - start - 1)
+            if lo >= hi:
+                continue
+            targets = ids[start + lo + 1 : start + hi + 1, None]
+            lp = lp[lo - p0 : hi - p0]
+            nll -= lp.gather(1, targets).sum().item()
+            scored += targets.numel()
+            if rlp is not None:
+                rlp = rlp[lo - p0 : hi - p0]
+                ref_nll -= rlp.gather(1, targets).sum().item()
+                kls.append((rlp.exp() * (rlp - lp)).sum(-1).clamp(min=0))
+                agree += (rlp.argmax(-1) == lp.argmax(-1)).sum().item()
     res = EvalResult(
         run=run.label(),
         reference=reference.label() if reference else None,

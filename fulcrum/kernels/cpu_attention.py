@@ -21,10 +21,20 @@ from fulcrum.kernels import cpu_ext
 
 MAX_GROUP = 16  # query heads per KV head the kernel keeps in its scratch
 _DTYPES = (torch.bfloat16, torch.float32)
+# a quantized cache's element type -> the kernel's kind (0: a cache in the queries' dtype)
+_CACHE_KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2}
 
 _BODY = r"""
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
 #include <cmath>
 #include <vector>
+
+// A quantized cache (fulcrum.quant.kv): one byte per value, one fp16 scale per token and head. fp8 loads as 2^-8
+// times its value (vload_f8), so its scales carry the 2^8.
+static inline vf vload(const int8_t* p) { return vload_i8(p); }
+static inline vf vload(const c10::Float8_e4m3fn* p) { return vload_f8((const uint8_t*)p); }
+template <typename C> constexpr float load_factor() { return std::is_same_v<C, c10::Float8_e4m3fn> ? 256.f : 1.f; }
 
 // e^x for x <= 0: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2; degree-6 polynomial, rel. error ~2e-7
 static inline vf vexp(vf x) {
@@ -42,36 +52,41 @@ static inline vf vexp(vf x) {
   return vexp2i(p, n);
 }
 
-// Calls fn(i, row) for the cached tokens start..ctx-1 in order (i counts from 0), walking the block
-// table once instead of dividing every position by the block size.
-template <typename T, typename Fn>
-static inline void for_each_token(const T* cache, const int64_t* table, int64_t start, int64_t ctx, int64_t bs,
+// Calls fn(i, row, slot) for the cached tokens start..ctx-1 in order (i counts from 0; slot: the token's cache
+// slot), walking the block table once instead of dividing every position by the block size.
+template <typename C, typename Fn>
+static inline void for_each_token(const C* cache, const int64_t* table, int64_t start, int64_t ctx, int64_t bs,
                                   int64_t kv_stride, Fn fn) {
   int64_t i = 0;
   for (int64_t blk = start / bs, off = start % bs; blk * bs < ctx; ++blk, off = 0) {
-    const T* base = cache + table[blk] * bs * kv_stride;
+    const C* base = cache + table[blk] * bs * kv_stride;
     const int64_t stop = std::min(bs, ctx - blk * bs);
-    for (int64_t j = off; j < stop; ++j) fn(i++, base + j * kv_stride);
+    for (int64_t j = off; j < stop; ++j) fn(i++, base + j * kv_stride, table[blk] * bs + j);
   }
 }
 
-template <typename T, int HD>
-static void attend(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t start, int64_t ctx,
-                   int64_t bs, int64_t kv_stride, int64_t g, float scale, float* scores, T* out, int64_t q_stride) {
-  constexpr int C = HD / VW;
+// q and out of T; the cache of C: T itself (ksc, vsc null), int8 or fp8 with the head's scales (stride `sstride`
+// between slots), which multiply each key's scores and each value's weight.
+template <typename T, typename C, int HD>
+static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, const c10::Half* vsc,
+                   int64_t sstride, const int64_t* table, int64_t start, int64_t ctx, int64_t bs, int64_t kv_stride,
+                   int64_t g, float scale, float* scores, T* out, int64_t q_stride) {
+  constexpr float factor = load_factor<C>();
+  constexpr int NV = HD / VW;
   const int64_t n = ctx - start;
   // queries of the group in fp32, scaled: [g][C] vectors (from L1 when they outnumber the registers)
-  vf qv[16][C];
+  vf qv[16][NV];
   for (int64_t h = 0; h < g; ++h)
-    for (int c = 0; c < C; ++c) qv[h][c] = vmul(vload(q + h * q_stride + VW * c), vset1(scale));
+    for (int c = 0; c < NV; ++c) qv[h][c] = vmul(vload(q + h * q_stride + VW * c), vset1(scale));
   // scores [g, n]: each key is read and widened once, then scored against the g heads
-  for_each_token(kc, table, start, ctx, bs, kv_stride, [&](int64_t i, const T* k) {
-    vf kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = vload(k + VW * c);
+  for_each_token(kc, table, start, ctx, bs, kv_stride, [&](int64_t i, const C* k, int64_t slot) {
+    vf kv[NV];
+    for (int c = 0; c < NV; ++c) kv[c] = vload(k + VW * c);
+    const float ks = ksc ? float(ksc[slot * sstride]) * factor : 1.f;
     for (int64_t h = 0; h < g; ++h) {
       vf acc = vmul(qv[h][0], kv[0]);
-      for (int c = 1; c < C; ++c) acc = vfmadd(qv[h][c], kv[c], acc);
-      scores[h * n + i] = vsum(acc);
+      for (int c = 1; c < NV; ++c) acc = vfmadd(qv[h][c], kv[c], acc);
+      scores[h * n + i] = vsum(acc) * ks;
     }
   });
   // softmax per head, in place (the tail past the last full vector in scalar code)
@@ -95,27 +110,29 @@ static void attend(const T* q, const T* kc, const T* vc, const int64_t* table, i
   // out [g, HD]: one value read, g weighted sums; groups of up to 4 heads keep their sums in registers
   for (int64_t h0 = 0; h0 < g; h0 += 4) {
     const int64_t hn = std::min<int64_t>(4, g - h0);
-    vf acc[4][C];
-    for (int64_t h = 0; h < hn; ++h) for (int c = 0; c < C; ++c) acc[h][c] = vzero();
-    for_each_token(vc, table, start, ctx, bs, kv_stride, [&](int64_t i, const T* v) {
-      vf vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = vload(v + VW * c);
+    vf acc[4][NV];
+    for (int64_t h = 0; h < hn; ++h) for (int c = 0; c < NV; ++c) acc[h][c] = vzero();
+    for_each_token(vc, table, start, ctx, bs, kv_stride, [&](int64_t i, const C* v, int64_t slot) {
+      vf vv[NV];
+      for (int c = 0; c < NV; ++c) vv[c] = vload(v + VW * c);
+      const float vs = vsc ? float(vsc[slot * sstride]) * factor : 1.f;
       for (int64_t h = 0; h < hn; ++h) {
-        const vf p = vset1(scores[(h0 + h) * n + i]);
-        for (int c = 0; c < C; ++c) acc[h][c] = vfmadd(p, vv[c], acc[h][c]);
+        const vf p = vset1(scores[(h0 + h) * n + i] * vs);
+        for (int c = 0; c < NV; ++c) acc[h][c] = vfmadd(p, vv[c], acc[h][c]);
       }
     });
     for (int64_t h = 0; h < hn; ++h) {
       alignas(64) float tmp[HD];
-      for (int c = 0; c < C; ++c) vstore(tmp + VW * c, acc[h][c]);
+      for (int c = 0; c < NV; ++c) vstore(tmp + VW * c, acc[h][c]);
       for (int d = 0; d < HD; ++d) store(out + (h0 + h) * q_stride + d, tmp[d]);
     }
   }
 }
 
-template <typename T, int HD>
-static void run(const T* qp, const T* kp, const T* vp, const int64_t* tp, const int64_t* lp, T* op, int64_t D,
-                int64_t H, int64_t KVH, int64_t bs, int64_t width, float scale, int64_t window) {
+template <typename T, typename C, int HD>
+static void run(const T* qp, const C* kp, const C* vp, const c10::Half* ks, const c10::Half* vs, const int64_t* tp,
+                const int64_t* lp, T* op, int64_t D, int64_t H, int64_t KVH, int64_t bs, int64_t width, float scale,
+                int64_t window) {
   const int64_t g = H / KVH, kv_stride = KVH * HD;
   int64_t max_ctx = 0;
   for (int64_t i = 0; i < D; ++i) max_ctx = std::max(max_ctx, lp[i]);
@@ -124,25 +141,44 @@ static void run(const T* qp, const T* kp, const T* vp, const int64_t* tp, const 
     for (int64_t task = b; task < e; ++task) {
       const int64_t i = task / KVH, kvh = task % KVH, ctx = lp[i];
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-      attend<T, HD>(qp + (i * H + kvh * g) * HD, kp + kvh * HD, vp + kvh * HD, tp + i * width, start, ctx, bs,
-                    kv_stride, g, scale, scores.data(), op + (i * H + kvh * g) * HD, HD);
+      attend<T, C, HD>(qp + (i * H + kvh * g) * HD, kp + kvh * HD, vp + kvh * HD, ks ? ks + kvh : nullptr,
+                       vs ? vs + kvh : nullptr, KVH, tp + i * width, start, ctx, bs, kv_stride, g, scale,
+                       scores.data(), op + (i * H + kvh * g) * HD, HD);
     }
   });
 }
 
-// q and out [D, H, hd]; k/v cache [blocks, bs, KVH, hd]; tables [D, width] int64; ctx_lens [D] int64, all contiguous
-// and q, cache and out of one dtype. window <= 0: no sliding window. Returns 0, or -1 for an unsupported head_dim.
-extern "C" int64_t fulcrum_decode_attention(int64_t bf16, const void* q, const void* k_cache, const void* v_cache,
+template <typename T, int HD>
+static void run_cache(int64_t kind, const void* q, const void* kc, const void* vc, const void* ks, const void* vs,
+                      const int64_t* tables, const int64_t* lens, void* out, int64_t D, int64_t H, int64_t KVH,
+                      int64_t bs, int64_t width, float scale, int64_t window) {
+  using S = c10::Half;
+  const S *ksc = (const S*)ks, *vsc = (const S*)vs;
+  if (kind == 1)
+    run<T, int8_t, HD>((const T*)q, (const int8_t*)kc, (const int8_t*)vc, ksc, vsc, tables, lens, (T*)out, D, H,
+                       KVH, bs, width, scale, window);
+  else if (kind == 2)
+    run<T, c10::Float8_e4m3fn, HD>((const T*)q, (const c10::Float8_e4m3fn*)kc, (const c10::Float8_e4m3fn*)vc, ksc,
+                                   vsc, tables, lens, (T*)out, D, H, KVH, bs, width, scale, window);
+  else
+    run<T, T, HD>((const T*)q, (const T*)kc, (const T*)vc, nullptr, nullptr, tables, lens, (T*)out, D, H, KVH, bs,
+                  width, scale, window);
+}
+
+// q and out [D, H, hd]; k/v cache [blocks, bs, KVH, hd]; tables [D, width] int64; ctx_lens [D] int64, all contiguous.
+// kind 0: the cache in q's dtype; 1: int8, 2: fp8 e4m3, with fp16 scales k_scales/v_scales [blocks, bs, KVH].
+// window <= 0: no sliding window. Returns 0, or -1 for an unsupported head_dim.
+extern "C" int64_t fulcrum_decode_attention(int64_t bf16, int64_t kind, const void* q, const void* k_cache,
+                                            const void* v_cache, const void* k_scales, const void* v_scales,
                                             const int64_t* tables, const int64_t* ctx_lens, void* out, int64_t D,
                                             int64_t H, int64_t KVH, int64_t hd, int64_t bs, int64_t width, float scale,
                                             int64_t window) {
-  using B = c10::BFloat16;
 #define CASE(HD)                                                                                                   \
   case HD:                                                                                                         \
-    if (bf16) run<B, HD>((const B*)q, (const B*)k_cache, (const B*)v_cache, tables, ctx_lens, (B*)out, D, H, KVH,  \
-                         bs, width, scale, window);                                                                \
-    else run<float, HD>((const float*)q, (const float*)k_cache, (const float*)v_cache, tables, ctx_lens,           \
-                        (float*)out, D, H, KVH, bs, width, scale, window);                                         \
+    if (bf16) run_cache<c10::BFloat16, HD>(kind, q, k_cache, v_cache, k_scales, v_scales, tables, ctx_lens, out, D, \
+                                           H, KVH, bs, width, scale, window);                                      \
+    else run_cache<float, HD>(kind, q, k_cache, v_cache, k_scales, v_scales, tables, ctx_lens, out, D, H, KVH, bs, \
+                              width, scale, window);                                                               \
     return 0;
   switch (hd) {
     CASE(16) CASE(32) CASE(64) CASE(80) CASE(96) CASE(128) CASE(160) CASE(256)
@@ -167,7 +203,9 @@ def _module():
     if lib is None:
         return None
     P, I64 = cpu_ext.PTR, cpu_ext.I64
-    return cpu_ext.bind(lib.fulcrum_decode_attention, I64, I64, P, P, P, P, P, P, *[I64] * 6, cpu_ext.F32, I64)
+    return cpu_ext.bind(
+        lib.fulcrum_decode_attention, I64, I64, I64, P, P, P, P, P, P, P, P, *[I64] * 6, cpu_ext.F32, I64
+    )
 
 
 def available() -> bool:
@@ -175,11 +213,12 @@ def available() -> bool:
 
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int) -> bool:
-    """CPU, bf16/fp32 cache and queries alike, a supported head size and group, contiguous tensors."""
+    """CPU, bf16/fp32 queries, a cache in their dtype or int8/fp8 (with its scales), a supported head size and
+    group, contiguous tensors."""
     return (
         q.device.type == "cpu"
         and q.dtype in _DTYPES
-        and k_cache.dtype == q.dtype
+        and k_cache.dtype in (q.dtype, *_CACHE_KINDS)
         and q.shape[-1] in HEAD_DIMS
         and q.shape[1] // num_kv_heads <= MAX_GROUP
         and k_cache.is_contiguous()
@@ -195,14 +234,21 @@ def decode(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [D, H, hd] (one token per sequence) over each sequence's first context_lens cached tokens."""
+    """q [D, H, hd] (one token per sequence) over each sequence's first context_lens cached tokens. An int8/fp8
+    cache comes with its fp16 scales [blocks, block_size, kv_heads] (fulcrum.quant.kv)."""
     q = q.contiguous()
     tables, lens = block_tables.to(torch.int64).contiguous(), context_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     d, h, hd = q.shape
+    kind = _CACHE_KINDS.get(k_cache.dtype, 0)
+    if kind and not all(s is not None and s.dtype == torch.float16 and s.is_contiguous() for s in (k_scales, v_scales)):
+        raise ValueError("an int8/fp8 KV cache needs contiguous fp16 scales")
     rc = _module()(
-        q.dtype == torch.bfloat16, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        q.dtype == torch.bfloat16, kind, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_scales.data_ptr() if kind else None, v_scales.data_ptr() if kind else None, tables.data_ptr(),
         lens.data_ptr(), out.data_ptr(), d, h, k_cache.shape[2], hd, k_cache.shape[1], tables.shape[1], scale,
         sliding_window or 0,
     )  # fmt: skip

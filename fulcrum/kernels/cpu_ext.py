@@ -99,6 +99,17 @@ static inline vf vfnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
 static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT); }
 static inline vf vexp2i(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
+static inline vf vload_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+// VW fp8 e4m3 bytes as fp16 (sign, then exponent and mantissa 7 bits up; F16C widens fp16 exactly, subnormals
+// included): the value times 2^-8, since fp16's exponent bias is 15 against e4m3's 7. Callers fold 2^8 into the scale.
+static inline vf vload_f8(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_cvtph_ps(h);
+}
 """,
     "avx2": r"""
 typedef __m256 vf;
@@ -126,6 +137,15 @@ static inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_
 static inline vf vexp2i(vf p, vf n) {  // p * 2^n for integral n >= -126: n goes straight into the exponent bits
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+static inline vf vload_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+static inline vf vload_f8(const uint8_t* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+  return _mm256_cvtph_ps(h);
 }
 """,
 }

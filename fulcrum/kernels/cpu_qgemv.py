@@ -31,22 +31,11 @@ MAX_ROWS_NO_NATIVE_BF16 = {torch.float32: 64, torch.bfloat16: 64}
 
 _LOADS = {
     "avx512": r"""
-static inline vf vload_i8(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-}
 // VW bytes: their low nibbles (values j..j+VW of a 32-value chunk) and their high nibbles (values j+16..)
 static inline void vload_u4(const uint8_t* p, vf& lo, vf& hi) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
   lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
   hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-}
-// VW fp8 e4m3 bytes as fp16 (sign, then exponent and mantissa 7 bits up; F16C widens fp16 exactly, subnormals
-// included): the value times 2^-8, since fp16's exponent bias is 15 against e4m3's 7. Callers fold 2^8 into the scale.
-static inline vf vload_f8(const uint8_t* p) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
-                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-  return _mm512_cvtph_ps(h);
 }
 // VW floats to bf16, rounded to nearest even (finite values: weights)
 static inline void vstore_bf16(c10::BFloat16* p, vf a) {
@@ -57,19 +46,10 @@ static inline void vstore_bf16(c10::BFloat16* p, vf a) {
 }
 """,
     "avx2": r"""
-static inline vf vload_i8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
 static inline void vload_u4(const uint8_t* p, vf& lo, vf& hi) {
   const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
   lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
   hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-}
-static inline vf vload_f8(const uint8_t* p) {
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
-  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7),
-                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
-  return _mm256_cvtph_ps(h);
 }
 static inline void vstore_bf16(c10::BFloat16* p, vf a) {
   const __m256i u = _mm256_castps_si256(a);

@@ -19,6 +19,10 @@ from fulcrum.kernels import cpu_ext
 _SOURCE = (
     cpu_ext.PRELUDE
     + r"""
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <cmath>
+
 // a * c + b * s as two rounded products and a rounded sum, never one fused multiply-add: fp32 results then equal
 // PyTorch's bit for bit too
 #if defined(__clang__)
@@ -43,9 +47,28 @@ static inline void rotate_row(T* x, const T* c, const T* s, int64_t D) {
   }
 }
 
+// A quantized cache (kind 1: int8, 2: fp8 e4m3): each head's D values with one fp16 scale, its largest magnitude
+// over the format's; values divided by the rounded scale, then rounded (int8: half to even) and clamped, as
+// fulcrum.quant.kv.quantize does in PyTorch ops.
 template <typename T>
-static void rope_cache(T* q, T* k, const T* v, const T* cos, const T* sin, const int64_t* slots, T* kc, T* vc,
-                       int64_t ntok, int64_t H, int64_t KVH, int64_t D, int64_t qs, int64_t ks, int64_t vs) {
+static void quantize_head(const T* x, int64_t D, int kind, void* out, c10::Half* scale) {
+  const float qmax = kind == 1 ? 127.f : 448.f;
+  float amax = 0.f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(float(x[i])));
+  const c10::Half hs(amax / qmax);
+  *scale = hs;
+  const float s = float(hs);
+  for (int64_t i = 0; i < D; ++i) {
+    const float y = s > 0.f ? std::min(qmax, std::max(-qmax, float(x[i]) / s)) : 0.f;
+    if (kind == 1) ((int8_t*)out)[i] = int8_t(std::nearbyint(y));
+    else ((c10::Float8_e4m3fn*)out)[i] = c10::Float8_e4m3fn(y);
+  }
+}
+
+template <typename T>
+static void rope_cache(T* q, T* k, const T* v, const T* cos, const T* sin, const int64_t* slots, void* kc, void* vc,
+                       c10::Half* ksc, c10::Half* vsc, int kind, int64_t ntok, int64_t H, int64_t KVH, int64_t D,
+                       int64_t qs, int64_t ks, int64_t vs) {
   at::parallel_for(0, ntok, std::max<int64_t>(1, 256 / (H + KVH)), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const T* c = cos + t * D;
@@ -54,24 +77,37 @@ static void rope_cache(T* q, T* k, const T* v, const T* cos, const T* sin, const
       for (int64_t hh = 0; hh < KVH; ++hh) rotate_row(k + t * ks + hh * D, c, s, D);
       if (!kc) continue;
       const int64_t slot = slots[t];
-      std::memcpy(kc + slot * KVH * D, k + t * ks, KVH * D * sizeof(T));
-      std::memcpy(vc + slot * KVH * D, v + t * vs, KVH * D * sizeof(T));
+      if (kind == 0) {
+        std::memcpy((T*)kc + slot * KVH * D, k + t * ks, KVH * D * sizeof(T));
+        std::memcpy((T*)vc + slot * KVH * D, v + t * vs, KVH * D * sizeof(T));
+        continue;
+      }
+      for (int64_t hh = 0; hh < KVH; ++hh) {  // one byte per value
+        const int64_t at = slot * KVH + hh;
+        quantize_head(k + t * ks + hh * D, D, kind, (int8_t*)kc + at * D, ksc + at);
+        quantize_head(v + t * vs + hh * D, D, kind, (int8_t*)vc + at * D, vsc + at);
+      }
     }
   });
 }
 
+// kind: 0 a cache of T, 1 int8 and 2 fp8 with fp16 scales ksc/vsc [slots, KVH]
 extern "C" void fulcrum_rope_cache(int64_t bf16, void* q, void* k, const void* v, const void* cos, const void* sin,
-                                   const void* slots, void* kc, void* vc, int64_t ntok, int64_t H, int64_t KVH,
-                                   int64_t D, int64_t qs, int64_t ks, int64_t vs) {
+                                   const void* slots, void* kc, void* vc, void* ksc, void* vsc, int64_t kind,
+                                   int64_t ntok, int64_t H, int64_t KVH, int64_t D, int64_t qs, int64_t ks,
+                                   int64_t vs) {
   using B = at::BFloat16;
+  using S = c10::Half;
   const int64_t* sl = (const int64_t*)slots;
-  if (bf16) rope_cache((B*)q, (B*)k, (const B*)v, (const B*)cos, (const B*)sin, sl, (B*)kc, (B*)vc, ntok, H, KVH, D, qs, ks, vs);
-  else rope_cache((float*)q, (float*)k, (const float*)v, (const float*)cos, (const float*)sin, sl, (float*)kc, (float*)vc, ntok, H, KVH, D, qs, ks, vs);
+  if (bf16) rope_cache((B*)q, (B*)k, (const B*)v, (const B*)cos, (const B*)sin, sl, kc, vc, (S*)ksc, (S*)vsc, int(kind), ntok, H, KVH, D, qs, ks, vs);
+  else rope_cache((float*)q, (float*)k, (const float*)v, (const float*)cos, (const float*)sin, sl, kc, vc, (S*)ksc, (S*)vsc, int(kind), ntok, H, KVH, D, qs, ks, vs);
 }
 """
 )
 
 _DTYPES = (torch.bfloat16, torch.float32)
+# a quantized cache's element type -> the kernel's kind (0: a cache in the inputs' dtype)
+_CACHE_KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2}
 
 
 @functools.cache
@@ -81,7 +117,7 @@ def _module():
     if lib is None:
         return None
     P, I64 = cpu_ext.PTR, cpu_ext.I64
-    return cpu_ext.bind(lib.fulcrum_rope_cache, None, I64, P, P, P, P, P, P, P, P, *[I64] * 7)
+    return cpu_ext.bind(lib.fulcrum_rope_cache, None, I64, P, P, P, P, P, P, P, P, P, P, *[I64] * 8)
 
 
 def available() -> bool:
@@ -98,7 +134,7 @@ def usable(q, k, v, cos, sin, k_cache) -> bool:
         q.device.type == "cpu"
         and q.dtype in _DTYPES
         and k.dtype == v.dtype == cos.dtype == sin.dtype == q.dtype
-        and (k_cache is None or k_cache.dtype == q.dtype and k_cache.is_contiguous())
+        and (k_cache is None or k_cache.dtype in (q.dtype, *_CACHE_KINDS) and k_cache.is_contiguous())
         and _rows_ok(q) and _rows_ok(k) and _rows_ok(v)
         and q.shape[2] % 2 == 0
         and cos.is_contiguous() and sin.is_contiguous() and cos.numel() == q.shape[0] * q.shape[2]
@@ -106,13 +142,19 @@ def usable(q, k, v, cos, sin, k_cache) -> bool:
     )  # fmt: skip
 
 
-def rope_and_cache(q, k, v, cos, sin, slot_mapping, k_cache, v_cache) -> None:
-    """Rotate q and k in place; when a cache is given, write the rotated k and v to their slots in it."""
-    kc = None if k_cache is None else k_cache.data_ptr()
-    vc = None if v_cache is None else v_cache.data_ptr()
+def rope_and_cache(q, k, v, cos, sin, slot_mapping, k_cache, v_cache, k_scales=None, v_scales=None) -> None:
+    """Rotate q and k in place; when a cache is given, write the rotated k and v to their slots in it (an int8 or
+    fp8 cache quantized, with their fp16 scales [blocks, block_size, kv_heads] written to k_scales/v_scales)."""
+
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+
+    kind = 0 if k_cache is None else _CACHE_KINDS.get(k_cache.dtype, 0)
+    if kind and (k_scales is None or k_scales.dtype != torch.float16 or not k_scales.is_contiguous()):
+        raise ValueError("a quantized KV cache needs contiguous fp16 scales")
     slots = None if slot_mapping is None else slot_mapping.to(torch.int64).contiguous()
     _module()(
         q.dtype == torch.bfloat16, q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        None if slots is None else slots.data_ptr(), kc, vc, q.shape[0], q.shape[1], k.shape[1], q.shape[2],
-        q.stride(0), k.stride(0), v.stride(0),
+        ptr(slots), ptr(k_cache), ptr(v_cache), ptr(k_scales), ptr(v_scales), kind, q.shape[0], q.shape[1],
+        k.shape[1], q.shape[2], q.stride(0), k.stride(0), v.stride(0),
     )  # fmt: skip

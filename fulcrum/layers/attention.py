@@ -19,6 +19,8 @@ from torch import nn
 
 from fulcrum.kernels import cpu_attention, cpu_rope
 from fulcrum.layers.rotary import apply_rotary
+from fulcrum.quant import kv as kv_quant
+from fulcrum.quant.kv import KVFormat
 
 
 @dataclass
@@ -54,6 +56,29 @@ def causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device) -> 
 PREFILL_BLOCK = 128  # queries per block of CPU prefill attention
 
 
+def attach_kv_cache(
+    layers: list[Attention],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    fmt: KVFormat | None,
+    device,
+    empty=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One paged cache for `layers`: [2, layers, blocks, block_size, kv_heads, head_dim] of `dtype` (the format's
+    when `fmt` quantizes it, with its scales [2, layers, blocks, block_size, kv_heads]), each layer given its views.
+    `empty(shape, dtype)` allocates the values zeroed (default torch.zeros on `device`)."""
+    a = layers[0]
+    shape = (2, len(layers), num_blocks, block_size, a.num_kv_heads, a.head_dim)
+    empty = empty or (lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device))
+    cache = empty(shape, dtype if fmt is None else fmt.dtype)
+    scales = None if fmt is None else empty(shape[:-1], kv_quant.SCALE_DTYPE)
+    for i, layer in enumerate(layers):
+        layer_scales = (None, None) if scales is None else (scales[0, i], scales[1, i])
+        layer.set_cache(cache[0, i], cache[1, i], fmt, *layer_scales)
+    return cache, scales
+
+
 class Attention(nn.Module):
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
@@ -66,6 +91,15 @@ class Attention(nn.Module):
         # [num_blocks, block_size, kv_heads, head_dim], assigned by the model runner
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # a quantized cache (--kv-cache-dtype fp8|int8): its format, and a scale per token and head
+        # [num_blocks, block_size, kv_heads] fp16 for each of k and v (fulcrum.quant.kv)
+        self.kv_format: KVFormat | None = None
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
+
+    def set_cache(self, k_cache, v_cache, fmt: KVFormat | None = None, k_scales=None, v_scales=None) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.kv_format, self.k_scales, self.v_scales = fmt, k_scales, v_scales
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, rope=None
@@ -73,15 +107,16 @@ class Attention(nn.Module):
         """q [T, H, hd], k and v [T, KVH, hd]; `rope` (cos, signed sin [T, 1, hd]) rotates q and k first."""
         cached = meta.slot_mapping is not None and self.k_cache is not None
         kc, vc = (self.k_cache, self.v_cache) if cached else (None, None)
+        scales = (self.k_scales, self.v_scales) if cached and self.kv_format is not None else (None, None)
         if rope is not None and cpu_rope.usable(q, k, v, rope[0], rope[1], kc):
-            # one kernel rotates q and k in place and writes k and v to their cache slots
-            cpu_rope.rope_and_cache(q, k, v, rope[0], rope[1], meta.slot_mapping if cached else None, kc, vc)
+            # one kernel rotates q and k in place and writes k and v to their cache slots (quantized if it is)
+            cpu_rope.rope_and_cache(q, k, v, rope[0], rope[1], meta.slot_mapping if cached else None, kc, vc, *scales)
         else:
             if rope is not None:
                 q, k = apply_rotary(q, k, *rope)
             if cached:
-                kc.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-                vc.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+                self._write(kc, scales[0], meta.slot_mapping, k)
+                self._write(vc, scales[1], meta.slot_mapping, v)
         if not cached:
             return self._forward_no_cache(q, k, v, meta)
         if not meta.prefills and meta.decode_token_idx is not None:
@@ -92,7 +127,7 @@ class Attention(nn.Module):
             if ctx_len == q_len:  # a fresh prompt: its k/v are all new
                 out[start:end] = self._attend(q[start:end], k[start:end], v[start:end])
             else:
-                ks, vs = self._gather(meta.block_tables[row], ctx_len)
+                ks, vs = self._gather(meta.block_tables[row], ctx_len, q.dtype)
                 out[start:end] = self._attend(q[start:end], ks, vs)
         if meta.decode_token_idx is not None:
             out[meta.decode_token_idx] = self._decode(q[meta.decode_token_idx], meta)
@@ -107,11 +142,27 @@ class Attention(nn.Module):
             start = end
         return out
 
-    def _gather(self, block_table: torch.Tensor, ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _write(self, cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Tokens' k or v [T, KVH, hd] into their cache slots, quantized where the cache is."""
+        if scales is None:
+            cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, x.to(cache.dtype))
+            return
+        qx, sx = kv_quant.quantize(x, self.kv_format)
+        # as bytes: index_copy_ has no fp8 kernel on CPU
+        cache.view(torch.uint8).view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, qx.view(torch.uint8))
+        scales.view(-1, self.num_kv_heads).index_copy_(0, slots, sx)
+
+    def _read(self, cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor, dtype) -> torch.Tensor:
+        """The cached k or v of `blocks` (any shape of block ids): [*blocks.shape, block_size, KVH, hd]."""
+        if scales is None:
+            return cache[blocks]
+        return kv_quant.dequantize(cache[blocks], scales[blocks], dtype)
+
+    def _gather(self, block_table: torch.Tensor, ctx_len: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         bs = self.k_cache.shape[1]
         blocks = block_table[: -(-ctx_len // bs)]
-        ks = self.k_cache[blocks].flatten(0, 1)[:ctx_len]
-        vs = self.v_cache[blocks].flatten(0, 1)[:ctx_len]
+        ks = self._read(self.k_cache, self.k_scales, blocks, dtype).flatten(0, 1)[:ctx_len]
+        vs = self._read(self.v_cache, self.v_scales, blocks, dtype).flatten(0, 1)[:ctx_len]
         return ks, vs
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -156,13 +207,13 @@ class Attention(nn.Module):
         if cpu_attention.usable(q, self.k_cache, self.num_kv_heads):
             return cpu_attention.decode(
                 q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                self.scale, self.sliding_window,
+                self.scale, self.sliding_window, self.k_scales, self.v_scales,
             )  # fmt: skip
         bs = self.k_cache.shape[1]
         nblocks = -(-meta.decode_max_context // bs)
         bt = meta.decode_block_tables[:, :nblocks]
-        ks = self.k_cache[bt].flatten(1, 2).transpose(1, 2)  # [D, KVH, L, hd]
-        vs = self.v_cache[bt].flatten(1, 2).transpose(1, 2)
+        ks = self._read(self.k_cache, self.k_scales, bt, q.dtype).flatten(1, 2).transpose(1, 2)  # [D, KVH, L, hd]
+        vs = self._read(self.v_cache, self.v_scales, bt, q.dtype).flatten(1, 2).transpose(1, 2)
         key = ("decode_mask", self.sliding_window)
         if (mask := meta.shared.get(key)) is None:
             pos = torch.arange(ks.shape[2], device=q.device)

@@ -228,10 +228,14 @@ def parameter_counts(s: ModelSpec) -> ParamCount:
 # -- KV cache --------------------------------------------------------------------------------------
 
 
+# fulcrum's one-byte KV caches (--kv-cache-dtype fp8|int8) keep an fp16 scale per token and KV head
+KV_SCALE_BYTES = {"fp8": 2.0, "int8": 2.0}
+
+
 def kv_bytes_per_token_layer(s: ModelSpec, kv_dtype: str) -> float:
     if s.mla:  # the latent and the RoPE key, shared by all heads
-        return (s.mla.kv_lora_rank + s.mla.qk_rope_head_dim) * DTYPE_BYTES[kv_dtype]
-    return 2 * s.num_kv_heads * s.head_dim * DTYPE_BYTES[kv_dtype]
+        return (s.mla.kv_lora_rank + s.mla.qk_rope_head_dim) * DTYPE_BYTES[kv_dtype] + KV_SCALE_BYTES.get(kv_dtype, 0)
+    return 2 * s.num_kv_heads * (s.head_dim * DTYPE_BYTES[kv_dtype] + KV_SCALE_BYTES.get(kv_dtype, 0))
 
 
 def kv_bytes_per_token(s: ModelSpec, kv_dtype: str = "bf16") -> float:

@@ -97,9 +97,10 @@ def _run(
 
     async def main():
         ready = await engine.start()
+        state.metrics.record_ready(ready)
         print(
             f"fulcrum serving {name} on {url} | KV cache: {ready.num_blocks} blocks x "
-            f"{ready.block_size} tokens = {ready.num_blocks * ready.block_size} tokens | "
+            f"{ready.block_size} tokens = {ready.num_blocks * ready.block_size} tokens ({ready.kv_cache_dtype}) | "
             f"max_model_len {ready.max_model_len}",
             flush=True,
         )

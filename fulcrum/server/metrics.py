@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from fulcrum.engine.messages import CoreOutputs
+from fulcrum.engine.messages import CoreOutputs, CoreReady
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
@@ -79,8 +79,21 @@ class ServerMetrics:
         self.queue = _Family(
             Histogram, "request_queue_time_seconds", "Time waiting before first scheduled", r, m, c, buckets=E2E_BUCKETS
         )
+        # the cache's shape, as vLLM's cache_config_info: set once the engine reports ready
+        self.kv_capacity = _Family(Gauge, "kv_cache_capacity_tokens", "Tokens the KV cache holds", r, m, False)
+        self.cache_info = Gauge(
+            "fulcrum:cache_config_info", "KV cache configuration", ["model_name", "block_size", "num_blocks",
+            "cache_dtype"], registry=r,
+        )  # fmt: skip
         self._last = {"q": 0, "h": 0, "p": 0}
         self._last_token_time: dict[str, float] = {}
+
+    def record_ready(self, ready: CoreReady) -> None:
+        self.kv_capacity.set(ready.num_blocks * ready.block_size)
+        self.cache_info.labels(
+            model_name=self.kv_capacity.model, block_size=str(ready.block_size), num_blocks=str(ready.num_blocks),
+            cache_dtype=ready.kv_cache_dtype,
+        ).set(1)  # fmt: skip
 
     def record(self, msg: CoreOutputs, now: float) -> None:
         s = msg.stats

@@ -65,10 +65,9 @@ def test_kv_limits_concurrency_and_fp8_kv_doubles_it():
     spec, hw = from_config(DENSE_70B, "dense-70b"), get_hardware("H200")
     text = "\n".join(what_to_do(spec, hw, m, load_catalog()))
     assert "KV cache limits concurrency" in text and "quantize the KV cache to fp8" in text
-    assert plan("fp8", kv_dtype="fp8", hardware="H200").max_concurrency in (
-        2 * m.max_concurrency,
-        2 * m.max_concurrency + 1,
-    )
+    # one byte a value and fulcrum's fp16 scale per token and head: 130 bytes a 128-wide head against 256
+    fp8_kv = plan("fp8", kv_dtype="fp8", hardware="H200").max_concurrency
+    assert int(1.9 * m.max_concurrency) <= fp8_kv <= 2 * m.max_concurrency + 1
 
 
 def test_catalog_has_every_required_card_with_sources():

@@ -44,7 +44,9 @@ def test_dense_presets_match_hand_counts(preset, params, published, kv_per_token
     assert p.total == p.active == params
     assert p.total == pytest.approx(published, rel=0.005)  # the size the model card states
     assert kv_bytes_per_token(spec, "bf16") == kv_per_token
-    assert kv_bytes_per_token(spec, "fp8") == kv_per_token / 2
+    # fp8: one byte a value, and fulcrum's fp16 scale per token, layer and KV head
+    scales = 2 * spec.num_layers * spec.num_kv_heads * 2
+    assert kv_bytes_per_token(spec, "fp8") == kv_per_token / 2 + scales
 
 
 def test_qwen3_32b_reports_its_explicit_head_dim():
