@@ -21,8 +21,11 @@ DTYPES = {
     "half": torch.float16,
 }
 
-# Weight-only quantization methods (fulcrum/quant) and int4's group sizes
-QUANTIZATIONS = ("int8", "int4", "fp8")
+# Weight-only quantization methods (fulcrum/quant) and int4's group sizes: online (a full-precision checkpoint
+# quantized at load time), or read from a checkpoint's quantization_config (its quant_method, as named there)
+ONLINE_QUANTIZATIONS = ("int8", "int4", "fp8")
+CHECKPOINT_QUANTIZATIONS = ("gptq", "awq", "compressed-tensors")
+QUANTIZATIONS = ONLINE_QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS
 INT4_GROUP_SIZES = (32, 64, 128)
 # What the KV cache stores: "auto" is the model's dtype; fp8 (e4m3) and int8 hold one byte per value with an fp16
 # scale per token and KV head (fulcrum/quant/kv.py). "fp8_e4m3" is vLLM's other name for fp8.
@@ -88,7 +91,9 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     eos_token_ids: list[int] = field(default_factory=list)
-    quantization: str | None = None  # one of QUANTIZATIONS: linear weights quantized at load time
+    # one of QUANTIZATIONS: linear weights quantized at load time, or a quantized checkpoint's format (its settings
+    # stay in hf_config.quantization_config)
+    quantization: str | None = None
     quantization_group_size: int = 128
 
     @classmethod
@@ -111,9 +116,34 @@ class ModelConfig:
             dtype=resolve_dtype(dtype, hf_config),
             max_model_len=max_model_len or limit,
             eos_token_ids=read_eos_token_ids(path, hf_config),
-            quantization=quantization,
+            quantization=checkpoint_quantization(hf_config, quantization),
             quantization_group_size=quantization_group_size,
         )
+
+
+def checkpoint_quantization(hf_config: PretrainedConfig, asked: str | None) -> str | None:
+    """The quantization to load with: a quantized checkpoint's own (config.json's quantization_config), which
+    `asked` may only repeat, or else `asked` (online quantization, or none)."""
+    stated = getattr(hf_config, "quantization_config", None)
+    if not stated:
+        if asked in CHECKPOINT_QUANTIZATIONS:
+            raise ModelLoadError(
+                f"quantization {asked!r} reads a checkpoint quantized as {asked}, but config.json has no "
+                f"quantization_config; to quantize a full-precision checkpoint use {', '.join(ONLINE_QUANTIZATIONS)}"
+            )
+        return asked
+    method = str(stated.get("quant_method", "")).lower().replace("_", "-")
+    if method not in CHECKPOINT_QUANTIZATIONS:
+        raise ModelLoadError(
+            f"config.json's quantization_config has quant_method {method or None!r}, which fulcrum cannot read "
+            f"(supported: {', '.join(CHECKPOINT_QUANTIZATIONS)})"
+        )
+    if asked not in (None, method):
+        raise ModelLoadError(
+            f"the checkpoint is already quantized ({method}), so quantization {asked!r} cannot apply: "
+            f"drop it or give {method!r}"
+        )
+    return method
 
 
 def _is_cpu_bind(value: str) -> bool:

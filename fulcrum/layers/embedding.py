@@ -53,12 +53,16 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the given hidden states; with tied embeddings the weight is the embedding's. A `quant_method`
-    (fulcrum.quant) quantizes it after loading; a tied embedding then looks its rows up in the packed table."""
+    (fulcrum.quant) quantizes it after loading (or loads it as a quantized checkpoint stores it); a tied embedding
+    then looks its rows up in the packed table."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None, quant_method=None):
         super().__init__(vocab_size, hidden_size, dtype)
         if quant_method is not None:
             self.quant_method = quant_method
+            if getattr(quant_method, "from_checkpoint", False):  # the checkpoint stores the head quantized
+                del self.weight
+                quant_method.create_weights(self, hidden_size, [self.per_rank], dtype or torch.get_default_dtype())
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         method = getattr(self, "quant_method", None)

@@ -27,15 +27,17 @@ class LlamaAttention(nn.Module):
     ):
         super().__init__()
         hd = config_head_dim(cfg)
+        prefix = f"model.layers.{layer_idx}.self_attn"  # the checkpoint's module names, which quant matches
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, hd, cfg.num_attention_heads, cfg.num_key_value_heads, bias=qkv_bias, dtype=dtype,
-            quant_method=quant(),
+            quant_method=quant(f"{prefix}.qkv_proj"),
         )  # fmt: skip
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, hd
         self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
         self.o_proj = RowParallelLinear(
-            cfg.num_attention_heads * hd, cfg.hidden_size, bias=o_bias, dtype=dtype, quant_method=quant()
-        )
+            cfg.num_attention_heads * hd, cfg.hidden_size, bias=o_bias, dtype=dtype,
+            quant_method=quant(f"{prefix}.o_proj"),
+        )  # fmt: skip
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, hd, hd**-0.5, sliding_window=layer_sliding_windows(cfg)[layer_idx]
         )
@@ -57,15 +59,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: PretrainedConfig, bias: bool, dtype, quant):
+    def __init__(self, cfg: PretrainedConfig, bias: bool, dtype, quant, prefix: str):
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         inter = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [inter, inter], bias=bias, dtype=dtype, quant_method=quant()
+            cfg.hidden_size, [inter, inter], bias=bias, dtype=dtype, quant_method=quant(f"{prefix}.gate_up_proj")
         )
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=bias, dtype=dtype, quant_method=quant())
+        self.down_proj = RowParallelLinear(
+            inter, cfg.hidden_size, bias=bias, dtype=dtype, quant_method=quant(f"{prefix}.down_proj")
+        )
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +82,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(
             cfg, layer_idx, family.qkv_bias(cfg), family.o_bias(cfg), family.qk_norm, dtype, quant
         )
-        self.mlp = LlamaMLP(cfg, getattr(cfg, "mlp_bias", False), dtype, quant)
+        self.mlp = LlamaMLP(cfg, getattr(cfg, "mlp_bias", False), dtype, quant, f"model.layers.{layer_idx}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
@@ -125,12 +129,13 @@ class LlamaForCausalLM(nn.Module):
         return bool(getattr(cfg, "attention_bias", False))
 
     def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype | None = None, quant=None):
-        """`quant`: a factory of each linear layer's quant_method (None: full precision); see fulcrum.quant."""
+        """`quant(prefix)`: each linear layer's quant_method, given its checkpoint name ("lm_head",
+        "model.layers.0.mlp.gate_up_proj"), or None for full precision; see fulcrum.quant."""
         super().__init__()
-        quant = quant or (lambda: None)
+        quant = quant or (lambda prefix: None)
         self.config = cfg
         self.model = LlamaModel(cfg, type(self), dtype, quant)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, quant_method=quant())
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, quant_method=quant("lm_head"))
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

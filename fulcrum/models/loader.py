@@ -5,17 +5,20 @@ mis-shaped tensor, naming it."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from fulcrum.config import ModelConfig
+from fulcrum.config import CHECKPOINT_QUANTIZATIONS, ModelConfig
 from fulcrum.errors import ModelLoadError, WeightLoadError, WeightShapeError
 from fulcrum.layers.linear import copy_checked
 from fulcrum.models.registry import model_class
-from fulcrum.quant import method_factory
+from fulcrum.quant import describe, method_factory
+
+log = logging.getLogger(__name__)
 
 # Buffers some checkpoints carry that the model recomputes.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -72,6 +75,8 @@ def load_weights(model: nn.Module, path: Path) -> None:
             continue
         param_name, shard = _packed_target(model, name)
         param = params.get(param_name)
+        if param is None and name.endswith(".bias") and not tensor.any():
+            continue  # a zero bias the model has no place for (GPTQ tools write one for every linear layer)
         if param is None:
             raise WeightLoadError(
                 f"checkpoint tensor {name} {tuple(tensor.shape)} has no parameter in {type(model).__name__}"
@@ -84,11 +89,15 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 f"tensor {name}: checkpoint shape {e.got}, model expects {e.expected}"
                 + (f" (shard {shard!r} of {param_name})" if shard is not None else "")
             ) from None
+        except WeightLoadError as e:  # a quantized checkpoint's tensor of another dtype than its format's
+            raise WeightLoadError(f"tensor {name}: {e}") from None
         loaded.setdefault(param_name, set()).add(shard)
 
     stacks = _expected_shards(model)
     missing = []
     for pname, param in params.items():
+        if getattr(param, "optional_in_checkpoint", False):
+            continue
         fragment = next((d for d in stacks if f".{d}." in pname), None)
         want = stacks[fragment] if fragment else {None}
         for shard in sorted(want - loaded.get(pname, set()), key=str):
@@ -110,7 +119,16 @@ def load_weights(model: nn.Module, path: Path) -> None:
 
 def load_model(config: ModelConfig, device: str | torch.device = "cpu") -> nn.Module:
     cls = model_class(config.hf_config)
-    quant = method_factory(config.quantization, config.quantization_group_size)
+    checkpoint = getattr(config.hf_config, "quantization_config", None)
+    quant = method_factory(
+        config.quantization,
+        config.quantization_group_size,
+        checkpoint=checkpoint,
+        packed_modules_mapping=getattr(cls, "packed_modules_mapping", {}),
+        tie_word_embeddings=bool(getattr(config.hf_config, "tie_word_embeddings", False)),
+    )
+    if config.quantization in CHECKPOINT_QUANTIZATIONS:
+        log.info("quantized checkpoint: %s", describe(config.quantization, checkpoint=checkpoint))
     with torch.device(device):
         model = cls(config.hf_config, dtype=config.dtype, quant=quant)
     load_weights(model, config.path)
