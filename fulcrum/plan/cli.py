@@ -70,7 +70,7 @@ def plan_context(spec: ModelSpec, asked: int | None) -> tuple[int, str]:
 def build_plan(args: argparse.Namespace) -> Plan:
     spec = load_model_spec(args.model)
     seq_len, context_note = plan_context(spec, args.context)
-    wdtype = args.weight_dtype or spec.dtype
+    wdtype = args.weight_dtype or spec.weight_format or spec.dtype
     catalog = load_catalog()
     if args.hardware.lower() == "local":
         hw = local_hardware(args.measure_machine(spec, wdtype, matmul_tokens=args.input_len))
@@ -91,7 +91,9 @@ def build_plan(args: argparse.Namespace) -> Plan:
     ]
     notes = [
         context_note,
-        f"weights {wdtype} ({DTYPE_BYTES[wdtype]:g} bytes/parameter), matmuls in {hw.compute_format(wdtype)}",
+        f"weights {wdtype} ({DTYPE_BYTES[wdtype]:g} bytes/parameter"
+        + (", the checkpoint's quantization_config" if not args.weight_dtype and spec.weight_format else "")
+        + f"), matmuls in {hw.compute_format(wdtype)}",
         *MemoryAssumptions().describe(),
         *eff.describe(),
         *hw.notes,

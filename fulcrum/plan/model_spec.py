@@ -68,6 +68,8 @@ class ModelSpec:
     mla: MLA | None = None
     moe: MoE | None = None
     max_position_embeddings: int | None = None  # the longest context the model was trained for, when stated
+    # what a pre-quantized checkpoint stores its linear weights as (quantization_config), in plan's names
+    weight_format: str | None = None
 
     @property
     def attention_kind(self) -> str:
@@ -96,7 +98,22 @@ class ModelSpec:
         return out
 
 
+def checkpoint_weight_format(cfg: dict) -> str | None:
+    """The weight format of a GPTQ, AWQ or compressed-tensors checkpoint that fulcrum reads (int4, int8, fp8); None
+    for another or none. Every parameter is then counted at it, the LM head and ignored modules too (a few %)."""
+    q = cfg.get("quantization_config") or {}
+    method = str(q.get("quant_method", "")).lower().replace("_", "-")
+    if method in ("gptq", "awq"):
+        return {4: "int4", 8: "int8"}.get(q.get("bits") or q.get("w_bit") or 4)
+    if method == "compressed-tensors":
+        groups = [g.get("weights") or {} for g in (q.get("config_groups") or {}).values()]
+        names = {f"{'fp' if w.get('type') == 'float' else 'int'}{w.get('num_bits', 8)}" for w in groups if w}
+        return names.pop() if len(names) == 1 and names <= {"int4", "int8", "fp8"} else None
+    return None
+
+
 def from_config(cfg: dict, name: str = "model") -> ModelSpec:
+    weight_format = checkpoint_weight_format(cfg)
     cfg = cfg.get("text_config", cfg)  # multimodal configs keep the language model's fields there
     ns = SimpleNamespace(**cfg)
     mla = None
@@ -145,6 +162,7 @@ def from_config(cfg: dict, name: str = "model") -> ModelSpec:
         mla=mla,
         moe=moe,
         max_position_embeddings=cfg.get("max_position_embeddings"),
+        weight_format=weight_format,
     )
 
 

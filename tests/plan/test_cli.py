@@ -3,6 +3,8 @@ and --validate, are in tests/probe/)."""
 
 import json
 
+import pytest
+
 from fulcrum.cli import main
 from fulcrum.config import DEFAULT_MODEL
 
@@ -35,6 +37,31 @@ def test_plan_with_a_config_json_and_quantized_weights(capsys, tmp_path):
     assert main(["plan", "--model", str(cfg), "--weight-dtype", "int4", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["memory"]["weight_bytes"] == 6820096 * 0.5
+
+
+@pytest.mark.parametrize(
+    "quantization_config, fmt, per_weight",
+    [
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "int4", 0.5),
+        ({"quant_method": "awq", "bits": 4, "version": "gemm"}, "int4", 0.5),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float"}}},
+            },
+            "fp8",
+            1.0,
+        ),
+    ],
+)
+def test_plan_counts_a_quantized_checkpoints_weights_as_stored(capsys, tmp_path, quantization_config, fmt, per_weight):
+    cfg = json.loads((DEFAULT_MODEL / "config.json").read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**cfg, "quantization_config": quantization_config}))
+    assert main(["plan", "--model", str(path), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["memory"]["weight_bytes"] == 6820096 * per_weight
+    assert any(f"weights {fmt} ({per_weight:g} bytes/parameter, the checkpoint's" in a for a in d["assumptions"])
 
 
 def test_plan_context_defaults_to_the_models_own_when_shorter(capsys, tmp_path):
