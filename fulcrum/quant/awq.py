@@ -72,10 +72,6 @@ def unpack_awq(words: torch.Tensor, out_f: int) -> torch.Tensor:
 class AWQMethod(CheckpointInt4):
     name = "awq"
 
-    def __init__(self, scheme: AWQScheme, prefix: str, shard_names: list[str]):
-        super().__init__(prefix, shard_names, scheme.group_size)
-        self.scheme = scheme
-
     def tensors(self, in_f, out_f):
         groups = 1 if self.scheme.group_size == -1 else in_f // self.scheme.group_size
         words = -(-out_f // 8)

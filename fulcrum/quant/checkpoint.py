@@ -89,8 +89,9 @@ class CheckpointLinear:
 
     from_checkpoint = True  # the LM head registers these tensors in place of its full-precision weight
 
-    def __init__(self, prefix: str, shard_names: list[str]):
-        self.prefix, self.shard_names = prefix, shard_names
+    def __init__(self, scheme, prefix: str, shard_names: list[str]):
+        """`scheme`: the format's settings for this layer; `shard_names`: its checkpoint modules (q_proj, ...)."""
+        self.scheme, self.prefix, self.shard_names = scheme, prefix, shard_names
 
     # -- what a format defines ---------------------------------------------------------------------
 
@@ -161,9 +162,9 @@ class CheckpointInt4(CheckpointLinear, Int4Method):
     W = (q - zero) * scale, optionally after permuting its inputs (`perm`: GPTQ's act order), and becomes the
     int4 layout (offset = -zero * scale) in the group size the kernels take."""
 
-    def __init__(self, prefix: str, shard_names: list[str], group_size: int):
-        CheckpointLinear.__init__(self, prefix, shard_names)
-        Int4Method.__init__(self, group_size)
+    def __init__(self, scheme, prefix: str, shard_names: list[str]):
+        CheckpointLinear.__init__(self, scheme, prefix, shard_names)
+        Int4Method.__init__(self, scheme.group_size)  # the checkpoint's; merge sets the kernels'
 
     def create_weights(self, layer, input_size, output_sizes, dtype):
         kernel_group(self.group_size, input_size, self.prefix)  # fail before any tensor is read

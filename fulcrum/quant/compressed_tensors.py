@@ -140,10 +140,6 @@ def check_shape(t: dict, in_f: int, out_f: int, name: str) -> None:
 class CTInt4Method(CheckpointInt4):
     name = "compressed-tensors"
 
-    def __init__(self, scheme: CTScheme, prefix: str, shard_names: list[str]):
-        super().__init__(prefix, shard_names, scheme.group_size)
-        self.scheme = scheme
-
     def tensors(self, in_f, out_f):
         s = self.scheme
         out = {
@@ -174,10 +170,6 @@ class CTInt4Method(CheckpointInt4):
 
 class CTChannelsMethod(CheckpointChannels):
     name = "compressed-tensors"
-
-    def __init__(self, scheme: CTScheme, prefix: str, shard_names: list[str]):
-        super().__init__(prefix, shard_names)
-        self.scheme = scheme
 
     def tensors(self, in_f, out_f):
         s = self.scheme

@@ -90,10 +90,6 @@ class GPTQFormat(CheckpointFormat):
 class GPTQMethod(CheckpointInt4):
     name = "gptq"
 
-    def __init__(self, scheme: GPTQScheme, prefix: str, shard_names: list[str]):
-        super().__init__(prefix, shard_names, scheme.group_size)
-        self.scheme = scheme
-
     def tensors(self, in_f, out_f):
         group = in_f if self.scheme.group_size == -1 else self.scheme.group_size
         groups = in_f // group
