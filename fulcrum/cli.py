@@ -28,7 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=QUANTIZATIONS,
         default=None,
-        help="quantize the linear weights at load time: int8 or fp8 (e4m3) per channel, int4 per group",
+        help="quantize the linear weights at load time: int8 or fp8 (e4m3) per channel, int4 per group; a GPTQ, "
+        "AWQ or compressed-tensors checkpoint is read as its config.json says (naming it here is optional)",
     )
     g.add_argument(
         "--quantization-group-size", type=int, choices=INT4_GROUP_SIZES, default=128, help="int4's group size"

@@ -42,7 +42,11 @@ class ModelRunner:
             "weights: %.1f MiB (%s, quantization %s)",
             self.weight_bytes / 2**20,
             model_config.dtype,
-            describe(model_config.quantization, model_config.quantization_group_size),
+            describe(
+                model_config.quantization,
+                model_config.quantization_group_size,
+                getattr(model_config.hf_config, "quantization_config", None),
+            ),
         )
         if self.device.type == "cpu":
             move_parameters_to_huge_pages(self.model)  # a decode step streams them all: fewer TLB misses

@@ -50,11 +50,15 @@ class OnlineQuantMethod(UnquantizedLinearMethod):
     def apply(self, layer, x, bias):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if cpu_qgemv.usable(x2, bias):  # CPU, few rows
+        if cpu_qgemv.usable(x2, bias) or self.vnni_usable(layer, x2, bias):  # CPU, few rows
             y = self.gemv(layer, x2, bias)
         else:
             y = self.matmul(layer, x2, bias)
         return y.reshape(*lead, y.shape[-1])
+
+    def vnni_usable(self, layer, x, bias) -> bool:
+        """Whether the integer-dot kernel (bf16 rows, up to cpu_qgemv_vnni.MAX_ROWS) takes these rows."""
+        return False
 
     def gemv(self, layer, x, bias):
         raise NotImplementedError
@@ -88,8 +92,11 @@ class Int8Method(OnlineQuantMethod):
     def dequantize_rows(self, layer, rows):
         return self.dequantize_channels(layer.qweight[rows], layer.scales[rows])
 
+    def vnni_usable(self, layer, x, bias):
+        return layer.qweight.dtype == torch.int8 and cpu_qgemv_vnni.usable(x, bias)
+
     def gemv(self, layer, x, bias):
-        if layer.qweight.dtype == torch.int8 and cpu_qgemv_vnni.usable(x, bias):
+        if self.vnni_usable(layer, x, bias):
             return cpu_qgemv_vnni.int8(x, layer.qweight, layer.scales, bias)
         return cpu_qgemv.int8(x, layer.qweight, layer.scales, bias)
 
@@ -124,8 +131,11 @@ class Int4Method(OnlineQuantMethod):
     def dequantize_rows(self, layer, rows):
         return formats.dequantize_int4(layer.qweight[rows], layer.scales[rows], layer.offsets[rows])
 
+    def vnni_usable(self, layer, x, bias):
+        return cpu_qgemv_vnni.usable(x, bias)
+
     def gemv(self, layer, x, bias):
-        if cpu_qgemv_vnni.usable(x, bias):
+        if self.vnni_usable(layer, x, bias):
             return cpu_qgemv_vnni.int4(x, layer.qweight, layer.scales, layer.offsets, self.group_size, bias)
         return cpu_qgemv.int4(x, layer.qweight, layer.scales, layer.offsets, self.group_size, bias)
 

@@ -81,7 +81,7 @@ def q8_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.skipif(not cpu_qgemv_vnni.available(), reason="needs AVX-512 VNNI (and BF16) and a compiler")
-@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 17, 32])
 @pytest.mark.parametrize("group, shape", [(32, (96, 64)), (64, (130, 192)), (128, (40, 896))])
 def test_vnni_int8_and_int4_match_the_dequantized_weight_on_the_quantized_input(rows, group, shape):
     g = torch.Generator().manual_seed(2)
@@ -95,3 +95,4 @@ def test_vnni_int8_and_int4_match_the_dequantized_weight_on_the_quantized_input(
     ref = F.linear(xq, formats.dequantize_int4(packed, s, m), b.float())
     assert close(cpu_qgemv_vnni.int4(x, packed, s, m, group, b), ref, tol)
     assert cpu_qgemv_vnni.usable(x) and not cpu_qgemv_vnni.usable(x.float()) and not cpu_qgemv_vnni.usable(x[:, :32])
+    assert not cpu_qgemv_vnni.usable(x.repeat(cpu_qgemv_vnni.MAX_ROWS + 1, 1))  # more rows: the dense matmul
