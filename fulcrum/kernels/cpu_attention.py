@@ -30,6 +30,8 @@ _BODY = r"""
 #include <cmath>
 #include <vector>
 
+constexpr int64_t MAX_G = 16;  // query heads per KV head (MAX_GROUP)
+
 // A quantized cache (fulcrum.quant.kv): one byte per value, one fp16 scale per token and head. fp8 loads as 2^-8
 // times its value (vload_f8), so its scales carry the 2^8.
 static inline vf vload(const int8_t* p) { return vload_i8(p); }
@@ -165,6 +167,124 @@ static void run_cache(int64_t kind, const void* q, const void* kc, const void* v
                   width, scale, window);
 }
 
+// -- prefill: causal attention of n queries (the last n of m positions) over m keys, flash-style ----------------
+// A task is one KV head and a block of QB queries with all g query heads of the group (QB * g rows). It walks the
+// keys VW at a time up to its last query: the key block is widened and transposed once ([hd][VW]) and the value
+// block widened once ([VW][hd]), then each row scores the VW keys in one vector (hd FMAs), folds them into its
+// running max and sum (online softmax) and adds the weighted values to its fp32 accumulator. No score matrix, no
+// mask tensor: the causal limit is a count of keys per row.
+constexpr int QB = 16;
+
+// R rows (queries) against one key block: scores (R independent FMA chains over hd, the key block read once for all),
+// the causal limit (a row sees `seen` keys: those past it in the block become -inf), the online-softmax update, and
+// the weighted values added to the accumulators (each value vector read once for the R rows).
+template <int R>
+static inline void prefill_rows(const float* Q, float* acc, float* mx, float* sum, const float* Kt, const float* Vb,
+                                const int64_t* seen, int64_t k0, int64_t kn, int64_t hd) {
+  vf sc[R];
+  for (int j = 0; j < R; ++j) sc[j] = vzero();
+  for (int64_t d = 0; d < hd; ++d) {
+    const vf kt = vload(Kt + d * VW);
+    for (int j = 0; j < R; ++j) sc[j] = vfmadd(vset1(Q[j * hd + d]), kt, sc[j]);
+  }
+  alignas(64) float p[R][VW];
+  float corr[R];
+  int64_t valid = 0;  // keys of the block any of the R rows sees
+  for (int j = 0; j < R; ++j) {
+    vstore(p[j], sc[j]);
+    const int64_t vj = std::max<int64_t>(0, std::min<int64_t>(kn, seen[j] - k0));
+    for (int64_t i = vj; i < VW; ++i) p[j][i] = -INFINITY;
+    valid = std::max(valid, vj);
+    const float m_new = std::max(mx[j], vmax_all(vload(p[j])));
+    corr[j] = std::exp(mx[j] - m_new);  // 0 on a row's first block (mx = -inf); 1 when nothing here is seen
+    const vf e = vexp(vsub(vload(p[j]), vset1(m_new)));
+    vstore(p[j], e);
+    sum[j] = sum[j] * corr[j] + vsum(e);
+    mx[j] = m_new;
+  }
+  for (int64_t c = 0; c < hd / VW; ++c) {
+    vf a[R];
+    for (int j = 0; j < R; ++j) a[j] = vmul(vload(acc + j * hd + c * VW), vset1(corr[j]));
+    for (int64_t i = 0; i < valid; ++i) {
+      const vf vv = vload(Vb + i * hd + c * VW);
+      for (int j = 0; j < R; ++j) a[j] = vfmadd(vset1(p[j][i]), vv, a[j]);
+    }
+    for (int j = 0; j < R; ++j) vstore(acc + j * hd + c * VW, a[j]);
+  }
+}
+
+template <typename T>
+static void prefill_task(const T* q, const T* k, const T* v, T* out, int64_t n, int64_t m, int64_t H, int64_t KVH,
+                         int64_t hd, int64_t qs, int64_t ks, int64_t vs, int64_t os, float scale, int64_t kvh,
+                         int64_t q0, float* scratch) {
+  const int64_t g = H / KVH, q1 = std::min(n, q0 + QB), rows = (q1 - q0) * g, past = m - n;
+  float* Q = scratch;                 // [rows][hd], scaled
+  float* acc = Q + QB * MAX_G * hd;   // [rows][hd]
+  float* mx = acc + QB * MAX_G * hd;  // [rows]
+  float* sum = mx + QB * MAX_G;       // [rows]
+  float* Kt = sum + QB * MAX_G;       // [hd][VW]
+  float* Vb = Kt + hd * VW;           // [VW][hd]
+  int64_t seen[QB * MAX_G];           // keys each row's query sees
+  for (int64_t t = q0; t < q1; ++t)
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t r = (t - q0) * g + j;
+      const T* src = q + t * qs + (kvh * g + j) * hd;
+      for (int64_t d = 0; d < hd; ++d) Q[r * hd + d] = float(src[d]) * scale;
+      for (int64_t d = 0; d < hd; ++d) acc[r * hd + d] = 0.f;
+      mx[r] = -INFINITY;
+      sum[r] = 0.f;
+      seen[r] = past + t + 1;
+    }
+  const int64_t last = past + q1;  // keys the block's last query sees
+  for (int64_t k0 = 0; k0 < last; k0 += VW) {
+    const int64_t kn = std::min<int64_t>(VW, last - k0);
+    for (int64_t i = 0; i < VW; ++i) {  // past the last key: zeros, masked out
+      const T* kr = k + (k0 + i) * ks + kvh * hd;
+      const T* vr = v + (k0 + i) * vs + kvh * hd;
+      for (int64_t d = 0; d < hd; ++d) Kt[d * VW + i] = i < kn ? float(kr[d]) : 0.f;
+      for (int64_t d = 0; d < hd; ++d) Vb[i * hd + d] = i < kn ? float(vr[d]) : 0.f;
+    }
+    int64_t r = 0;
+    for (; r + 8 <= rows; r += 8)
+      prefill_rows<8>(Q + r * hd, acc + r * hd, mx + r, sum + r, Kt, Vb, seen + r, k0, kn, hd);
+    for (; r + 2 <= rows; r += 2)
+      prefill_rows<2>(Q + r * hd, acc + r * hd, mx + r, sum + r, Kt, Vb, seen + r, k0, kn, hd);
+    for (; r < rows; ++r) prefill_rows<1>(Q + r * hd, acc + r * hd, mx + r, sum + r, Kt, Vb, seen + r, k0, kn, hd);
+  }
+  for (int64_t t = q0; t < q1; ++t)
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t r = (t - q0) * g + j;
+      const float inv = 1.0f / sum[r];
+      T* dst = out + t * os + (kvh * g + j) * hd;
+      for (int64_t d = 0; d < hd; ++d) store(dst + d, acc[r * hd + d] * inv);
+    }
+}
+
+// q [n, H, hd], k and v [m, KVH, hd], out [n, H, hd], each with its own row stride (elements between tokens; the
+// heads of a token packed); the queries are the last n of the m positions. Returns 0, or -1 for a head_dim that is
+// not a multiple of the vector width or a group over MAX_G.
+extern "C" int64_t fulcrum_prefill_attention(int64_t bf16, const void* q, const void* k, const void* v, void* out,
+                                             int64_t n, int64_t m, int64_t H, int64_t KVH, int64_t hd, int64_t qs,
+                                             int64_t ks, int64_t vs, int64_t os, float scale) {
+  if (hd % VW || H / KVH > MAX_G) return -1;
+  const int64_t blocks = (n + QB - 1) / QB, tasks = blocks * KVH;
+  const int64_t floats = 2 * QB * MAX_G * hd + 2 * QB * MAX_G + 2 * hd * VW;
+  at::parallel_for(0, tasks, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> scratch(floats + 16);
+    for (int64_t t = b; t < e; ++t) {
+      // short (early) and long (late) query blocks alternate, so contiguous task ranges carry similar work
+      const int64_t i = t / KVH, blk = i % 2 ? blocks - 1 - i / 2 : i / 2;
+      if (bf16)
+        prefill_task((const c10::BFloat16*)q, (const c10::BFloat16*)k, (const c10::BFloat16*)v, (c10::BFloat16*)out,
+                     n, m, H, KVH, hd, qs, ks, vs, os, scale, t % KVH, blk * QB, scratch.data());
+      else
+        prefill_task((const float*)q, (const float*)k, (const float*)v, (float*)out, n, m, H, KVH, hd, qs, ks, vs,
+                     os, scale, t % KVH, blk * QB, scratch.data());
+    }
+  });
+  return 0;
+}
+
 // q and out [D, H, hd]; k/v cache [blocks, bs, KVH, hd]; tables [D, width] int64; ctx_lens [D] int64, all contiguous.
 // kind 0: the cache in q's dtype; 1: int8, 2: fp8 e4m3, with fp16 scales k_scales/v_scales [blocks, bs, KVH].
 // window <= 0: no sliding window. Returns 0, or -1 for an unsupported head_dim.
@@ -203,9 +323,11 @@ def _module():
     if lib is None:
         return None
     P, I64 = cpu_ext.PTR, cpu_ext.I64
-    return cpu_ext.bind(
+    decode = cpu_ext.bind(
         lib.fulcrum_decode_attention, I64, I64, I64, P, P, P, P, P, P, P, P, *[I64] * 6, cpu_ext.F32, I64
     )
+    prefill = cpu_ext.bind(lib.fulcrum_prefill_attention, I64, I64, P, P, P, P, *[I64] * 9, cpu_ext.F32)
+    return {"decode": decode, "prefill": prefill}
 
 
 def available() -> bool:
@@ -246,7 +368,7 @@ def decode(
     kind = _CACHE_KINDS.get(k_cache.dtype, 0)
     if kind and not all(s is not None and s.dtype == torch.float16 and s.is_contiguous() for s in (k_scales, v_scales)):
         raise ValueError("an int8/fp8 KV cache needs contiguous fp16 scales")
-    rc = _module()(
+    rc = _module()["decode"](
         q.dtype == torch.bfloat16, kind, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         k_scales.data_ptr() if kind else None, v_scales.data_ptr() if kind else None, tables.data_ptr(),
         lens.data_ptr(), out.data_ptr(), d, h, k_cache.shape[2], hd, k_cache.shape[1], tables.shape[1], scale,
@@ -254,4 +376,36 @@ def decode(
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"decode attention: unsupported head_dim {hd}")
+    return out
+
+
+def _rows_packed(x: torch.Tensor) -> bool:
+    """[T, heads, hd] with a token's heads side by side (tokens may be strided: views of the fused qkv output)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """CPU, bf16/fp32 alike, a head size that is a multiple of the vector width, a group of at most MAX_GROUP."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in _DTYPES
+        and k.dtype == v.dtype == q.dtype
+        and q.shape[-1] % (16 if level() == "avx512" else 8) == 0
+        and q.shape[1] % k.shape[1] == 0
+        and q.shape[1] // k.shape[1] <= MAX_GROUP
+        and all(_rows_packed(t) for t in (q, k, v))
+        and available()
+    )
+
+
+def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of q [n, H, hd] (the last n positions) over k, v [m, KVH, hd]: [n, H, hd]."""
+    n, h, hd = q.shape
+    out = torch.empty(n, h, hd, dtype=q.dtype)
+    rc = _module()["prefill"](
+        q.dtype == torch.bfloat16, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, k.shape[0], h,
+        k.shape[1], hd, q.stride(0), k.stride(0), v.stride(0), out.stride(0), scale,
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"prefill attention: unsupported head_dim {hd} or group {h // k.shape[1]}")
     return out

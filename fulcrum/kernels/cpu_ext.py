@@ -97,6 +97,7 @@ static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }   // a * b + c
 static inline vf vfnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); } // c - a * b
 static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline float vmax_all(vf a) { return _mm512_reduce_max_ps(a); }
 static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT); }
 static inline vf vexp2i(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
 static inline vf vload_i8(const int8_t* p) {
@@ -132,6 +133,11 @@ static inline float vsum(vf a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_hadd_ps(s, s);
   return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+static inline float vmax_all(vf a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 static inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline vf vexp2i(vf p, vf n) {  // p * 2^n for integral n >= -126: n goes straight into the exponent bits
