@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from fulcrum.kernels import cpu_attention, cpu_gemv, cpu_norm, cpu_qgemv, cpu_qgemv_vnni, cpu_rope
+from fulcrum.kernels import cpu_act, cpu_attention, cpu_gemv, cpu_norm, cpu_qgemv, cpu_qgemv_vnni, cpu_rope
 from fulcrum.kernels.hugepages import huge_page_empty, move_parameters_to_huge_pages
 
 __all__ = ["huge_page_empty", "move_parameters_to_huge_pages", "warm_up"]
@@ -21,6 +21,8 @@ def warm_up(device: str | torch.device, quantized: bool = False) -> None:
     of the first request."""
     if torch.device(device).type != "cpu":
         return
-    kernels = (cpu_attention, cpu_gemv, cpu_norm, cpu_rope) + ((cpu_qgemv, cpu_qgemv_vnni) if quantized else ())
+    kernels = (cpu_act, cpu_attention, cpu_gemv, cpu_norm, cpu_rope) + (
+        (cpu_qgemv, cpu_qgemv_vnni) if quantized else ()
+    )
     with ThreadPoolExecutor(max_workers=len(kernels)) as pool:  # each build is a compiler process: threads suffice
         list(pool.map(lambda kernel: kernel.available(), kernels))

@@ -38,21 +38,6 @@ static inline vf vload(const int8_t* p) { return vload_i8(p); }
 static inline vf vload(const c10::Float8_e4m3fn* p) { return vload_f8((const uint8_t*)p); }
 template <typename C> constexpr float load_factor() { return std::is_same_v<C, c10::Float8_e4m3fn> ? 256.f : 1.f; }
 
-// e^x for x <= 0: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2; degree-6 polynomial, rel. error ~2e-7
-static inline vf vexp(vf x) {
-  x = vmax(x, vset1(-87.0f));
-  vf n = vround(vmul(x, vset1(1.44269504f)));
-  vf r = vfnmadd(n, vset1(0.693145752f), x);
-  r = vfnmadd(n, vset1(1.42860677e-6f), r);
-  vf p = vset1(1.0f / 720);
-  p = vfmadd(p, r, vset1(1.0f / 120));
-  p = vfmadd(p, r, vset1(1.0f / 24));
-  p = vfmadd(p, r, vset1(1.0f / 6));
-  p = vfmadd(p, r, vset1(0.5f));
-  p = vfmadd(p, r, vset1(1.0f));
-  p = vfmadd(p, r, vset1(1.0f));
-  return vexp2i(p, n);
-}
 
 // Calls fn(i, row, slot) for the cached tokens start..ctx-1 in order (i counts from 0; slot: the token's cache
 // slot), walking the block table once instead of dividing every position by the block size.

@@ -94,6 +94,8 @@ static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }   // a * b + c
 static inline vf vfnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); } // c - a * b
 static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
@@ -127,6 +129,8 @@ static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vfnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
 static inline float vsum(vf a) {
@@ -157,9 +161,29 @@ static inline vf vload_f8(const uint8_t* p) {
 }
 
 
+# Functions written once on the primitives above
+VECTOR_MATH = r"""
+// e^x for x <= 0: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2; degree-6 polynomial, rel. error ~2e-7
+static inline vf vexp(vf x) {
+  x = vmax(x, vset1(-87.0f));
+  vf n = vround(vmul(x, vset1(1.44269504f)));
+  vf r = vfnmadd(n, vset1(0.693145752f), x);
+  r = vfnmadd(n, vset1(1.42860677e-6f), r);
+  vf p = vset1(1.0f / 720);
+  p = vfmadd(p, r, vset1(1.0f / 120));
+  p = vfmadd(p, r, vset1(1.0f / 24));
+  p = vfmadd(p, r, vset1(1.0f / 6));
+  p = vfmadd(p, r, vset1(0.5f));
+  p = vfmadd(p, r, vset1(1.0f));
+  p = vfmadd(p, r, vset1(1.0f));
+  return vexp2i(p, n);
+}
+"""
+
+
 def vector_prelude(level: str) -> str:
     """PRELUDE plus the vector primitives of `level` (avx2 or avx512): for kernels written once for both."""
-    return PRELUDE + VECTOR_PRELUDE[level]
+    return PRELUDE + VECTOR_PRELUDE[level] + VECTOR_MATH
 
 
 def _build_dir(source: str, flags: list[str]) -> str:
