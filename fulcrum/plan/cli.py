@@ -2,7 +2,9 @@
 on a hardware entry, or `--validate` against a measured run on this machine.
 
 plan imports neither torch nor the engine: the top-level CLI sets the bundled model as --model's default and
-passes in the probes (`args.measure_machine`, `args.measure_engine`, from `fulcrum.probe`) that measure."""
+passes in the probes (`args.measure_machine`, `args.measure_engine`, from `fulcrum.probe`) that measure. The
+engine's own format flags (--quantization, --quantization-group-size, --kv-cache-dtype) are taken as the engine
+spells them: --validate runs the engine with them; a plan reads them as --weight-dtype / --kv-dtype."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from fulcrum.plan.local import LOCAL_EFFICIENCY, local_hardware
 from fulcrum.plan.memory import MemoryAssumptions, plan_memory
 from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec, load_model_spec, load_presets
 from fulcrum.plan.report import Plan, plot, render, to_json
-from fulcrum.plan.roofline import Efficiency, batch_sizes, decode_step, prefill
+from fulcrum.plan.roofline import INT4_GROUP_SIZES, QUANT_METHODS, Efficiency, batch_sizes, decode_step, prefill
+from fulcrum.plan.validate import KV_CACHE_DTYPES
 from fulcrum.utils.console import wide_console
 
 WEIGHT_DTYPES = ["bf16", "fp16", "fp8", "int8", "int4", "fp4", "fp32"]
@@ -33,7 +36,24 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="HF folder, config.json, or a preset (default: the bundled model)")
     p.add_argument("--hardware", default="H100-SXM", help="a catalog name, or 'local' (this machine, measured)")
     p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default=None, help="default: the checkpoint's")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help="default: bf16 (--validate: the model's)")
+    p.add_argument(
+        "--quantization",
+        choices=QUANT_METHODS,
+        default=None,
+        help="the engine's online weight quantization: int8 or fp8 per channel, int4 per group (--validate "
+        "predicts and measures it; a plan takes it as --weight-dtype)",
+    )
+    p.add_argument(
+        "--quantization-group-size", type=int, choices=INT4_GROUP_SIZES, default=128, help="int4's group size"
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", *KV_CACHE_DTYPES),
+        default="auto",
+        help="the engine's KV cache: auto (the model's dtype), or fp8 / int8 with an fp16 scale per token and head "
+        "(a plan takes it as --kv-dtype)",
+    )
     p.add_argument(
         "--context",
         type=int,
@@ -67,10 +87,40 @@ def plan_context(spec: ModelSpec, asked: int | None) -> tuple[int, str]:
     return context, f"context {context:,} tokens per sequence: {source} (--context to change)"
 
 
+def _one_of(a: tuple[str, str | None], b: tuple[str, str | None]) -> str | None:
+    """The value of two flags that name the same thing (plan's and the engine's spelling); both given must agree."""
+    if a[1] and b[1] and a[1] != b[1]:
+        raise ValueError(f"{a[0]} {a[1]} and {b[0]} {b[1]} disagree: give one of them")
+    return a[1] or b[1]
+
+
+def engine_formats(args: argparse.Namespace, spec: ModelSpec) -> tuple[str | None, str]:
+    """--validate's online quantization and KV-cache dtype, in the engine's names, from either spelling: plan's
+    --weight-dtype / --kv-dtype may name the model's own dtype or a format the engine has."""
+    weight = None if args.weight_dtype == spec.dtype else args.weight_dtype
+    if weight and weight not in QUANT_METHODS:
+        raise ValueError(
+            f"--validate runs the checkpoint's own dtype ({spec.dtype}) or the engine's online quantization "
+            f"({', '.join(QUANT_METHODS)}); --weight-dtype {weight} is neither"
+        )
+    kv = None if args.kv_dtype == spec.dtype else args.kv_dtype
+    if kv and kv not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"--validate's KV cache is the model's dtype ({spec.dtype}) or one the engine quantizes to "
+            f"({', '.join(sorted(set(KV_CACHE_DTYPES.values())))}); --kv-dtype {kv} is neither"
+        )
+    engine_kv = KV_CACHE_DTYPES.get(args.kv_cache_dtype)
+    kv = _one_of(("--kv-dtype", kv), ("--kv-cache-dtype", engine_kv)) or "auto"
+    return _one_of(("--weight-dtype", weight), ("--quantization", args.quantization)), kv
+
+
 def build_plan(args: argparse.Namespace) -> Plan:
     spec = load_model_spec(args.model)
     seq_len, context_note = plan_context(spec, args.context)
-    wdtype = args.weight_dtype or spec.weight_format or spec.dtype
+    asked = _one_of(("--weight-dtype", args.weight_dtype), ("--quantization", args.quantization))
+    wdtype = asked or spec.weight_format or spec.dtype
+    engine_kv = KV_CACHE_DTYPES.get(args.kv_cache_dtype)
+    args.kv_dtype = _one_of(("--kv-dtype", args.kv_dtype), ("--kv-cache-dtype", engine_kv)) or "bf16"
     catalog = load_catalog()
     if args.hardware.lower() == "local":
         hw = local_hardware(args.measure_machine(spec, wdtype, matmul_tokens=args.input_len))
@@ -92,7 +142,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
     notes = [
         context_note,
         f"weights {wdtype} ({DTYPE_BYTES[wdtype]:g} bytes/parameter"
-        + (", the checkpoint's quantization_config" if not args.weight_dtype and spec.weight_format else "")
+        + (", the checkpoint's quantization_config" if not asked and spec.weight_format else "")
         + f"), matmuls in {hw.compute_format(wdtype)}",
         *MemoryAssumptions().describe(),
         *eff.describe(),
@@ -118,6 +168,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.validate:
             from fulcrum.plan.validate import validate
 
+            quantization, kv_cache_dtype = engine_formats(args, load_model_spec(args.model))
             result = validate(
                 str(args.model),
                 args.measure_machine,
@@ -125,6 +176,9 @@ def run_plan(args: argparse.Namespace) -> int:
                 input_len=args.input_len or 512,
                 output_len=args.output_len or 64,
                 batch_sizes=(1, 2),
+                quantization=quantization,
+                group_size=args.quantization_group_size,
+                kv_cache_dtype=kv_cache_dtype,
                 console=console,
             )
             if args.json:

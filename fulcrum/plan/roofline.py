@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from fulcrum.errors import ModelLoadError
 from fulcrum.plan.catalog import Hardware
 from fulcrum.plan.memory import kv_shards
 from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec, kv_bytes_per_sequence, parameter_counts
@@ -16,6 +17,83 @@ from fulcrum.utils.cost import cost_per_million_tokens
 # Qwen2.5-0.5B shape; priced at the measured op latency where there is one (the local CPU). The layers themselves
 # are priced whole, by timing a stack of them (`local.measure_framework_cost`).
 OPS_PER_STEP = 60
+
+# fulcrum's online weight quantization (`--quantization`, fulcrum/quant/online.py) and int4's group sizes, as the
+# engine spells them (fulcrum.config's ONLINE_QUANTIZATIONS and INT4_GROUP_SIZES; plan cannot import config, which
+# imports torch, so tests/plan hold the two equal)
+QUANT_METHODS = ("int8", "int4", "fp8")
+INT4_GROUP_SIZES = (32, 64, 128)
+SCALE_BYTES = 4  # the quantized weights' scales and offsets are fp32
+
+
+@dataclass(frozen=True)
+class OnlineQuant:
+    """Weights as fulcrum's online quantization stores them: every linear layer and the LM head quantized; norms,
+    biases and an untied embedding table kept in the model's dtype (a tied table is the quantized head's)."""
+
+    method: str  # one of QUANT_METHODS
+    group_size: int = 128  # int4's
+
+    def matrix_bytes(self, out: int, inp: int) -> float:
+        """An [out, in] weight: int8/fp8 one byte a weight and a scale per output channel; int4 half a byte and a
+        scale and an offset per group of `group_size` inputs."""
+        if self.method == "int4":
+            return out * inp / 2 + 2 * SCALE_BYTES * out * (inp // self.group_size)
+        return out * inp + SCALE_BYTES * out
+
+    @property
+    def name(self) -> str:
+        """As the engine's startup log names it: "int8", "int4 (group 128)"."""
+        return f"int4 (group {self.group_size})" if self.method == "int4" else self.method
+
+    def describe(self) -> str:
+        if self.method == "int4":
+            g = self.group_size
+            return f"int4 (group {g}): half a byte per weight + an fp32 scale and offset per {g} inputs"
+        return f"{self.method}: one byte per weight + an fp32 scale per output channel"
+
+    def check(self, spec: ModelSpec) -> None:
+        """The engine's own refusals, before anything is measured: int4 groups must divide every layer's inputs."""
+        if spec.moe or spec.mla:
+            raise ModelLoadError(f"{spec.name}: plan predicts online quantization for dense models only (no MoE/MLA)")
+        if self.method == "int4":
+            if self.group_size not in INT4_GROUP_SIZES:
+                raise ModelLoadError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {self.group_size}")
+            inputs = sorted({i for _, i in linear_matrices(spec)})
+            bad = [i for i in inputs if i % self.group_size]
+            if bad:
+                fits = ", ".join(str(g) for g in INT4_GROUP_SIZES if all(i % g == 0 for i in inputs)) or "none"
+                raise ModelLoadError(
+                    f"int4 with group size {self.group_size} needs every linear layer's input features divisible by "
+                    f"it; {spec.name} has {', '.join(map(str, bad))} (group sizes that fit: {fits})"
+                )
+
+
+def layer_matrices(spec: ModelSpec) -> list[tuple[int, int]]:
+    """A dense decoder layer's weight matrices, (out, in), in the order decode reads them: q/k/v, o, gate/up, down."""
+    h, hd = spec.hidden, spec.head_dim
+    return [
+        ((spec.num_heads + 2 * spec.num_kv_heads) * hd, h),
+        (h, spec.num_heads * hd),
+        (2 * spec.intermediate, h),
+        (h, spec.intermediate),
+    ]
+
+
+def linear_matrices(spec: ModelSpec) -> list[tuple[int, int]]:
+    """Every linear weight of a dense model, (out, in): its layers' and the LM head (tied or not)."""
+    return layer_matrices(spec) * spec.num_layers + [(spec.vocab, spec.hidden)]
+
+
+def resident_weight_bytes(spec: ModelSpec, weight_dtype: str, quant: OnlineQuant | None = None) -> float:
+    """Bytes the weights take in memory: every parameter at `weight_dtype`, or with `quant` the linear layers and
+    the LM head in its format and the rest (norms, biases, an untied embedding) at `weight_dtype`."""
+    total = parameter_counts(spec).total
+    if quant is None:
+        return total * DTYPE_BYTES[weight_dtype]
+    matrices = linear_matrices(spec)
+    rest = total - sum(o * i for o, i in matrices)  # a tied embedding is the head's table: not counted twice
+    return rest * DTYPE_BYTES[weight_dtype] + sum(quant.matrix_bytes(o, i) for o, i in matrices)
 
 
 @dataclass(frozen=True)
@@ -60,10 +138,15 @@ def step_overhead(spec: ModelSpec, hw: Hardware) -> float:
     return hw.step_overhead_s + spec.num_layers * hw.layer_overhead_s + OPS_PER_STEP * hw.op_latency_s
 
 
-def weight_bytes_read(spec: ModelSpec, weight_dtype: str, batch: int) -> float:
+def weight_bytes_read(spec: ModelSpec, weight_dtype: str, batch: int, quant: OnlineQuant | None = None) -> float:
     """Bytes of weights one decode step streams: all but the embedding table (a lookup reads only rows; a tied
-    table is read whole as the LM head), and for MoE only the experts some token of the batch routes to."""
+    table is read whole as the LM head), and for MoE only the experts some token of the batch routes to. With
+    `quant` (dense models), the weights as `resident_weight_bytes` counts them."""
     p = parameter_counts(spec)
+    if quant is not None:
+        return resident_weight_bytes(spec, weight_dtype, quant) - (
+            p.embedding * DTYPE_BYTES[weight_dtype] if p.lm_head else 0
+        )
     params = p.total - (p.embedding if p.lm_head else 0)
     if spec.moe:
         m = spec.moe
@@ -110,12 +193,14 @@ def decode_step(
     pp: int = 1,
     eff: Efficiency = Efficiency(),  # noqa: B008 (frozen)
     price_per_hour: float | None = None,
+    quant: OnlineQuant | None = None,
 ) -> DecodePoint:
     """One step that decodes a token for each of `batch` sequences. Pipeline stages run one after another for a
-    token, so the step spans all layers on `tp` GPUs' bandwidth."""
+    token, so the step spans all layers on `tp` GPUs' bandwidth. With `quant`, `weight_dtype` is what the weights
+    compute in (the model's dtype: fulcrum's online formats are weight-only) and `quant` what they are stored in."""
     replicas = tp * pp / kv_shards(spec, tp, pp)  # TP ranks beyond the KV heads (or any, for MLA) read copies
     kv = batch * kv_bytes_per_sequence(spec, context, kv_dtype) * replicas
-    nbytes = weight_bytes_read(spec, weight_dtype, batch) + kv
+    nbytes = weight_bytes_read(spec, weight_dtype, batch, quant) + kv
     flops = 2 * matmul_params(spec) * batch + attention_flops(spec, batch, context, causal=False)
     t_mem = nbytes / (tp * hw.stream_bandwidth(batch) * eff.bandwidth)
     t_compute = flops / (tp * hw.peak_flops(weight_dtype) * eff.compute)
@@ -145,9 +230,10 @@ def prefill(
     pp: int = 1,
     eff: Efficiency = Efficiency(),  # noqa: B008 (frozen)
     chunk_tokens: int = 8192,
+    quant: OnlineQuant | None = None,
 ) -> Prefill:
     """One prompt's prefill: its matmuls and causal attention against peak FLOPS, never faster than reading the
-    weights once per chunk; logits only for the last token."""
+    weights once per chunk; logits only for the last token. `quant` as for `decode_step`."""
     head = 2 * spec.vocab * spec.hidden
     matmul = (2 * matmul_params(spec) - head) * tokens + head
     attention = attention_flops(spec, tokens, tokens, causal=True)
@@ -155,7 +241,7 @@ def prefill(
     steps = math.ceil(tokens / chunk_tokens)
     rate = tp * eff.compute
     t_compute = matmul / (rate * hw.peak_flops(weight_dtype)) + attention / (rate * hw.attention_rate(weight_dtype))
-    t_mem = steps * weight_bytes_read(spec, weight_dtype, tokens) / (tp * hw.bandwidth * eff.bandwidth)
+    t_mem = steps * weight_bytes_read(spec, weight_dtype, tokens, quant) / (tp * hw.bandwidth * eff.bandwidth)
     seconds = max(t_compute, t_mem) + steps * (step_overhead(spec, hw) + _comm(spec, hw, tokens, tp, eff))
     return Prefill(tokens, seconds, tokens / seconds, "compute" if t_compute >= t_mem else "memory", flops)
 

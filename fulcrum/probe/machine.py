@@ -1,7 +1,8 @@
 """This machine measured for `fulcrum plan --hardware local` and `--validate`, at a model's own shapes and through
 the engine's own kernels and layers: streaming bandwidth as decode reads weights, matmul FLOPS at the prefill
 shape, causal attention, and the framework cost of fulcrum's own decoder layer (fulcrum.models, random weights).
-plan gets the numbers as `LocalMeasurements`."""
+With an online quantization (and a KV-cache dtype) the weights and the cache are the engine's quantized ones, read
+through its quantized GEMVs and matmuls. plan gets the numbers as `LocalMeasurements`."""
 
 from __future__ import annotations
 
@@ -9,18 +10,22 @@ import dataclasses
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
-from fulcrum.kernels import cpu_gemv
+from fulcrum.kernels import cpu_gemv, cpu_qgemv
 from fulcrum.kernels.hugepages import huge_page_empty
-from fulcrum.layers.attention import Attention, AttentionMetadata
+from fulcrum.layers.attention import Attention, AttentionMetadata, attach_kv_cache
 from fulcrum.models.registry import model_class
 from fulcrum.plan.local import LocalMeasurements
 from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec
-from fulcrum.plan.roofline import attention_flops, weight_bytes_read
+from fulcrum.plan.roofline import OnlineQuant, attention_flops, layer_matrices, weight_bytes_read
+from fulcrum.quant import kv as kv_quant
+from fulcrum.quant import method_factory
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MATRIX_BYTES = 16 << 20  # bandwidth probe: weight matrices of this size, read one after another like layers
@@ -41,15 +46,14 @@ def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return cpu_gemv.linear(x, w) if x.device.type == "cpu" else F.linear(x, w)
 
 
-def layer_matrices(spec: ModelSpec) -> list[tuple[int, int]]:
-    """A dense decoder layer's weight matrices, (out, in), in the order decode reads them: q/k/v, o, gate/up, down."""
-    h, hd = spec.hidden, spec.head_dim
-    return [
-        ((spec.num_heads + 2 * spec.num_kv_heads) * hd, h),
-        (h, spec.num_heads * hd),
-        (2 * spec.intermediate, h),
-        (h, spec.intermediate),
-    ]
+def quantized_linear(w: torch.Tensor, quant: OnlineQuant) -> tuple[nn.Module, Callable]:
+    """`w` [out, in] quantized as the engine quantizes a loaded weight (fulcrum.quant's method for `quant`), and
+    y = x W^T through that method: its quantized GEMV for few rows, dequantize + F.linear for many."""
+    layer = nn.Module()
+    layer.weight = nn.Parameter(w, requires_grad=False)
+    method = method_factory(quant.method, quant.group_size)("model.layers.0.mlp.down_proj")
+    method.process_weights_after_loading(layer)
+    return layer, lambda x: method.apply(layer, x, None)
 
 
 def matrices_bytes(matrices: list[tuple[int, int]], itemsize: int) -> int:
@@ -73,33 +77,50 @@ def decode_matrices(spec: ModelSpec, dtype: str, budget: int = 1 << 30) -> list[
     return layer * layers + [(spec.vocab, spec.hidden)]
 
 
-def measure_bandwidth(dtype: str, matrices: list[tuple[int, int]], batch: int = 1, repeats: int = 7) -> float:
+def measure_bandwidth(
+    dtype: str,
+    matrices: list[tuple[int, int]],
+    batch: int = 1,
+    repeats: int = 7,
+    quant: OnlineQuant | None = None,
+) -> float:
     """Bytes/s of weights streamed by `batch`-row GEMVs over `matrices`, one after another as decode reads them.
-    A working set that fits in the last-level cache streams faster than DRAM, as a small model's weights do."""
+    A working set that fits in the last-level cache streams faster than DRAM, as a small model's weights do. With
+    `quant` the weights are the engine's quantized ones (their bytes, scales included, over the time)."""
     dt = TORCH_DTYPES[dtype]
-    mats = []
-    for o, i in matrices:  # on huge pages, as the engine places its CPU weights
-        w = huge_page_empty((o, i), dt)
-        w.copy_(torch.randn(o, i))
-        mats.append(w)
+    linears, nbytes = [], 0
+    for o, i in matrices:
+        if quant:  # the engine keeps quantized weights where quantizing put them (buffers: not moved)
+            layer, fn = quantized_linear(torch.randn(o, i).to(dt), quant)
+            tensors = list(layer.buffers())
+        else:  # on huge pages, as the engine places its CPU weights
+            w = huge_page_empty((o, i), dt)
+            w.copy_(torch.randn(o, i))
+            fn, tensors = (lambda x, w=w: _linear(x, w)), [w]
+        nbytes += sum(t.numel() * t.element_size() for t in tensors)
+        linears.append((fn, i))
     xs = {i: torch.randn(batch, i).to(dt) for _, i in matrices}
 
     def run():
-        for w in mats:
-            _linear(xs[w.shape[1]], w)
+        for fn, i in linears:
+            fn(xs[i])
 
-    return matrices_bytes(matrices, dt.itemsize) / _median_time(run, repeats)
+    return nbytes / _median_time(run, repeats)
 
 
-def measure_matmul_flops(dtype: str, m: int, k: int, n: int, repeats: int = 5) -> float:
-    """FLOP/s of [m, k] @ [k, n], the shape of a prefill's MLP matmul."""
+def measure_matmul_flops(
+    dtype: str, m: int, k: int, n: int, repeats: int = 5, quant: OnlineQuant | None = None
+) -> float:
+    """FLOP/s of [m, k] @ [k, n], the shape of a prefill's MLP matmul; with `quant`, through the engine's
+    quantized layer (for a prefill: the weight dequantized for the call, then the dense matmul)."""
     dt = TORCH_DTYPES[dtype]
     a, b = torch.randn(m, k).to(dt), torch.randn(n, k).to(dt)
+    matmul = quantized_linear(b, quant)[1] if quant else (lambda x: F.linear(x, b))
     reps = max(1, int(2e9 // (2 * m * k * n)))  # at least ~2 GFLOP per timing, so short shapes are measurable
 
     def run():
         for _ in range(reps):
-            F.linear(a, b)
+            matmul(a)
 
     return reps * 2 * m * k * n / _median_time(run, repeats)
 
@@ -144,19 +165,31 @@ def decoder_config(spec: ModelSpec, layers: int, context: int) -> PretrainedConf
     )
 
 
-def decoder_layers(spec: ModelSpec, dt: torch.dtype, layers: int, context: int, block: int = 16):
-    """`layers` of fulcrum's own decoder layers (fulcrum.models, built from `decoder_config`) with random weights,
-    each with a paged KV cache of `context` tokens; and the RoPE and attention metadata of one token decoding
-    after them, shared by the layers as a step shares them. Returns (layers, rope, meta)."""
+def decoder_layers(
+    spec: ModelSpec,
+    dt: torch.dtype,
+    layers: int,
+    context: int,
+    block: int = 16,
+    quant: OnlineQuant | None = None,
+    kv_cache_dtype: str = "auto",
+):
+    """`layers` of fulcrum's own decoder layers (fulcrum.models, built from `decoder_config`) with random weights
+    (quantized after "loading" as the loader does, with `quant`), with a paged KV cache of `context` tokens
+    (of `kv_cache_dtype`, as the engine's); and the RoPE and attention metadata of one token decoding after them,
+    shared by the layers as a step shares them. Returns (layers, rope, meta)."""
     cfg = decoder_config(spec, layers, context)
-    model = model_class(cfg)(cfg, dtype=dt)
+    methods = {"quant": method_factory(quant.method, quant.group_size)} if quant else {}
+    model = model_class(cfg)(cfg, dtype=dt, **methods)
     for p in model.parameters():
         p.normal_(0, 0.02)
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
     blocks = -(-(context + 1) // block)
-    for layer in model.model.layers:
-        attn = layer.self_attn.attn
-        attn.k_cache = torch.zeros(blocks, block, attn.num_kv_heads, attn.head_dim, dtype=dt)
-        attn.v_cache = torch.zeros(blocks, block, attn.num_kv_heads, attn.head_dim, dtype=dt)
+    attns = [layer.self_attn.attn for layer in model.model.layers]
+    attach_kv_cache(attns, blocks, block, dt, kv_quant.kv_format(kv_cache_dtype), "cpu")
     rope = model.model.rotary_emb(torch.tensor([context]), dt)
     meta = AttentionMetadata(
         query_lens=[1],
@@ -178,20 +211,30 @@ LAYER_PROBE_BYTES = 256 << 20  # a larger layer is timed at a narrow stand-in sh
 
 
 @torch.inference_mode()
-def measure_framework_cost(spec: ModelSpec, dtype: str, context: int, repeats: int = 7) -> tuple[float, float]:
+def measure_framework_cost(
+    spec: ModelSpec,
+    dtype: str,
+    context: int,
+    repeats: int = 7,
+    quant: OnlineQuant | None = None,
+    kv_cache_dtype: str = "auto",
+) -> tuple[float, float]:
     """Seconds a decoder layer of this model costs in a batch-1 decode step beyond its weight reads: a stack of
     distinct layers (as many of the model's as fit in LAYER_PROBE_BYTES, up to 8) run one after another as a
     step runs them, less their GEMVs timed alone on the same weights in the same run; per layer. One layer timed
     over and over read low: its weights and code stay hot in a way a step's layers do not. Also seconds per
-    framework op of a layer (ops counted with the profiler), which prices the step's ops outside the layers."""
+    framework op of a layer (ops counted with the profiler), which prices the step's ops outside the layers.
+    With `quant` / `kv_cache_dtype` the layers hold the engine's quantized weights / cache."""
     dt = TORCH_DTYPES.get(dtype, torch.bfloat16)
     layer_bytes = matrices_bytes(layer_matrices(spec), dt.itemsize)
     shape = spec
     if spec.moe or spec.mla or layer_bytes > LAYER_PROBE_BYTES:  # no dense GQA layer of its own size
         shape = dataclasses.replace(spec, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate=128)
         layer_bytes = matrices_bytes(layer_matrices(shape), dt.itemsize)
+        if quant:  # int4 groups that divide the stand-in's inputs
+            quant = dataclasses.replace(quant, group_size=min(quant.group_size, 64))
     n = max(1, min(spec.num_layers, 8, LAYER_PROBE_BYTES // max(layer_bytes, 1)))
-    layers, rope, meta = decoder_layers(shape, dt, n, context)
+    layers, rope, meta = decoder_layers(shape, dt, n, context, quant=quant, kv_cache_dtype=kv_cache_dtype)
     x = torch.randn(1, shape.hidden).to(dt)
     linears = [(lin, torch.randn(1, lin.input_size).to(dt)) for layer in layers for lin in layer_linears(layer)]
     iters = max(1, 20 // n)
@@ -240,22 +283,36 @@ def measure_machine(
     matmul_tokens: int = 512,
     batch_sizes: tuple[int, ...] = (1,),
     decode_context: int = 512,
+    quant: OnlineQuant | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> LocalMeasurements:
     """This machine measured at `spec`'s shapes in the dtype the model runs in (CPUs have no fp8/fp4 matmuls):
     decode's weight streaming, a prefill MLP matmul of `matmul_tokens` tokens, causal attention, and a decoder
-    layer's framework cost decoding over `decode_context` cached tokens."""
+    layer's framework cost decoding over `decode_context` cached tokens. With `quant` (one of the engine's online
+    quantizations) the weights streamed, the matmul and the layers are quantized as the engine quantizes them; with
+    `kv_cache_dtype` (the engine's fp8, int8) the layers' KV cache is."""
     dtype = dtype if dtype in TORCH_DTYPES else "bf16"
     matrices = decode_matrices(spec, dtype)
-    working_set = matrices_bytes(matrices, DTYPE_BYTES[dtype])
+    if quant:
+        working_set, weights = sum(quant.matrix_bytes(o, i) for o, i in matrices), quant.name
+        dt = TORCH_DTYPES[dtype]
+        kernel = f"fulcrum's quantized GEMV up to {cpu_qgemv.max_rows(dt)} rows, dequantize + F.linear beyond"
+        if not cpu_qgemv.available():
+            kernel = "dequantize + F.linear (no quantized GEMV kernel here)"
+    else:
+        working_set, weights = matrices_bytes(matrices, DTYPE_BYTES[dtype]), dtype
+        limit = cpu_gemv.MAX_ROWS[cpu_gemv.level()].get(TORCH_DTYPES[dtype], 0)
+        kernel = f"{'fulcrum GEMV kernel' if cpu_gemv.available() else 'F.linear'} up to {limit} rows, F.linear beyond"
     matmul_shape = (matmul_tokens, spec.hidden, spec.intermediate)
-    by_batch = {b: measure_bandwidth(dtype, matrices, batch=b) for b in sorted({1, *batch_sizes})}
-    flops = measure_matmul_flops(dtype, *matmul_shape)
+    by_batch = {b: measure_bandwidth(dtype, matrices, batch=b, quant=quant) for b in sorted({1, *batch_sizes})}
+    flops = measure_matmul_flops(dtype, *matmul_shape, quant=quant)
     # past a couple of thousand tokens the rate is flat, and the probe's score matrices would grow quadratically
     attention_tokens = min(matmul_tokens, 2048)
     attention = None if spec.mla else measure_attention_flops(spec, dtype, attention_tokens)
-    layer_s, op = measure_framework_cost(spec, dtype, decode_context)
-    kernel = "fulcrum GEMV kernel" if cpu_gemv.available() else "F.linear"
+    layer_s, op = measure_framework_cost(spec, dtype, decode_context, quant=quant, kv_cache_dtype=kv_cache_dtype)
     streams = ", ".join(f"batch {b}: {v / 1e9:.1f} GB/s" for b, v in by_batch.items())
+    via = f" through the engine's {weights} layer" if quant else ""
+    cache = f", KV cache {kv_cache_dtype}" if kv_cache_dtype != "auto" else ""
     return LocalMeasurements(
         dtype=dtype,
         threads=torch.get_num_threads(),
@@ -267,8 +324,8 @@ def measure_machine(
         op_latency_s=op,
         notes=[
             f"weight streaming ({streams}): GEMVs over the model's {len(matrices)} weight matrices, "
-            f"{working_set / 2**20:.0f} MiB of {dtype}, through the engine's decode path ({kernel} up to {cpu_gemv.MAX_ROWS[cpu_gemv.level()].get(TORCH_DTYPES[dtype], 0)} rows, F.linear beyond), median of 7",
-            f"matmul {flops / 1e9:.0f} GFLOP/s {dtype} at {'x'.join(map(str, matmul_shape))}, median of 5",
+            f"{working_set / 2**20:.1f} MiB of {weights}, through the engine's decode path ({kernel}), median of 7",
+            f"matmul {flops / 1e9:.0f} GFLOP/s {dtype} at {'x'.join(map(str, matmul_shape))}{via}, median of 5",
             *(
                 [
                     f"causal attention {attention / 1e9:.0f} GFLOP/s {dtype} over {attention_tokens} tokens (fulcrum's "
@@ -278,6 +335,7 @@ def measure_machine(
                 else []
             ),
             f"framework cost {layer_s * 1e6:.0f} us per decoder layer beyond its GEMVs, {op * 1e6:.1f} us per op: "
-            f"fulcrum's decoder layer at this shape, batch 1 over {decode_context} cached tokens",
+            f"fulcrum's decoder layer at this shape{' (' + weights + ')' if quant else ''}, batch 1 over "
+            f"{decode_context} cached tokens{cache}",
         ],
     )

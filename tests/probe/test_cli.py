@@ -22,6 +22,23 @@ def test_validate_on_the_bundled_model_predicts_and_measures(capsys):
     assert result["measured"]["weight_bytes"] == 6820096 * 4  # the engine loaded what the config describes
 
 
+def test_validate_int4_with_an_int8_cache_probes_and_runs_quantized(capsys):
+    # the engine's own flags, as `fulcrum serve` takes them: the probe measures the quantized kernels, the engine
+    # runs them, and the weight bytes it holds are what plan predicts
+    args = ["--quantization", "int4", "--quantization-group-size", "64", "--kv-cache-dtype", "int8"]
+    assert main(["plan", "--validate", *args, "--input-len", "32", "--output-len", "6", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    err = " ".join(captured.err.split())  # the console wraps at 120 columns
+    assert "of int4 (group 64), through the engine's decode path" in err
+    assert result["quantization"] == {"method": "int4", "group_size": 64} and result["kv_cache_dtype"] == "int8"
+    got = result["measured"]
+    assert got["quantization"] == "int4 (group 64)" and got["kv_cache_dtype"].startswith("int8")
+    rows = {r["quantity"]: r for r in result["comparisons"]}
+    assert rows["resident weights (MB)"]["error"] == 0  # 4.28 MB, a sixth of the fp32 checkpoint
+    assert rows["decode batch 2: TPOT (ms)"]["predicted"] > 0 and rows["decode batch 2: TPOT (ms)"]["measured"] > 0
+
+
 def test_plan_on_local_hardware_measures_this_machine():
     # a process of its own, as a user runs it: the profiler's backend (kineto) reads its log level once per process
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
