@@ -165,7 +165,7 @@ constexpr int QB = 16;
 // the weighted values added to the accumulators (each value vector read once for the R rows).
 template <int R>
 static inline void prefill_rows(const float* Q, float* acc, float* mx, float* sum, const float* Kt, const float* Vb,
-                                const int64_t* seen, int64_t k0, int64_t kn, int64_t hd) {
+                                const int64_t* seen, int64_t k0, int64_t kn, int64_t hd, int64_t window) {
   vf sc[R];
   for (int j = 0; j < R; ++j) sc[j] = vzero();
   for (int64_t d = 0; d < hd; ++d) {
@@ -179,8 +179,15 @@ static inline void prefill_rows(const float* Q, float* acc, float* mx, float* su
     vstore(p[j], sc[j]);
     const int64_t vj = std::max<int64_t>(0, std::min<int64_t>(kn, seen[j] - k0));
     for (int64_t i = vj; i < VW; ++i) p[j][i] = -INFINITY;
+    if (window > 0)  // a sliding window: the keys before the row's first are out too
+      for (int64_t i = 0, lo = seen[j] - window - k0; i < std::min<int64_t>(lo, VW); ++i) p[j][i] = -INFINITY;
     valid = std::max(valid, vj);
     const float m_new = std::max(mx[j], vmax_all(vload(p[j])));
+    if (m_new == -INFINITY) {  // nothing seen yet (a window starting past this block): nothing to add
+      corr[j] = 1.f;
+      vstore(p[j], vzero());
+      continue;
+    }
     corr[j] = std::exp(mx[j] - m_new);  // 0 on a row's first block (mx = -inf); 1 when nothing here is seen
     const vf e = vexp(vsub(vload(p[j]), vset1(m_new)));
     vstore(p[j], e);
@@ -201,7 +208,7 @@ static inline void prefill_rows(const float* Q, float* acc, float* mx, float* su
 template <typename T>
 static void prefill_task(const T* q, const T* k, const T* v, T* out, int64_t n, int64_t m, int64_t H, int64_t KVH,
                          int64_t hd, int64_t qs, int64_t ks, int64_t vs, int64_t os, float scale, int64_t kvh,
-                         int64_t q0, float* scratch) {
+                         int64_t q0, int64_t window, float* scratch) {
   const int64_t g = H / KVH, q1 = std::min(n, q0 + QB), rows = (q1 - q0) * g, past = m - n;
   float* Q = scratch;                 // [rows][hd], scaled
   float* acc = Q + QB * MAX_G * hd;   // [rows][hd]
@@ -221,7 +228,9 @@ static void prefill_task(const T* q, const T* k, const T* v, T* out, int64_t n, 
       seen[r] = past + t + 1;
     }
   const int64_t last = past + q1;  // keys the block's last query sees
-  for (int64_t k0 = 0; k0 < last; k0 += VW) {
+  // the first key the block's first query sees (a sliding window's), aligned down to a key block
+  const int64_t first = window > 0 ? std::max<int64_t>(0, past + q0 + 1 - window) / VW * VW : 0;
+  for (int64_t k0 = first; k0 < last; k0 += VW) {
     const int64_t kn = std::min<int64_t>(VW, last - k0);
     for (int64_t i = 0; i < VW; ++i) {  // past the last key: zeros, masked out
       const T* kr = k + (k0 + i) * ks + kvh * hd;
@@ -231,10 +240,10 @@ static void prefill_task(const T* q, const T* k, const T* v, T* out, int64_t n, 
     }
     int64_t r = 0;
     for (; r + 8 <= rows; r += 8)
-      prefill_rows<8>(Q + r * hd, acc + r * hd, mx + r, sum + r, Kt, Vb, seen + r, k0, kn, hd);
+      prefill_rows<8>(Q + r * hd, acc + r * hd, mx + r, sum + r, Kt, Vb, seen + r, k0, kn, hd, window);
     for (; r + 2 <= rows; r += 2)
-      prefill_rows<2>(Q + r * hd, acc + r * hd, mx + r, sum + r, Kt, Vb, seen + r, k0, kn, hd);
-    for (; r < rows; ++r) prefill_rows<1>(Q + r * hd, acc + r * hd, mx + r, sum + r, Kt, Vb, seen + r, k0, kn, hd);
+      prefill_rows<2>(Q + r * hd, acc + r * hd, mx + r, sum + r, Kt, Vb, seen + r, k0, kn, hd, window);
+    for (; r < rows; ++r) prefill_rows<1>(Q + r * hd, acc + r * hd, mx + r, sum + r, Kt, Vb, seen + r, k0, kn, hd, window);
   }
   for (int64_t t = q0; t < q1; ++t)
     for (int64_t j = 0; j < g; ++j) {
@@ -250,7 +259,7 @@ static void prefill_task(const T* q, const T* k, const T* v, T* out, int64_t n, 
 // not a multiple of the vector width or a group over MAX_G.
 extern "C" int64_t fulcrum_prefill_attention(int64_t bf16, const void* q, const void* k, const void* v, void* out,
                                              int64_t n, int64_t m, int64_t H, int64_t KVH, int64_t hd, int64_t qs,
-                                             int64_t ks, int64_t vs, int64_t os, float scale) {
+                                             int64_t ks, int64_t vs, int64_t os, float scale, int64_t window) {
   if (hd % VW || H / KVH > MAX_G) return -1;
   const int64_t blocks = (n + QB - 1) / QB, tasks = blocks * KVH;
   const int64_t floats = 2 * QB * MAX_G * hd + 2 * QB * MAX_G + 2 * hd * VW;
@@ -261,10 +270,10 @@ extern "C" int64_t fulcrum_prefill_attention(int64_t bf16, const void* q, const 
       const int64_t i = t / KVH, blk = i % 2 ? blocks - 1 - i / 2 : i / 2;
       if (bf16)
         prefill_task((const c10::BFloat16*)q, (const c10::BFloat16*)k, (const c10::BFloat16*)v, (c10::BFloat16*)out,
-                     n, m, H, KVH, hd, qs, ks, vs, os, scale, t % KVH, blk * QB, scratch.data());
+                     n, m, H, KVH, hd, qs, ks, vs, os, scale, t % KVH, blk * QB, window, scratch.data());
       else
         prefill_task((const float*)q, (const float*)k, (const float*)v, (float*)out, n, m, H, KVH, hd, qs, ks, vs,
-                     os, scale, t % KVH, blk * QB, scratch.data());
+                     os, scale, t % KVH, blk * QB, window, scratch.data());
     }
   });
   return 0;
@@ -311,7 +320,7 @@ def _module():
     decode = cpu_ext.bind(
         lib.fulcrum_decode_attention, I64, I64, I64, P, P, P, P, P, P, P, P, *[I64] * 6, cpu_ext.F32, I64
     )
-    prefill = cpu_ext.bind(lib.fulcrum_prefill_attention, I64, I64, P, P, P, P, *[I64] * 9, cpu_ext.F32)
+    prefill = cpu_ext.bind(lib.fulcrum_prefill_attention, I64, I64, P, P, P, P, *[I64] * 9, cpu_ext.F32, I64)
     return {"decode": decode, "prefill": prefill}
 
 
@@ -383,13 +392,16 @@ def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     )
 
 
-def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of q [n, H, hd] (the last n positions) over k, v [m, KVH, hd]: [n, H, hd]."""
+def prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None = None
+) -> torch.Tensor:
+    """Causal attention of q [n, H, hd] (the last n positions) over k, v [m, KVH, hd]: [n, H, hd]; with a sliding
+    window each query sees its last `sliding_window` positions, itself included."""
     n, h, hd = q.shape
     out = torch.empty(n, h, hd, dtype=q.dtype)
     rc = _module()["prefill"](
         q.dtype == torch.bfloat16, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, k.shape[0], h,
-        k.shape[1], hd, q.stride(0), k.stride(0), v.stride(0), out.stride(0), scale,
+        k.shape[1], hd, q.stride(0), k.stride(0), v.stride(0), out.stride(0), scale, sliding_window or 0,
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"prefill attention: unsupported head_dim {hd} or group {h // k.shape[1]}")

@@ -168,8 +168,8 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [n, H, D], k/v [m, KVH, D] with the queries at the last n positions."""
         n, m = q.shape[0], k.shape[0]
-        if self.sliding_window is None and cpu_attention.prefill_usable(q, k, v):
-            return cpu_attention.prefill(q, k, v, self.scale)  # one flash-style kernel, no score matrix
+        if cpu_attention.prefill_usable(q, k, v):
+            return cpu_attention.prefill(q, k, v, self.scale, self.sliding_window)  # flash-style, no score matrix
         if q.device.type == "cpu" and n >= 64 and self.sliding_window is None:
             return self._attend_blocked(q, k, v)
         qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)

@@ -80,28 +80,33 @@ def test_unsupported_shapes_fall_back():
     assert not cpu_attention.usable(q, kc, 1)
 
 
-def causal_reference(q, k, v, scale):
+def causal_reference(q, k, v, scale, window=None):
     """float64 causal attention, queries at the last positions, K/V repeated per query head."""
     n, m, g = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
     kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
     scores = torch.einsum("nhd,mhd->hnm", q.double(), kk) * scale
-    scores.masked_fill_(~torch.ones(n, m, dtype=torch.bool).tril(m - n), float("-inf"))
+    allowed = torch.ones(n, m, dtype=torch.bool).tril(m - n)
+    if window:
+        allowed &= ~torch.ones(n, m, dtype=torch.bool).tril(m - n - window)
+    scores.masked_fill_(~allowed, float("-inf"))
     return torch.einsum("hnm,mhd->nhd", scores.softmax(-1), vv)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize(
-    "n, m, heads, kv_heads, head_dim",
+    "n, m, heads, kv_heads, head_dim, window",
     [
-        (300, 300, 8, 2, 32),  # a fresh prompt: query blocks of 16 and a remainder, key blocks with a tail
-        (37, 100, 14, 2, 64),  # a chunk after 63 cached tokens
-        (1, 1, 4, 4, 32),  # one token
-        (129, 129, 8, 8, 128),  # no GQA, wide heads
-        (50, 70, 16, 1, 64),  # MQA with the largest group
-        (17, 17, 3, 3, 48),  # head_dim 48: an AVX2 build takes it, an AVX-512 one does not
+        (300, 300, 8, 2, 32, None),  # a fresh prompt: query blocks of 16 and a remainder, key blocks with a tail
+        (37, 100, 14, 2, 64, None),  # a chunk after 63 cached tokens
+        (1, 1, 4, 4, 32, None),  # one token
+        (129, 129, 8, 8, 128, None),  # no GQA, wide heads
+        (50, 70, 16, 1, 64, None),  # MQA with the largest group
+        (17, 17, 3, 3, 48, None),  # head_dim 48: an AVX2 build takes it, an AVX-512 one does not
+        (200, 200, 8, 2, 32, 37),  # sliding window, not a multiple of the key block
+        (40, 300, 4, 2, 64, 100),  # a chunk after cached context, windowed
     ],
 )
-def test_prefill_kernel_matches_causal_attention(dtype, tol, n, m, heads, kv_heads, head_dim):
+def test_prefill_kernel_matches_causal_attention(dtype, tol, n, m, heads, kv_heads, head_dim, window):
     g = torch.Generator().manual_seed(n)
     # q, k, v as the model has them: strided views of one fused qkv output (k, v of the fresh tokens only when n == m)
     qkv = torch.randn(m, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
@@ -110,9 +115,9 @@ def test_prefill_kernel_matches_causal_attention(dtype, tol, n, m, heads, kv_hea
     if not cpu_attention.prefill_usable(q, k, v):
         assert head_dim % 16 and cpu_attention.level() == "avx512"
         return
-    got = cpu_attention.prefill(q, k, v, head_dim**-0.5)
+    got = cpu_attention.prefill(q, k, v, head_dim**-0.5, window)
     assert got.dtype == dtype and got.shape == q.shape
-    assert (got.double() - causal_reference(q, k, v, head_dim**-0.5)).abs().max() < tol
+    assert (got.double() - causal_reference(q, k, v, head_dim**-0.5, window)).abs().max() < tol
 
 
 def test_attention_layer_prefills_through_the_kernel_and_agrees_without_it(monkeypatch):
