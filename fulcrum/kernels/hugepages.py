@@ -42,23 +42,32 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = Tru
 
 
 def move_parameters_to_huge_pages(model: nn.Module) -> int:
-    """Copy every CPU parameter of `model` into one huge-page region, in registration order (the
-    order a forward reads them); tied parameters stay tied. Returns the bytes moved."""
-    params, seen = [], set()
-    for p in model.parameters():  # parameters() yields a shared tensor once
-        if p.device.type == "cpu" and id(p) not in seen:
-            seen.add(id(p))
-            params.append(p)
+    """Copy every CPU parameter and buffer of `model` (a quantized layer's packed weights are buffers) into one
+    huge-page region, module by module in registration order (the order a forward reads them); tied parameters stay
+    tied. Returns the bytes moved."""
+    tensors, seen = [], set()  # (module, name, is a parameter)
+    for module in model.modules():
+        for kind, table in ((True, module._parameters), (False, module._buffers)):
+            for name, t in table.items():
+                if t is not None and t.device.type == "cpu" and t.numel() and id(t) not in seen:
+                    seen.add(id(t))
+                    tensors.append((module, name, kind))
     offsets, total = [], 0
-    for p in params:
+    for module, name, kind in tensors:
+        t = (module._parameters if kind else module._buffers)[name]
         offsets.append(total)
-        total += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
+        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
     if not total:
         return 0
     arena = huge_page_bytes(total)
-    for p, off in zip(params, offsets):
-        nbytes = p.numel() * p.element_size()
-        new = arena[off : off + nbytes].view(p.dtype).view(p.shape)
-        new.copy_(p.data)
-        p.data = new
+    for (module, name, kind), off in zip(tensors, offsets):
+        table = module._parameters if kind else module._buffers
+        t = table[name]
+        nbytes = t.numel() * t.element_size()
+        new = arena[off : off + nbytes].view(t.dtype).view(t.shape)
+        new.copy_(t.data)
+        if kind:
+            t.data = new
+        else:
+            table[name] = new
     return total

@@ -30,3 +30,17 @@ def test_moved_parameters_keep_values_and_ties():
     assert model["head"].weight[0, 0] == 123.0
     x = torch.randn(2, 8)
     assert torch.allclose(model["proj"](x), x @ before["proj.weight"].T + before["proj.bias"])
+
+
+def test_buffers_move_too():
+    """A quantized layer's packed weights are buffers: they go to the same region as the parameters."""
+    model = nn.Linear(64, 32)
+    model.register_buffer("qweight", torch.randint(-127, 127, (32, 64), dtype=torch.int8))
+    model.register_buffer("scales", torch.rand(32))
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    moved = move_parameters_to_huge_pages(model)
+    assert moved >= 32 * 64 + 32 * 4 + (32 * 64 + 32) * 4
+    ptrs = [t.data_ptr() for t in [*model.parameters(), *model.buffers()]]
+    assert max(ptrs) - min(ptrs) < HUGE_PAGE  # one region, side by side
+    for n, b in model.named_buffers():
+        assert torch.equal(b, before[n]) and b.data_ptr() % 64 == 0
