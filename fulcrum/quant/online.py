@@ -103,6 +103,11 @@ class Int8Method(OnlineQuantMethod):
     def dequantize_fast(self, layer, dtype):
         return cpu_qgemv.dequantize_int8(layer.qweight, layer.scales, dtype)
 
+    def matmul(self, layer, x, bias):
+        if scaled_mm_usable(x, layer.qweight):  # fp8 weights on a GPU with fp8 tensor cores
+            return fp8_scaled_mm(x, layer.qweight, layer.scales, bias)
+        return super().matmul(layer, x, bias)
+
 
 class Int4Method(OnlineQuantMethod):
     """int4 weights in groups of `group_size` inputs, each with a scale and a zero point."""
@@ -143,8 +148,36 @@ class Int4Method(OnlineQuantMethod):
         return cpu_qgemv.dequantize_int4(layer.qweight, layer.scales, layer.offsets, self.group_size, dtype)
 
 
+def scaled_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """CUDA with fp8 tensor cores (compute capability 8.9 and later), fp8 e4m3 weights, sizes multiples of 16."""
+    return (
+        x.is_cuda
+        and w.dtype == torch.float8_e4m3fn
+        and hasattr(torch, "_scaled_mm")
+        and torch.cuda.get_device_capability(x.device) >= (8, 9)
+        and x.shape[-1] % 16 == 0
+        and w.shape[0] % 16 == 0
+    )
+
+
+def fp8_scaled_mm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x W^T through torch._scaled_mm: x [M, K] quantized to fp8 on the fly with one dynamic scale per row
+    (its largest magnitude over 448), the fp8 matmul with fp32 accumulation, then each row's and each output
+    channel's scale applied to the fp32 result."""
+    xf = x.float()
+    sx = (xf.abs().amax(-1, keepdim=True) / formats.FP8_MAX).clamp(min=1e-12)
+    xq = (xf / sx).clamp(-formats.FP8_MAX, formats.FP8_MAX).to(torch.float8_e4m3fn)
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    y = torch._scaled_mm(xq, w.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    y = y * sx * scales.float()[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
 class Fp8Method(Int8Method):
-    """fp8 (e4m3) weights, one scale per output channel; on CPU stored as fp8 and widened in the kernel."""
+    """fp8 (e4m3) weights, one scale per output channel; on CPU stored as fp8 and widened in the kernel, on CUDA
+    with fp8 tensor cores multiplied in fp8 by torch._scaled_mm (the activations quantized per row)."""
 
     name = "fp8"
     quantize_channels = staticmethod(formats.quantize_fp8)

@@ -45,3 +45,21 @@ def test_fp8_keeps_e4m3s_relative_precision_per_channel():
     assert ((deq - w).abs() <= w.abs() / 16 + 1e-12)[normal].all()
     assert ((deq - w).abs() <= scale[:, None] * 2**-10)[~normal].all()  # subnormals: half of 2^-9 of the scale
     assert (deq.abs().amax(1) - w.abs().amax(1)).abs().max() < 1e-5  # the channel's largest value is exact
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+    reason="needs a GPU with fp8 tensor cores",
+)
+def test_fp8_scaled_mm_on_cuda_matches_the_dequantized_matmul():
+    from fulcrum.quant.online import fp8_scaled_mm, scaled_mm_usable
+
+    g = torch.Generator().manual_seed(0)
+    w, x, b = torch.randn(256, 512, generator=g), torch.randn(7, 512, generator=g), torch.randn(256, generator=g)
+    q, scale = formats.quantize_fp8(w)
+    q, scale, x, b = q.cuda(), scale.cuda(), x.cuda().bfloat16(), b.cuda().bfloat16()
+    assert scaled_mm_usable(x, q)
+    got = fp8_scaled_mm(x, q, scale, b).float()
+    want = x.float() @ formats.dequantize_fp8(q, scale).T + b.float()
+    # the input's own fp8 rounding (3 mantissa bits) on top of the weight's
+    assert ((got - want).abs().max() / want.abs().max()) < 0.05
