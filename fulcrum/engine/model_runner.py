@@ -79,7 +79,7 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         # build or load the CPU kernels now, not in the middle of the first request
-        warm_up(self.device, quantized=model_config.quantization is not None)
+        warm_up(self.device, quantized=model_config.quantization is not None, quantized_kv=self.kv_format is not None)
         if self.device.type == "cpu":  # after the builds, which would otherwise inherit the pinning
             try:
                 threads = cpu_threads.apply(

@@ -15,7 +15,7 @@ from fulcrum.kernels.hugepages import huge_page_empty, move_parameters_to_huge_p
 __all__ = ["huge_page_empty", "move_parameters_to_huge_pages", "warm_up"]
 
 
-def warm_up(device: str | torch.device, quantized: bool = False) -> None:
+def warm_up(device: str | torch.device, quantized: bool = False, quantized_kv: bool = False) -> None:
     """Build or load every kernel `device` runs on now (about 10 s the first time in an environment on 2 cores,
     the builds side by side), so a server reports ready with them in place instead of building them in the middle
     of the first request."""
@@ -24,5 +24,6 @@ def warm_up(device: str | torch.device, quantized: bool = False) -> None:
     kernels = (cpu_act, cpu_attention, cpu_gemv, cpu_norm, cpu_rope) + (
         (cpu_qgemv, cpu_qgemv_vnni) if quantized else ()
     )
-    with ThreadPoolExecutor(max_workers=len(kernels)) as pool:  # each build is a compiler process: threads suffice
-        list(pool.map(lambda kernel: kernel.available(), kernels))
+    builds = [k.available for k in kernels] + ([lambda: cpu_attention.available(True)] if quantized_kv else [])
+    with ThreadPoolExecutor(max_workers=len(builds)) as pool:  # each build is a compiler process: threads suffice
+        list(pool.map(lambda build: build(), builds))

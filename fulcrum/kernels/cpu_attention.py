@@ -141,15 +141,18 @@ static void run_cache(int64_t kind, const void* q, const void* kc, const void* v
                       int64_t bs, int64_t width, float scale, int64_t window) {
   using S = c10::Half;
   const S *ksc = (const S*)ks, *vsc = (const S*)vs;
+#if QUANTIZED_KV  // the quantized caches' build: int8 and fp8 only
   if (kind == 1)
     run<T, int8_t, HD>((const T*)q, (const int8_t*)kc, (const int8_t*)vc, ksc, vsc, tables, lens, (T*)out, D, H,
                        KVH, bs, width, scale, window);
   else if (kind == 2)
     run<T, c10::Float8_e4m3fn, HD>((const T*)q, (const c10::Float8_e4m3fn*)kc, (const c10::Float8_e4m3fn*)vc, ksc,
                                    vsc, tables, lens, (T*)out, D, H, KVH, bs, width, scale, window);
-  else
+#else
+  if (kind == 0)
     run<T, T, HD>((const T*)q, (const T*)kc, (const T*)vc, nullptr, nullptr, tables, lens, (T*)out, D, H, KVH, bs,
                   width, scale, window);
+#endif
 }
 
 // -- prefill: causal attention of n queries (the last n of m positions) over m keys, flash-style ----------------
@@ -311,9 +314,12 @@ def level() -> str:
 
 
 @functools.cache
-def _module():
+def _module(quantized_kv: bool = False):
+    """The kernels' library; `quantized_kv`: the build whose decode reads int8/fp8 caches (built only for a server
+    with one: the 48 instantiations of every cache type took the single build 11 s on 2 cores against ~4)."""
     lvl = level()
-    lib = cpu_ext.load(f"fulcrum_cpu_attention_{lvl}", cpu_ext.vector_prelude(lvl) + _BODY, lvl)
+    name = f"fulcrum_cpu_attention_{'q' if quantized_kv else ''}{lvl}"
+    lib = cpu_ext.load(name, f"#define QUANTIZED_KV {int(quantized_kv)}\n" + cpu_ext.vector_prelude(lvl) + _BODY, lvl)
     if lib is None:
         return None
     P, I64 = cpu_ext.PTR, cpu_ext.I64
@@ -324,8 +330,8 @@ def _module():
     return {"decode": decode, "prefill": prefill}
 
 
-def available() -> bool:
-    return _module() is not None
+def available(quantized_kv: bool = False) -> bool:
+    return _module(quantized_kv) is not None
 
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int) -> bool:
@@ -338,7 +344,7 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int) -> bool:
         and q.shape[-1] in HEAD_DIMS
         and q.shape[1] // num_kv_heads <= MAX_GROUP
         and k_cache.is_contiguous()
-        and available()
+        and available(k_cache.dtype in _CACHE_KINDS)
     )
 
 
@@ -362,7 +368,7 @@ def decode(
     kind = _CACHE_KINDS.get(k_cache.dtype, 0)
     if kind and not all(s is not None and s.dtype == torch.float16 and s.is_contiguous() for s in (k_scales, v_scales)):
         raise ValueError("an int8/fp8 KV cache needs contiguous fp16 scales")
-    rc = _module()["decode"](
+    rc = _module(bool(kind))["decode"](
         q.dtype == torch.bfloat16, kind, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         k_scales.data_ptr() if kind else None, v_scales.data_ptr() if kind else None, tables.data_ptr(),
         lens.data_ptr(), out.data_ptr(), d, h, k_cache.shape[2], hd, k_cache.shape[1], tables.shape[1], scale,

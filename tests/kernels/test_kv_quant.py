@@ -13,7 +13,7 @@ from tests.kernels.test_cpu_attention import paged, reference
 
 FORMATS = ["int8", "fp8"]
 needs_kernels = pytest.mark.skipif(
-    not (cpu_attention.available() and cpu_rope.available()), reason="needs an x86 CPU with AVX2 and a compiler"
+    not (cpu_attention.available(True) and cpu_rope.available()), reason="needs an x86 CPU with AVX2 and a compiler"
 )
 
 
