@@ -50,6 +50,9 @@ def reference(q, kc, vc, tables, ctxs, scale, window):
         ([100, 1, 33, 64], 32, 8, 80, 32, None),
         ([70, 9], 4, 1, 256, 16, None),  # MQA, the widest head
         ([1, 50, 300], 14, 2, 64, 16, 32),  # sliding window
+        ([1, 50, 300], 14, 2, 64, 16, 21),  # a window starting mid-vector
+        ([30, 7], 8, 2, 32, 8, None),  # blocks of 8: one key at a time on AVX-512, whole vectors on AVX2
+        ([61, 3], 8, 2, 32, 24, 10),  # blocks of 24: one key at a time on both
     ],
 )
 def test_matches_attention_over_gathered_tokens(dtype, tol, ctxs, heads, kv_heads, head_dim, block, window):
