@@ -31,3 +31,14 @@ def test_the_bundled_model_against_itself_and_int8(capsys):
     assert r["reference"].endswith("quantization=none") and r["run"].endswith("quantization=int8")
     assert r["tokens_scored"] == 127 + 7 * 64
     assert 0 < r["kl_mean"] < 0.01 and r["top1_agreement"] > 0.95 and abs(r["perplexity_ratio"] - 1) < 0.01
+
+
+def test_a_quantized_checkpoint_needs_its_reference_named(tmp_path, capsys):
+    """The folder of a GPTQ/AWQ/compressed-tensors checkpoint has no unquantized weights to compare with."""
+    folder = tmp_path / "gptq"
+    folder.mkdir()
+    cfg = json.loads((DEFAULT_MODEL / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert main(["eval", str(folder), "--quantization", "gptq"]) == 2
+    assert "--reference-model" in capsys.readouterr().err

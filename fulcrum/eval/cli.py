@@ -46,6 +46,14 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     return e
 
 
+def _prequantized(model: str) -> bool:
+    """Whether the folder's config.json carries a quantization_config (GPTQ, AWQ, compressed-tensors)."""
+    try:
+        return bool(json.loads((Path(model) / "config.json").read_text()).get("quantization_config"))
+    except (OSError, ValueError):
+        return False
+
+
 def run_eval(args: argparse.Namespace) -> int:
     from fulcrum.eval.perplexity import DEFAULT_DATA, RunSpec, evaluate, format_result, held_out_text
 
@@ -59,6 +67,13 @@ def run_eval(args: argparse.Namespace) -> int:
         or args.reference_quantization
     )
     reference = None
+    if want_ref and not args.reference_model and _prequantized(model):
+        print(
+            f"fulcrum eval: {model} is a quantized checkpoint, so the same folder cannot be its unquantized "
+            "reference: give the full-precision model with --reference-model (or --no-reference)",
+            file=sys.stderr,
+        )
+        return 2
     if want_ref:
         reference = RunSpec(
             args.reference_model or model,
