@@ -58,6 +58,8 @@ class SamplingParams:
     max_tokens: int | None = 16  # None = up to the context limit
     min_tokens: int = 0
     logprobs: int | None = None  # top-k logprobs per generated token (the sampled token is always included)
+    # top-k logprobs at every prompt position (the prompt's own token always included; the first has none)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
@@ -97,6 +99,10 @@ class SamplingParams:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            bad("prompt_logprobs", "must be an integer in [0, 20]")
         # sample i of n draws with seed + i: every one must fit
         if self.seed is not None and (not is_int64(self.seed) or self.seed + self.n - 1 > INT64_MAX):
             bad("seed", f"must be an integer in [{INT64_MIN}, {INT64_MAX} - (n - 1)]")

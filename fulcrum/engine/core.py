@@ -99,6 +99,8 @@ class EngineCore:
             log.warning("a step of %d requests failed (%s); running them one by one", len(sched.scheduled), e)
             self._restore_generators(generators)
             result, failed = self._execute_one_by_one(sched)
+        for rid, entries in result.prompt_logprobs.items():
+            self.scheduler.requests[rid].prompt_logprobs.extend(entries)
         finished = {r.request_id for r in self.scheduler.update(sched, result.sampled)}
         outputs = failed
         for s in sched.scheduled:
@@ -129,6 +131,7 @@ class EngineCore:
                 continue
             merged.sampled.update(alone.sampled)
             merged.logprobs.update(alone.logprobs)
+            merged.prompt_logprobs.update(alone.prompt_logprobs)
         return merged, failed
 
     @staticmethod
@@ -144,10 +147,14 @@ class EngineCore:
 
     @staticmethod
     def _output(req: Request, new: list[int], logprobs=None) -> EngineCoreOutput:
+        prompt_logprobs = None
+        if req.wants_prompt_logprobs and not req.prompt_logprobs_sent:
+            prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
         return EngineCoreOutput(
             request_id=req.request_id,
             new_token_ids=new,
             new_logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens,

@@ -28,6 +28,9 @@ class ModelRunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     # per request, per new token: {token_id: logprob} (sampled token first, then the top-k)
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    # per request wanting prompt logprobs, for the prompt tokens this step's positions predict:
+    # {token_id: (logprob, rank)}, the prompt's own token first, then the top-k
+    prompt_logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -237,6 +240,7 @@ class ModelRunner:
             return result
         input_ids, positions, meta, logits_idx = self._prepare(out.scheduled)
         hidden = self.model(input_ids, positions, meta)
+        self._prompt_logprobs(out.scheduled, hidden, result)
         rows = [s for s in out.scheduled if s.samples]
         if not rows:
             return result
@@ -256,3 +260,32 @@ class ModelRunner:
                     entry.setdefault(tok, val)
                 result.logprobs[rid] = [entry]
         return result
+
+    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor, result) -> None:
+        """Log-softmax (float32, before any sampling transform) at the positions of this step that predict a
+        prompt token not yet scored: a chunked prompt is scored chunk by chunk, a recomputed one not twice."""
+        t = 0
+        for s in scheduled:
+            req, n = s.request, s.num_new_tokens
+            start = req.num_computed_tokens
+            if req.wants_prompt_logprobs:
+                # position p predicts token p + 1; the scored prompt tokens so far are 1 .. len(prompt_logprobs)
+                lo = max(start, len(req.prompt_logprobs))
+                hi = min(start + n, req.num_prompt_tokens - 1)
+                if lo < hi:
+                    rows = hidden[t + lo - start : t + hi - start]
+                    logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+                    targets = torch.tensor(req.all_token_ids[lo + 1 : hi + 1], device=self.device)
+                    chosen = logprobs.gather(1, targets.unsqueeze(1))
+                    ranks = (logprobs > chosen).sum(dim=1) + 1
+                    k = req.sampling_params.prompt_logprobs
+                    top = logprobs.topk(k, dim=-1) if k else None
+                    entries = []
+                    for i, (tok, lp, rank) in enumerate(zip(targets.tolist(), chosen[:, 0].tolist(), ranks.tolist())):
+                        entry = {tok: (lp, rank)}
+                        if top is not None:
+                            for r, (tid, v) in enumerate(zip(top.indices[i].tolist(), top.values[i].tolist())):
+                                entry.setdefault(tid, (v, r + 1))
+                        entries.append(entry)
+                    result.prompt_logprobs[req.request_id] = entries
+            t += n

@@ -27,6 +27,7 @@ class _Parent:
     params: SamplingParams
     children: dict[str, _Child] = field(default_factory=dict)
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list | None = None  # None for the first prompt token, then one entry per token
 
 
 class OutputProcessor:
@@ -62,6 +63,8 @@ class OutputProcessor:
             out = child.out
             if out.finished:
                 continue
+            if o.prompt_logprobs is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = [None, *o.prompt_logprobs]  # every sample scores the same prompt
             out.token_ids.extend(o.new_token_ids)
             if o.new_logprobs and out.logprobs is not None:
                 out.logprobs.extend(o.new_logprobs)
@@ -91,6 +94,7 @@ class OutputProcessor:
                 outputs=[c.out for c in sorted(parent.children.values(), key=lambda c: c.index)],
                 finished=done,
                 metrics=parent.metrics,
+                prompt_logprobs=parent.prompt_logprobs,
             )
             results.append((ro, deltas))
             if done:

@@ -12,6 +12,8 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[dict[int, float]] | None = None
+    # once, with the first output: per prompt token after the first, {token_id: (logprob, rank)}
+    prompt_logprobs: list[dict[int, tuple[float, int]]] | None = None
     finish_reason: str | None = None  # stop, length, abort
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
@@ -62,4 +64,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then {token_id: (logprob, rank)}
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
     metrics: RequestMetrics | None = None

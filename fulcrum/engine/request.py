@@ -38,6 +38,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # per generated token: {token_id: logprob} of the sampled token plus the top-k
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # per prompt token after the first: {token_id: (logprob, rank)} of that token plus the top-k
+    prompt_logprobs: list[dict[int, tuple[float, int]]] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at admission
@@ -59,6 +62,10 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def num_tokens(self) -> int:

@@ -118,7 +118,9 @@ class Scheduler:
         # admit waiting requests, unless this step already had to preempt
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
             req = self.waiting.peek()
-            computed, num_cached = ([], 0) if req.num_computed_tokens else self.kv.get_computed_blocks(req)
+            # prompt logprobs need the logits of every prompt position: such a prompt is computed, not looked up
+            skip_cache = req.num_computed_tokens or req.wants_prompt_logprobs
+            computed, num_cached = ([], 0) if skip_cache else self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_cached, budget)
             if not self.config.enable_chunked_prefill and n < req.num_tokens - num_cached:
                 break  # the whole prompt waits for a step with room for it
@@ -127,7 +129,7 @@ class Scheduler:
             self.waiting.pop()
             if req.status == RequestStatus.WAITING:  # first admission, not a resumption after preemption
                 req.num_cached_tokens = num_cached
-                if self.kv.enable_prefix_caching:
+                if self.kv.enable_prefix_caching and not req.wants_prompt_logprobs:
                     self.kv.record_prefix_lookup(req.num_prompt_tokens, num_cached)
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING

@@ -33,3 +33,10 @@ def hf_greedy(folder, prompt: list[int], n: int, device="cpu") -> tuple[list[int
         logprobs.append(torch.log_softmax(logits, -1).cpu())
         step_ids = torch.tensor([[tok]], device=device)
     return out, logprobs
+
+
+@torch.no_grad()
+def hf_prompt_logprobs(folder, prompt: list[int], device="cpu") -> torch.Tensor:
+    """The log-softmax at every prompt position but the last, [len(prompt) - 1, vocab]: row i scores token i + 1."""
+    logits = _model(folder, device)(torch.tensor([prompt], device=device)).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).cpu()
