@@ -2,13 +2,17 @@
 
 Request models accept the fields vLLM accepts as extras (top_k, min_p, repetition_penalty,
 ignore_eos, min_tokens) and reject unknown roles and out-of-range values with the field named.
+No request field is silently ignored: REQUEST_FIELDS lists every field of OpenAI's and vLLM's request
+schemas with what fulcrum does with it, and a field fulcrum does not implement (set to anything but its
+default) or does not know is a 400 naming it.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import (
     BaseModel,
@@ -78,6 +82,145 @@ class RequestBody(OpenAIBase):
         return data
 
 
+# -- which request fields fulcrum implements -------------------------------------------------------
+
+IMPLEMENTED = "implemented"
+NO_EFFECT = "accepted: it identifies or labels the request and changes nothing fulcrum computes"
+REFUSED = "not supported"
+
+
+class FieldSupport(NamedTuple):
+    status: str
+    defaults: tuple = ()  # for a refused field: the values that mean "not asked for", which pass
+
+
+_IMPL, _NOOP = FieldSupport(IMPLEMENTED), FieldSupport(NO_EFFECT)
+
+
+def _refused(*defaults) -> FieldSupport:
+    return FieldSupport(REFUSED, (None, *defaults))
+
+
+# Fields both endpoints share: OpenAI's, then vLLM's extras (vllm/entrypoints/openai/protocol.py).
+_COMMON = {
+    "model": _IMPL,
+    "max_tokens": _IMPL,
+    "temperature": _IMPL,
+    "top_p": _IMPL,
+    "n": _IMPL,
+    "stop": _IMPL,
+    "seed": _IMPL,
+    "presence_penalty": _IMPL,
+    "frequency_penalty": _IMPL,
+    "logit_bias": _IMPL,
+    "stream": _IMPL,
+    "stream_options": _IMPL,
+    "user": _NOOP,
+    # vLLM
+    "top_k": _IMPL,
+    "min_p": _IMPL,
+    "repetition_penalty": _IMPL,
+    "ignore_eos": _IMPL,
+    "min_tokens": _IMPL,
+    "stop_token_ids": _IMPL,
+    "skip_special_tokens": _IMPL,
+    "include_stop_str_in_output": _IMPL,
+    "priority": _IMPL,
+    "prompt_logprobs": _IMPL,
+    "use_beam_search": _refused(False),
+    "length_penalty": _refused(1.0, 1),
+    "spaces_between_special_tokens": _refused(True),
+    "truncate_prompt_tokens": _refused(),
+    "allowed_token_ids": _refused(),
+    "bad_words": _refused([]),
+    "response_format": _refused({"type": "text"}),
+    "structured_outputs": _refused(),
+    "guided_json": _refused(),
+    "guided_regex": _refused(),
+    "guided_choice": _refused(),
+    "guided_grammar": _refused(),
+    "structural_tag": _refused(),
+    "guided_decoding_backend": _refused(),
+    "guided_whitespace_pattern": _refused(),
+    "logits_processors": _refused(),
+    "return_tokens_as_token_ids": _refused(False),
+    "return_token_ids": _refused(False),
+    "request_id": _refused(),
+    "cache_salt": _refused(),
+    "kv_transfer_params": _refused(),
+    "vllm_xargs": _refused(),
+}
+
+REQUEST_FIELDS: dict[str, dict[str, FieldSupport]] = {
+    "/v1/completions": {
+        **_COMMON,
+        "prompt": _IMPL,
+        "echo": _IMPL,
+        "logprobs": _IMPL,
+        "best_of": _IMPL,  # equal to n (or absent) only: checked by the handler
+        "suffix": _refused(""),
+        # vLLM
+        "add_special_tokens": _refused(True),
+        "prompt_embeds": _refused(),
+    },
+    "/v1/chat/completions": {
+        **_COMMON,
+        "messages": _IMPL,
+        "max_completion_tokens": _IMPL,
+        "logprobs": _IMPL,
+        "top_logprobs": _IMPL,
+        "metadata": _NOOP,
+        "service_tier": _refused("auto", "default"),
+        "store": _refused(False),
+        "tools": _refused([]),
+        "tool_choice": _refused("none", "auto"),
+        "parallel_tool_calls": _refused(True, False),  # means nothing without tools
+        "functions": _refused([]),
+        "function_call": _refused("none", "auto"),
+        "audio": _refused(),
+        "modalities": _refused(["text"]),
+        "prediction": _refused(),
+        "reasoning_effort": _refused(),
+        "verbosity": _refused(),
+        "web_search_options": _refused(),
+        "prompt_cache_key": _NOOP,
+        "safety_identifier": _NOOP,
+        # vLLM
+        "add_generation_prompt": _IMPL,
+        "echo": _refused(False),
+        "continue_final_message": _refused(False),
+        "add_special_tokens": _refused(False),
+        "documents": _refused(),
+        "chat_template": _refused(),
+        "chat_template_kwargs": _refused({}),
+        "mm_processor_kwargs": _refused(),
+        "best_of": _refused(1),
+    },
+}
+
+
+def check_fields(endpoint: str, data) -> None:
+    """A 400 naming the first field of `data` fulcrum does not implement (with a value other than its default)
+    or does not know at all (OpenAI refuses those too; vLLM only logs them)."""
+    if not isinstance(data, dict):
+        return
+    table = REQUEST_FIELDS[endpoint]
+    for name, value in data.items():
+        support = table.get(name)
+        if support is None:
+            raise InvalidRequestError(f"unknown field {name!r}: {endpoint} does not take it", param=name)
+        status, defaults = support
+        if status == REFUSED and not any(value == d and type(value) is type(d) for d in defaults):
+            raise InvalidRequestError(
+                f"{name} is not supported by this server (only its default, {_defaults(defaults)}, is accepted)",
+                param=name,
+            )
+
+
+def _defaults(defaults) -> str:
+    return " or ".join(json.dumps(d) for d in defaults)
+
+
 # -- errors ---------------------------------------------------------------------------------------
 
 
@@ -131,6 +274,7 @@ class SamplingFields(RequestBody):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Int64 = 0
+    prompt_logprobs: Annotated[int, BeforeValidator(_no_bool), Field(ge=0, le=20)] | None = None
     # token id (as a string, as OpenAI sends it) -> bias in [-100, 100]
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
 
@@ -150,6 +294,12 @@ class SamplingFields(RequestBody):
 
 
 class CompletionRequest(SamplingFields):
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data):
+        check_fields("/v1/completions", data)
+        return data
+
     # a text, texts, token ids, or lists of token ids; none of them empty
     prompt: (
         NonEmptyStr
@@ -159,9 +309,14 @@ class CompletionRequest(SamplingFields):
     )
     logprobs: Annotated[int, BeforeValidator(_no_bool), Field(ge=0, le=20)] | None = None
     echo: bool = False
-    max_tokens: PositiveInt | None = 16
-    suffix: str | None = None
+    max_tokens: NonNegativeInt | None = 16  # 0 with echo: score the prompt, generate nothing
     best_of: Annotated[int, BeforeValidator(_no_bool), Field(ge=1, le=128)] | None = None
+
+    @model_validator(mode="after")
+    def _zero_tokens_needs_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens must be >= 1 (0 only with echo, to score the prompt)", "max_tokens")
+        return self
 
 
 class CompletionLogprobs(BaseModel):
@@ -177,6 +332,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -213,6 +370,12 @@ class ChatMessage(OpenAIBase):
 
 
 class ChatCompletionRequest(SamplingFields):
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data):
+        check_fields("/v1/chat/completions", data)
+        return data
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
@@ -257,6 +420,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, as on completions
 
 
 class DeltaMessage(BaseModel):

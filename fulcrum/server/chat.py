@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
+from fulcrum.errors import InvalidRequestError
 from fulcrum.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -14,17 +15,19 @@ from fulcrum.protocol import (
     DeltaMessage,
     random_id,
 )
-from fulcrum.server.logprobs import chat_logprobs
+from fulcrum.server.logprobs import chat_logprobs, prompt_logprobs
 from fulcrum.server.state import ServerState, sampling_params
 from fulcrum.server.streaming import Run, merged, usage_of
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
     state.check_model(req.model)
+    if req.stream and req.prompt_logprobs is not None:
+        raise InvalidRequestError("prompt_logprobs is not supported with stream", param="prompt_logprobs")
     tok = state.engine.tokenizer
     ids = state.chat_ids(req.messages, req.add_generation_prompt)
     k = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, req.max_completion_tokens or req.max_tokens, k)
+    params = sampling_params(req, req.max_completion_tokens or req.max_tokens, k, req.prompt_logprobs)
     run = await Run.start(merged(state.engine, [(None, ids)], params, req.priority))
     rid = random_id("chatcmpl")
 
@@ -66,4 +69,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         )
         for j, out in enumerate(ro.outputs)
     ]
-    return ChatCompletionResponse(id=rid, model=state.model_name, choices=choices, usage=usage_of([ro]))
+    return ChatCompletionResponse(
+        id=rid,
+        model=state.model_name,
+        choices=choices,
+        usage=usage_of([ro]),
+        prompt_logprobs=prompt_logprobs(tok, ro.prompt_logprobs) if req.prompt_logprobs is not None else None,
+    )

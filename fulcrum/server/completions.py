@@ -1,4 +1,5 @@
-"""POST /v1/completions: one or more prompts, n samples each, streamed or whole."""
+"""POST /v1/completions: one or more prompts, n samples each, streamed or whole; with echo and logprobs the
+prompt is scored too (max_tokens 0: only scored, as lm-eval-harness asks)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from fastapi import Request
 from fulcrum.engine.prompts import tokenize_prompts
 from fulcrum.errors import InvalidRequestError
 from fulcrum.protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
-from fulcrum.server.logprobs import completion_logprobs
+from fulcrum.server.logprobs import completion_logprobs, echo_logprobs, joined, prompt_logprobs
 from fulcrum.server.state import ServerState, sampling_params
 from fulcrum.server.streaming import Run, merged, usage_of
 
@@ -16,17 +17,27 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     state.check_model(req.model)
     if req.best_of not in (None, req.n):
         raise InvalidRequestError("best_of other than n is not supported", param="best_of")
-    if req.suffix:
-        raise InvalidRequestError("suffix (fill-in-the-middle) is not supported", param="suffix")
+    if req.stream and req.max_tokens == 0:
+        raise InvalidRequestError("max_tokens 0 (scoring the prompt) is not supported with stream", "max_tokens")
+    if req.stream and req.prompt_logprobs is not None:
+        raise InvalidRequestError("prompt_logprobs is not supported with stream", param="prompt_logprobs")
     tok = state.engine.tokenizer
     prompts = tokenize_prompts(req.prompt, tok)
-    params = sampling_params(req, req.max_tokens, req.logprobs)
+    k = req.logprobs
+    score_echo = req.echo and k is not None
+    wanted = [x for x in (req.prompt_logprobs, k if score_echo else None) if x is not None]
+    # max_tokens 0: the engine computes the prompt and one token, which is dropped
+    zero = req.max_tokens == 0
+    params = sampling_params(req, 1 if zero else req.max_tokens, k, max(wanted) if wanted else None)
     run = await Run.start(merged(state.engine, prompts, params, req.priority))
     echo = [(p if p is not None else tok.decode(ids)) if req.echo else "" for p, ids in prompts]
-    rid, n, k = random_id("cmpl"), req.n, req.logprobs
+    rid, n = random_id("cmpl"), req.n
 
     def response(choices, usage=None) -> CompletionResponse:
         return CompletionResponse(id=rid, model=state.model_name, choices=choices, usage=usage)
+
+    def echoed(i, ro):
+        return echo_logprobs(tok, prompts[i][1], ro.prompt_logprobs, k) if score_echo else None
 
     if req.stream:
 
@@ -40,6 +51,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                     lp = None
                     if k is not None:
                         lp = completion_logprobs(tok, out.token_ids[done or 0 :], out.logprobs[done or 0 :], 0, k)
+                        if done is None and score_echo:
+                            lp = joined(echoed(i, ro), lp)
                     sent[idx] = len(out.token_ids)
                     text = delta if done is not None else echo[i] + delta
                     choice = CompletionChoice(
@@ -58,8 +71,16 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         return last  # the client went away
     choices = []
     for i in range(len(prompts)):
-        for j, out in enumerate(last[i].outputs):
-            lp = completion_logprobs(tok, out.token_ids, out.logprobs, len(echo[i]), k) if k is not None else None
+        ro = last[i]
+        for j, out in enumerate(ro.outputs):
+            if zero:
+                out.text, out.token_ids, out.logprobs = "", [], []
+                out.finish_reason, out.stop_reason = "length", None
+            lp = None
+            if k is not None:
+                lp = completion_logprobs(tok, out.token_ids, out.logprobs, len(echo[i]), k)
+                if score_echo:
+                    lp = joined(echoed(i, ro), lp)
             choices.append(
                 CompletionChoice(
                     index=i * n + j,
@@ -67,6 +88,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                     logprobs=lp,
                     finish_reason=out.finish_reason,
                     stop_reason=out.stop_reason,
+                    prompt_logprobs=prompt_logprobs(tok, ro.prompt_logprobs)
+                    if req.prompt_logprobs is not None
+                    else None,
                 )
             )
     return response(choices, usage_of(last.values()))

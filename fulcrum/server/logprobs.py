@@ -1,5 +1,6 @@
 """Logprobs in OpenAI's two shapes: the completions one (parallel lists with text offsets) and the chat
-one (an entry per token with its bytes and top alternatives)."""
+one (an entry per token with its bytes and top alternatives); and the prompt's, in vLLM's shape
+(`prompt_logprobs`) or as the echoed part of the completions one."""
 
 from __future__ import annotations
 
@@ -40,3 +41,37 @@ def chat_logprobs(tok: PreTrainedTokenizerBase, token_ids: list[int], logprobs, 
             ChatLogprobEntry(token=s, logprob=entry.get(tid), bytes=list(s.encode()), top_logprobs=alternatives)
         )
     return ChatChoiceLogprobs(content=content)
+
+
+def prompt_logprobs(tok: PreTrainedTokenizerBase, entries) -> list | None:
+    """vLLM's `prompt_logprobs`: None for the first token, then {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [
+        None
+        if e is None
+        else {str(t): {"logprob": lp, "rank": rank, "decoded_token": tok.decode([t])} for t, (lp, rank) in e.items()}
+        for e in entries
+    ]
+
+
+def echo_logprobs(tok: PreTrainedTokenizerBase, prompt_ids: list[int], entries, k: int) -> CompletionLogprobs:
+    """The echoed prompt's part of completions logprobs: its first token has none (null), as in vLLM."""
+    first = tok.decode([prompt_ids[0]])
+    rest = [{t: lp for t, (lp, _) in e.items()} for e in (entries or [None])[1:]]
+    lp = completion_logprobs(tok, prompt_ids[1:], rest, len(first), k)
+    return CompletionLogprobs(
+        text_offset=[0, *lp.text_offset],
+        token_logprobs=[None, *lp.token_logprobs],
+        tokens=[first, *lp.tokens],
+        top_logprobs=[None, *lp.top_logprobs],
+    )
+
+
+def joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        text_offset=a.text_offset + b.text_offset,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        tokens=a.tokens + b.tokens,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+    )

@@ -33,7 +33,9 @@ class ServerState:
             raise InvalidRequestError(f"messages cannot be rendered by the chat template: {e}", "messages") from e
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     """A request's sampling fields as SamplingParams (OpenAI's defaults where a field is absent)."""
     try:
         logit_bias = req.logit_bias_ids()
@@ -55,6 +57,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         logit_bias=logit_bias,

@@ -131,7 +131,10 @@ def sse(event: BaseModel) -> str:
 
 
 def usage_of(outputs) -> UsageInfo:
-    """Usage over finished RequestOutputs: each prompt once, every sample's tokens."""
+    """Usage over finished RequestOutputs: each prompt once, every sample's tokens, the prompt tokens cached."""
+    outputs = list(outputs)
     pt = sum(len(ro.prompt_token_ids) for ro in outputs)
     ct = sum(len(o.token_ids) for ro in outputs for o in ro.outputs)
-    return UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
+    cached = sum(ro.metrics.num_cached_tokens for ro in outputs if ro.metrics is not None)
+    details = {"cached_tokens": cached}  # prompt tokens taken from the prefix cache
+    return UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct, prompt_tokens_details=details)
