@@ -86,3 +86,18 @@ def test_prompt_logprobs_out_of_range_is_refused():
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(prompt_logprobs=21)
     assert e.value.param == "prompt_logprobs"
+
+
+def test_prompt_logprobs_survive_preemption(tiny_model_dir):
+    folder = tiny_model_dir("llama")
+    prompts = random_prompts(8, 20, 40, seed=5)
+    # room for about three sequences at a time, prompts in chunks: some are preempted and recomputed
+    llm = make_llm(
+        folder, block_size=8, kv_cache_memory=20 * 8 * 2 * 2 * 2 * 16 * 4, max_model_len=160, max_num_batched_tokens=16
+    )
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=K)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert llm.stats()["num_preemptions"] > 0
+    for p, o in zip(prompts, outs):
+        check_against_hf(folder, p, o.prompt_logprobs)  # each prompt token scored once, as when run alone
+    assert_all_blocks_free(llm)
