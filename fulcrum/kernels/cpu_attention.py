@@ -21,8 +21,7 @@ from fulcrum.kernels import cpu_ext
 
 MAX_GROUP = 16  # query heads per KV head the kernel keeps in its scratch
 _DTYPES = (torch.bfloat16, torch.float32)
-# a quantized cache's element type -> the kernel's kind (0: a cache in the queries' dtype)
-_CACHE_KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2}
+_CACHE_KINDS = cpu_ext.KV_CACHE_KINDS
 
 _BODY = r"""
 #include <c10/util/Float8_e4m3fn.h>
@@ -379,11 +378,6 @@ def decode(
     return out
 
 
-def _rows_packed(x: torch.Tensor) -> bool:
-    """[T, heads, hd] with a token's heads side by side (tokens may be strided: views of the fused qkv output)."""
-    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-
-
 def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """CPU, bf16/fp32 alike, a head size that is a multiple of the vector width, a group of at most MAX_GROUP."""
     return (
@@ -393,7 +387,7 @@ def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         and q.shape[-1] % (16 if level() == "avx512" else 8) == 0
         and q.shape[1] % k.shape[1] == 0
         and q.shape[1] // k.shape[1] <= MAX_GROUP
-        and all(_rows_packed(t) for t in (q, k, v))
+        and all(cpu_ext.rows_packed(t) for t in (q, k, v))
         and available()
     )
 

@@ -247,3 +247,12 @@ def bind(fn, restype, *argtypes):
 
 
 PTR, I64, F32, F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
+
+# A quantized KV cache's element type -> the `kind` the rope and attention kernels take (0: a cache in the
+# activations' own dtype); fulcrum.quant.kv holds the format
+KV_CACHE_KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2}
+
+
+def rows_packed(x: torch.Tensor) -> bool:
+    """[T, heads, D] with a token's heads side by side (tokens may be strided: views of the fused qkv output)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]

@@ -106,8 +106,7 @@ extern "C" void fulcrum_rope_cache(int64_t bf16, void* q, void* k, const void* v
 )
 
 _DTYPES = (torch.bfloat16, torch.float32)
-# a quantized cache's element type -> the kernel's kind (0: a cache in the inputs' dtype)
-_CACHE_KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2}
+_CACHE_KINDS = cpu_ext.KV_CACHE_KINDS
 
 
 @functools.cache
@@ -124,18 +123,13 @@ def available() -> bool:
     return _module() is not None
 
 
-def _rows_ok(x: torch.Tensor) -> bool:
-    """[T, heads, D] with heads and D packed (a token's heads side by side); tokens may be strided."""
-    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-
-
 def usable(q, k, v, cos, sin, k_cache) -> bool:
     return (
         q.device.type == "cpu"
         and q.dtype in _DTYPES
         and k.dtype == v.dtype == cos.dtype == sin.dtype == q.dtype
         and (k_cache is None or k_cache.dtype in (q.dtype, *_CACHE_KINDS) and k_cache.is_contiguous())
-        and _rows_ok(q) and _rows_ok(k) and _rows_ok(v)
+        and cpu_ext.rows_packed(q) and cpu_ext.rows_packed(k) and cpu_ext.rows_packed(v)
         and q.shape[2] % 2 == 0
         and cos.is_contiguous() and sin.is_contiguous() and cos.numel() == q.shape[0] * q.shape[2]
         and available()
