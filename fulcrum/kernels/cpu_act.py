@@ -27,30 +27,9 @@ static inline float silu1(float x) {
   return x * std::exp(std::min(x, 0.0f)) / (1.0f + t);
 }
 
-// a value rounded to T (bf16: to nearest even, as .to() rounds; finite values), kept as fp32; and stored as T
-#if defined(__AVX512F__)
-static inline vf vround(vf a, c10::BFloat16*) {
-  const __m512i u = _mm512_castps_si512(a);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000))));
-}
-static inline void vstore_as(c10::BFloat16* p, vf a) {  // a already a bf16 value: its high half
-  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(a), 16)));
-}
-#else
-static inline vf vround(vf a, c10::BFloat16*) {
-  const __m256i u = _mm256_castps_si256(a);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
-  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(int(0xFFFF0000))));
-}
-static inline void vstore_as(c10::BFloat16* p, vf a) {
-  const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(a), 16);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
-  _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
-}
-#endif
+// a value rounded to T, kept as fp32, and stored as T (bf16: cpu_ext's rounding to nearest even)
+static inline vf vround(vf a, c10::BFloat16*) { return vround_bf16(a); }
+static inline void vstore_as(c10::BFloat16* p, vf a) { vstore_bf16(p, a); }
 static inline vf vround(vf a, float*) { return a; }
 static inline void vstore_as(float* p, vf a) { vstore(p, a); }
 

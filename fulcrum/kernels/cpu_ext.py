@@ -113,6 +113,17 @@ static inline vf vload_f8(const uint8_t* p) {
                                     _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
   return _mm512_cvtph_ps(h);
 }
+// VW floats rounded to bf16, to nearest even as .to() rounds (finite values), kept as fp32; and stored as bf16
+static inline vf vround_bf16(vf a) {
+  const __m512i u = _mm512_castps_si512(a);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000))));
+}
+static inline void vstore_bf16(c10::BFloat16* p, vf a) {
+  const __m512i h = _mm512_srli_epi32(_mm512_castps_si512(vround_bf16(a)), 16);
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(h));
+}
 """,
     "avx2": r"""
 typedef __m256 vf;
@@ -156,6 +167,17 @@ static inline vf vload_f8(const uint8_t* p) {
   const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7),
                                  _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
   return _mm256_cvtph_ps(h);
+}
+static inline vf vround_bf16(vf a) {
+  const __m256i u = _mm256_castps_si256(a);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(int(0xFFFF0000))));
+}
+static inline void vstore_bf16(c10::BFloat16* p, vf a) {
+  const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(vround_bf16(a)), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);  // 8 words in the low half
+  _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
 }
 """,
 }

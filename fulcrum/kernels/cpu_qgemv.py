@@ -37,26 +37,12 @@ static inline void vload_u4(const uint8_t* p, vf& lo, vf& hi) {
   lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
   hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
 }
-// VW floats to bf16, rounded to nearest even (finite values: weights)
-static inline void vstore_bf16(c10::BFloat16* p, vf a) {
-  const __m512i u = _mm512_castps_si512(a);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
-  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
-}
 """,
     "avx2": r"""
 static inline void vload_u4(const uint8_t* p, vf& lo, vf& hi) {
   const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
   lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
   hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-}
-static inline void vstore_bf16(c10::BFloat16* p, vf a) {
-  const __m256i u = _mm256_castps_si256(a);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // 8 words in the low half
-  _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
 }
 """,
 }
