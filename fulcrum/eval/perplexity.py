@@ -120,14 +120,8 @@ def decode_log_probs(model, ids: torch.Tensor, kv_cache_dtype: str, dtype: torch
     tables = torch.arange(d * per_seq).view(d, per_seq)
     try:
         for p in range(n):
-            meta = AttentionMetadata(
-                query_lens=[1] * d,
-                slot_mapping=tables[:, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE,
-                decode_token_idx=torch.arange(d),
-                decode_block_tables=tables,
-                decode_context_lens=torch.full((d,), p + 1),
-                decode_max_context=p + 1,
-            )
+            slots = tables[:, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+            meta = AttentionMetadata.for_decodes(slots, tables, torch.full((d,), p + 1))
             hidden = model(ids[:, p], torch.full((d,), p), meta)
             yield torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
     finally:

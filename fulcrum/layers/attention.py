@@ -42,6 +42,22 @@ class AttentionMetadata:
     def for_prompts(cls, lengths: list[int]) -> AttentionMetadata:
         return cls(query_lens=list(lengths))
 
+    @classmethod
+    def for_decodes(
+        cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+    ) -> AttentionMetadata:
+        """A step of single-token decodes only, one per block-table row: each token written to its slot, then
+        attending over its sequence's first context_lens cached tokens (itself included)."""
+        d = block_tables.shape[0]
+        return cls(
+            query_lens=[1] * d,
+            slot_mapping=slot_mapping,
+            decode_token_idx=torch.arange(d, device=block_tables.device),
+            decode_block_tables=block_tables,
+            decode_context_lens=context_lens,
+            decode_max_context=int(context_lens.max()),
+        )
+
 
 def causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device) -> torch.Tensor:
     """Boolean [q_len, kv_len] mask, True where attention is allowed; queries are the last q_len positions."""

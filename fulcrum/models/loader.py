@@ -108,7 +108,12 @@ def load_weights(model: nn.Module, path: Path) -> None:
             missing.append(f"{src} (model expects {tuple(param.shape)}{' stacked' if fragment else ''})")
     if missing:
         raise WeightLoadError(f"checkpoint {path} lacks {len(missing)} tensor(s): " + "; ".join(missing[:10]))
+    finish_loading(model)
 
+
+def finish_loading(model: nn.Module) -> None:
+    """Once every weight is in place: each layer's quant method repacks (or quantizes) its weights, then the
+    model's own hook runs (a tied embedding reading the quantized head's table)."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:

@@ -20,6 +20,7 @@ from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 from fulcrum.kernels import cpu_gemv, cpu_qgemv
 from fulcrum.kernels.hugepages import huge_page_empty
 from fulcrum.layers.attention import Attention, AttentionMetadata, attach_kv_cache
+from fulcrum.models.loader import finish_loading
 from fulcrum.models.registry import model_class
 from fulcrum.plan.local import LocalMeasurements
 from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec
@@ -183,21 +184,13 @@ def decoder_layers(
     model = model_class(cfg)(cfg, dtype=dt, **methods)
     for p in model.parameters():
         p.normal_(0, 0.02)
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(module)
+    finish_loading(model)
     blocks = -(-(context + 1) // block)
     attns = [layer.self_attn.attn for layer in model.model.layers]
     attach_kv_cache(attns, blocks, block, dt, kv_quant.kv_format(kv_cache_dtype), "cpu")
     rope = model.model.rotary_emb(torch.tensor([context]), dt)
-    meta = AttentionMetadata(
-        query_lens=[1],
-        slot_mapping=torch.tensor([context]),
-        decode_token_idx=torch.tensor([0]),
-        decode_block_tables=torch.arange(blocks).view(1, blocks),
-        decode_context_lens=torch.tensor([context + 1]),
-        decode_max_context=context + 1,
+    meta = AttentionMetadata.for_decodes(
+        torch.tensor([context]), torch.arange(blocks).view(1, blocks), torch.tensor([context + 1])
     )
     return list(model.model.layers), rope, meta
 
