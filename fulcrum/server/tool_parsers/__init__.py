@@ -1,0 +1,36 @@
+"""Tool-call parsers for OpenAI-style tool calling on /v1/chat/completions: each reads one model
+family's format out of the generated text, whole or streamed (--tool-call-parser picks one)."""
+
+from __future__ import annotations
+
+from fulcrum.server.tool_parsers.base import ExtractedToolCalls, StreamDelta, ToolCall, ToolCallDelta, ToolParser
+from fulcrum.server.tool_parsers.hermes import HermesToolParser
+from fulcrum.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from fulcrum.server.tool_parsers.mistral import MistralToolParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+}
+
+
+def get_tool_parser(name: str, tools: list[dict] | None = None) -> ToolParser:
+    """A fresh parser for one request (streaming keeps state), given the request's `tools`."""
+    try:
+        cls = TOOL_PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(sorted(TOOL_PARSERS))}") from None
+    return cls(tools)
+
+
+__all__ = [
+    "TOOL_PARSERS",
+    "ExtractedToolCalls",
+    "HermesToolParser",
+    "Llama3JsonToolParser",
+    "MistralToolParser",
+    "StreamDelta",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolParser",
+    "get_tool_parser",
+]
