@@ -291,7 +291,7 @@ def test_mistral_real_output():
 @pytest.mark.parametrize(
     "text, content, calls",
     [
-        ("[TOOL_CALLS][]", None, 0),
+        ("[TOOL_CALLS][]", "[TOOL_CALLS][]", 0),
         ('Ok.[TOOL_CALLS][{"name": "f", "arguments": {}}] Anything else?', "Ok. Anything else?", 1),
         ('[TOOL_CALLS][{"name": "f", "arguments": {}}][TOOL_CALLS][{"name": "g", "arguments": {}}]', None, 2),
         ('[TOOL_CALLS][{"name": "f", "arguments": {"a": [1, 2]}}', None, 1),  # the array never closed
@@ -338,6 +338,21 @@ def test_garbage_after_a_streamed_call_is_content():
     content, calls = stream(Llama3JsonToolParser(), list(text))
     assert [c["name"] for c in calls] == ["get_weather"]
     assert content == " <|eot_id|> and more"
+
+
+@pytest.mark.parametrize("cls", FORMATS, ids=lambda c: c.name)
+def test_random_garbage_never_raises(cls):
+    rng = random.Random(7)
+    pieces = [*'{}[]":,; \n\\u0123456789-.eE<>/_|abnlrst', "<tool_call>", "</tool_call>", "[TOOL_CALLS]"]
+    pieces += ["<|python_tag|>", '"name"', '"arguments"', '"parameters"', '"f"', "é", "🎉"]
+    for _ in range(400):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 50)))
+        want = cls().extract(text)
+        for call in want.tool_calls:
+            assert isinstance(json.loads(call.arguments), dict)
+        content, calls = stream(cls(), splits(text, rng))
+        if not calls:  # nothing went out as a call: the stream is the whole-output answer exactly
+            assert content == (want.content or "") and want.tool_calls == []
 
 
 def test_registry_and_unknown_name():

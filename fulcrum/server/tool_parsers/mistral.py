@@ -57,9 +57,10 @@ class MistralToolParser(ToolParser):
             self._state = _OBJECT
         elif s == _AFTER_OBJECT and ch == ",":
             self._state = _NEXT
-        elif s in (_FIRST, _AFTER_OBJECT) and ch == "]":
-            if self._index >= 0:  # the array is represented by its calls; an empty one stays text to fall back to
-                self._mark = self._pos
+        elif s == _AFTER_OBJECT and ch == "]":
+            # An empty array is malformed (the else below): dropping its text would leave nothing to
+            # turn back into content if a later call were malformed.
+            self._mark = self._pos
             self._state = _CONTENT
         else:
             raise ValueError(f"unexpected {ch!r} in a [TOOL_CALLS] array")
