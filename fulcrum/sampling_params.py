@@ -8,8 +8,9 @@ stay meaningful once rounded to the float32 the sampler computes in. What depend
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -42,6 +43,64 @@ def as_float32(x: float) -> float:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the output, vLLM's `structured_outputs` (its `guided_*` fields and OpenAI's `response_format`
+    map onto it): exactly one of the constraints below. The grammar engine (engine/structured) checks that it
+    compiles; here only the shapes are checked."""
+
+    json: str | None = None  # a JSON schema, as JSON text (a dict is serialized)
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # EBNF (GBNF, as xgrammar and llama.cpp write it)
+    json_object: bool = False  # any JSON object (response_format {"type": "json_object"})
+    structural_tag: str | None = None  # xgrammar's structural tag, as JSON text
+    disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        for name in ("json", "structural_tag"):
+            v = getattr(self, name)
+            if isinstance(v, dict):
+                setattr(self, name, json.dumps(v, ensure_ascii=False))
+            elif v is not None and not isinstance(v, str):
+                raise InvalidRequestError(f"structured_outputs.{name} must be a JSON object or its text", name)
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise InvalidRequestError(
+                "structured_outputs.choice must be a non-empty list of non-empty strings", "choice"
+            )
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise InvalidRequestError(f"structured_outputs.{name} must be a non-empty string", name)
+        for name in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"structured_outputs.{name} must be true or false", name)
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured output takes exactly one of json, regex, choice, grammar, json_object or structural_tag"
+                + (f", got {', '.join(given)}" if given else ", got none"),
+                param="structured_outputs",
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple:
+        """What identifies the compiled grammar (the compile cache's key)."""
+        return tuple(getattr(self, f.name) if f.name != "choice" else tuple(self.choice or ()) for f in fields(self))
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0  # 0 = greedy
@@ -63,6 +122,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar every output token must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -130,6 +190,14 @@ class SamplingParams:
                     bad("logit_bias", "keys must be non-negative integer token ids")
                 if not is_real(v) or not -LOGIT_BIAS_LIMIT <= v <= LOGIT_BIAS_LIMIT:
                     bad("logit_bias", f"values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", "must be a StructuredOutputsParams")
+            # a finished grammar allows only the end of sequence: forbidding it leaves no token to sample
+            if self.ignore_eos:
+                bad("ignore_eos", "cannot be combined with structured output (the grammar ends the output with EOS)")
+            if self.min_tokens:
+                bad("min_tokens", "cannot be combined with structured output (the grammar decides the length)")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be true or false")

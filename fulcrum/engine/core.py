@@ -7,6 +7,7 @@ It speaks token ids only, so it can run in a process of its own behind a small m
 from __future__ import annotations
 
 import logging
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from traceback import format_exception_only
 
 import torch
@@ -18,6 +19,7 @@ from fulcrum.engine.model_runner import ModelRunner, ModelRunnerOutput
 from fulcrum.engine.outputs import EngineCoreOutput
 from fulcrum.engine.request import Request, RequestStatus
 from fulcrum.engine.scheduler import Scheduler, SchedulerOutput
+from fulcrum.engine.structured import StructuredOutputs
 from fulcrum.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,10 @@ class EngineCore:
         self.runner = ModelRunner(config, self.model_config, own_process)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.model_config.max_model_len, self.kv)
+        self.structured = StructuredOutputs(self.model_config.path, self.vocab_size, self.model_config.eos_token_ids)
+        self.runner.structured = self.structured
+        # requests whose grammar is compiling: they join the scheduler when it is ready
+        self.compiling: dict[str, tuple[Request, Future]] = {}
         log.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %s)",
             self.kv.num_blocks,
@@ -71,34 +77,69 @@ class EngineCore:
         req = Request(request_id, list(prompt_token_ids), params, list(self.model_config.eos_token_ids), priority)
         if arrival_time:
             req.arrival_time = arrival_time
-        self.scheduler.add_request(req)
+        if params.structured_outputs is not None:
+            self.compiling[request_id] = (req, self.structured.submit(params.structured_outputs))
+        else:
+            self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
-        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        done = self._drop_compiling(request_ids, RequestStatus.FINISHED_ABORTED)
+        done += self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         return [self._output(r, []) for r in done]
 
     def finish_requests(self, request_ids: list[str], stop_reason: str | None = None) -> None:
         """A stop string matched in the frontend: the request is done, free its blocks now."""
+        self._drop_compiling(request_ids, RequestStatus.FINISHED_STOPPED)
         for r in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED):
             r.stop_reason = stop_reason
 
+    def _drop_compiling(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        done = []
+        for rid in request_ids:
+            if rid in self.compiling:
+                req, future = self.compiling.pop(rid)
+                future.cancel()
+                req.status = status
+                done.append(req)
+        return done
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.compiling)
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Requests whose grammar finished compiling join the scheduler; one that failed to compile ends with
+        the compiler's message (the frontend's check lets through little that fails here)."""
+        failed = []
+        for rid, (req, future) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[rid]
+            try:
+                req.grammar = future.result()
+            except Exception as e:
+                req.status, req.error = RequestStatus.FINISHED_ERROR, f"the grammar failed to compile: {e}"
+                failed.append(self._output(req, []))
+                continue
+            self.scheduler.add_request(req)
+        return failed
 
     def step(self) -> list[EngineCoreOutput]:
+        failed = self._admit_compiled() if self.compiling else []
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            return []
+            if self.compiling and not failed:  # nothing to run until a compile ends: wait for it, do not spin
+                wait([f for _, f in self.compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+            return failed
         generators = self._generator_states(sched)
         try:
             result = self.runner.execute(sched)
-            failed: list[EngineCoreOutput] = []
         except Exception as e:
             if is_fatal(e):
                 raise
             log.warning("a step of %d requests failed (%s); running them one by one", len(sched.scheduled), e)
             self._restore_generators(generators)
-            result, failed = self._execute_one_by_one(sched)
+            result, failed_now = self._execute_one_by_one(sched)
+            failed += failed_now
         for rid, entries in result.prompt_logprobs.items():
             self.scheduler.requests[rid].prompt_logprobs.extend(entries)
         finished = {r.request_id for r in self.scheduler.update(sched, result.sampled)}
@@ -108,6 +149,8 @@ class EngineCore:
             new = result.sampled.get(req.request_id)
             if not new and req.request_id not in finished:
                 continue  # a prefill chunk that did not reach the end of the prompt
+            if req.status == RequestStatus.FINISHED_ERROR:
+                new = []  # the token that failed it was not taken
             outputs.append(self._output(req, new or [], result.logprobs.get(req.request_id)))
         return outputs
 

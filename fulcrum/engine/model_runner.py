@@ -10,6 +10,7 @@ import torch
 
 from fulcrum.config import EngineConfig, ModelConfig
 from fulcrum.engine.scheduler import ScheduledRequest, SchedulerOutput
+from fulcrum.engine.structured import StructuredOutputs
 from fulcrum.errors import InvalidRequestError, KVCacheTooSmallError
 from fulcrum.kernels import cpu_threads, huge_page_empty, move_parameters_to_huge_pages, warm_up
 from fulcrum.layers.attention import Attention, AttentionMetadata, attach_kv_cache
@@ -81,6 +82,7 @@ class ModelRunner:
             self.attn_layers, self.num_blocks, self.block_size, model_config.dtype, self.kv_format, self.device, empty
         )
         self.sampler = Sampler()
+        self.structured: StructuredOutputs | None = None  # the engine core's grammars, for the token bitmask
         # build or load the CPU kernels now, not in the middle of the first request
         warm_up(self.device, quantized=model_config.quantization is not None, quantized_kv=self.kv_format is not None)
         if self.device.type == "cpu":  # after the builds, which would otherwise inherit the pinning
@@ -218,6 +220,8 @@ class ModelRunner:
                 if p.logit_bias:
                     bias[i, list(p.logit_bias)] = col(list(p.logit_bias.values()))
             meta.logit_bias = bias
+        if self.structured is not None:
+            meta.token_bitmask = self.structured.fill_bitmask([s.request.grammar for s in rows])
         if any(p.seed is not None for p in params):
             meta.generators = [s.request.generator for s in rows]
         wanted = [p.logprobs for p in params if p.logprobs is not None]

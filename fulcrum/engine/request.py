@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from fulcrum.engine.structured import GrammarState, validate
 from fulcrum.errors import InvalidRequestError
 from fulcrum.sampling_params import SamplingParams, is_int, is_int64
 
@@ -51,6 +52,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
+    grammar: GrammarState | None = None  # with structured output: the tokens its grammar allows next
 
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step
 
@@ -97,6 +99,8 @@ def check_request(
     check_token_ids("prompt", prompt_ids, vocab_size)
     for name, ids in params.token_ids_to_check().items():
         check_token_ids(name, ids, vocab_size)
+    if params.structured_outputs is not None:
+        validate(params.structured_outputs)
     if n >= max_model_len:
         raise InvalidRequestError(
             f"the prompt has {n} tokens, but this model's maximum context length is {max_model_len} tokens "

@@ -162,6 +162,12 @@ class Scheduler:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
             for tok in sampled.get(req.request_id, []):
+                if req.grammar is not None and not req.grammar.accept(tok):
+                    # the sampler masks what the grammar forbids, so this is the engine's fault, not the client's
+                    req.error = f"token {tok} broke the request's grammar"
+                    self._finish(req, RequestStatus.FINISHED_ERROR, now)
+                    finished.append(req)
+                    break
                 req.append_output_token(tok)
                 if req.first_token_time is None:
                     req.first_token_time = now

@@ -28,6 +28,8 @@ class SamplingMetadata:
     prompt_mask: torch.Tensor | None = None  # [B, V] bool: token occurs in the prompt
     banned: torch.Tensor | None = None  # [B, V] bool: tokens not allowed now (eos before min_tokens)
     logit_bias: torch.Tensor | None = None  # [B, V] added to the logits (OpenAI's logit_bias)
+    # [B, ceil(V / 32)] int32, bit t % 32 of word t // 32 set = token t allowed (a grammar's next tokens)
+    token_bitmask: torch.Tensor | None = None
     generators: list[torch.Generator | None] | None = None
     max_num_logprobs: int = 0  # top-k logprobs to return (0 = only the sampled token's, -1 = none)
 
@@ -42,6 +44,9 @@ class SamplerOutput:
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
+        if meta.token_bitmask is not None:
+            # first, as vLLM does: the logprobs returned are those of the tokens the grammar allows
+            logits = apply_token_bitmask(logits, meta.token_bitmask)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
         logits = self.apply_penalties(logits, meta)
         if meta.logit_bias is not None:
@@ -93,6 +98,13 @@ class Sampler(nn.Module):
         noise = _exponential_noise(probs, meta.generators)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy_rows, greedy_tokens, sampled)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf where the bitmask forbids a token (words past the vocabulary's end are ignored)."""
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.to(logits.device).unsqueeze(-1) >> bits) & 1).flatten(1)[:, : logits.shape[1]]
+    return logits.masked_fill(allowed == 0, float("-inf"))
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,261 @@
+"""Structured output through the engine (issue 15): JSON schemas, regexes, choices and EBNF grammars sampled at
+temperature 1 on the bundled model always give text that parses and validates; requests with and without a
+grammar share a batch without changing each other; grammar state follows the tokens, rollback included."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from fulcrum.engine.llm import LLM
+from fulcrum.engine.structured import StructuredOutputs, validate
+from fulcrum.errors import InvalidRequestError
+from fulcrum.sampling_params import SamplingParams, StructuredOutputsParams
+
+NAME = {"type": "string", "maxLength": 10}
+SCHEMAS = [
+    {"type": "object", "properties": {"name": NAME}, "required": ["name"]},
+    {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["age"]},
+    {"type": "object", "properties": {"x": {"type": "number", "minimum": -1.5, "maximum": 2.5}}, "required": ["x"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+    {"type": "object", "properties": {"v": {"type": "null"}}, "required": ["v"]},
+    {"type": "object", "properties": {"c": {"enum": ["red", "green", "blue"]}}, "required": ["c"]},
+    {"type": "object", "properties": {"k": {"const": "fixed"}}, "required": ["k"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9}, "minItems": 1, "maxItems": 4},
+    {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 2, "maxItems": 2},
+    {"type": "string", "maxLength": 8},
+    {"type": "integer", "minimum": 10, "maximum": 20},
+    {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    {"type": "boolean"},
+    {"enum": [1, "two", None, True]},
+    {"type": "string", "pattern": "^[A-Z][a-z]{2,5}$"},
+    {"type": "string", "pattern": "^[0-9]{3}-[0-9]{4}$"},
+    {"type": "string", "format": "date"},
+    {"type": "string", "minLength": 2, "maxLength": 4},
+    {
+        "type": "object",
+        "properties": {"who": {"type": "object", "properties": {"name": NAME, "age": {"type": "integer"}}}},
+        "required": ["who"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "a": {
+                "type": "object",
+                "properties": {"b": {"type": "object", "properties": {"c": {"type": "integer"}}, "required": ["c"]}},
+                "required": ["b"],
+            }
+        },
+        "required": ["a"],
+    },
+    {
+        "type": "object",
+        "properties": {"name": NAME, "nick": NAME, "age": {"type": "integer", "minimum": 0}},
+        "required": ["name"],
+    },
+    {"type": "object", "properties": {"opt": NAME}},  # nothing required: {} is fine
+    {
+        "type": "object",
+        "properties": {"v": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 5}]}},
+        "required": ["v"],
+    },
+    {"anyOf": [{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}, {"type": "boolean"}]},
+    {"oneOf": [{"const": "x"}, {"const": "y"}]},
+    {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "items": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]},
+                "maxItems": 3,
+            }
+        },
+        "required": ["items"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "m": {
+                "type": "array",
+                "items": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+                "maxItems": 2,
+            }
+        },
+        "required": ["m"],
+    },
+    {"type": "object", "properties": {"p": {"type": "integer"}}, "required": ["p"], "additionalProperties": False},
+    {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string", "maxLength": 4}], "items": False},
+    {
+        "$defs": {
+            "pt": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                "required": ["x", "y"],
+            }
+        },
+        "type": "object",
+        "properties": {"from": {"$ref": "#/$defs/pt"}, "to": {"$ref": "#/$defs/pt"}},
+        "required": ["from", "to"],
+    },
+    {"type": "object", "properties": {"e": {"type": "string", "enum": ["é", "ü", "日本"]}}, "required": ["e"]},
+    {
+        "type": "object",
+        "properties": {"q": {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 50}},
+        "required": ["q"],
+    },
+    {
+        "type": "object",
+        "patternProperties": {"^x[0-9]$": {"type": "integer"}},
+        "additionalProperties": False,
+        "minProperties": 1,
+        "maxProperties": 2,
+    },
+    {
+        "type": "object",
+        "propertyNames": {"pattern": "^[a-c]{1,2}$"},
+        "additionalProperties": {"type": "boolean"},
+        "minProperties": 1,
+        "maxProperties": 2,
+    },
+    {"type": "array", "prefixItems": [{"type": "integer"}], "unevaluatedItems": False},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "unevaluatedProperties": False, "required": ["a"]},
+    {"type": ["integer", "null"], "title": "annotated", "description": "annotations change nothing"},
+    {"type": "string", "format": "uuid"},
+    {"type": "string", "format": "date-time"},
+]
+REGEXES = [
+    r"(yes|no)",
+    r"[a-z]{3,6}",
+    r"\d{1,3}\.\d{2}",
+    r"[A-Z][a-z]{1,8} [A-Z][a-z]{1,8}",
+    r"(ab|cd){2,3}!",
+    r"0x[0-9a-f]{4}",
+]
+EBNF = 'root ::= greeting " " name\ngreeting ::= "hail" | "good morrow"\nname ::= [A-Z] [a-z] [a-z]? [a-z]?'
+SAMPLES = 3
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_num_seqs=128)
+
+
+def sampled(spec, i, **kw) -> SamplingParams:
+    kw.setdefault("max_tokens", 400)
+    return SamplingParams(temperature=1.0, seed=1000 + i, structured_outputs=spec, **kw)
+
+
+def test_json_schemas_always_validate(llm):
+    assert len(SCHEMAS) >= 30
+    specs = [(s, StructuredOutputsParams(json=s)) for s in SCHEMAS for _ in range(SAMPLES)]
+    outs = llm.generate(["ROMEO:"] * len(specs), [sampled(sp, i) for i, (_, sp) in enumerate(specs)], use_tqdm=False)
+    for (schema, _), out in zip(specs, outs):
+        o = out.outputs[0]
+        assert o.finish_reason == "stop", (schema, o.text)
+        jsonschema.validate(json.loads(o.text), schema, format_checker=jsonschema.FormatChecker())
+
+
+def test_json_object_mode_gives_a_json_object(llm):
+    # any object: its strings are unbounded, and the bundled model rarely closes one, so some run to max_tokens
+    params = [sampled(StructuredOutputsParams(json_object=True), i, max_tokens=600) for i in range(6)]
+    outs = [out.outputs[0] for out in llm.generate(["JULIET:"] * 6, params, use_tqdm=False)]
+    stopped = [o for o in outs if o.finish_reason == "stop"]
+    assert len(stopped) >= 3
+    assert all(isinstance(json.loads(o.text), dict) for o in stopped)
+    assert all(o.text.startswith("{") and o.finish_reason == "length" for o in outs if o not in stopped)
+
+
+def test_regexes_choices_and_grammars_hold(llm):
+    cases = [(StructuredOutputsParams(regex=r), lambda t, r=r: re.fullmatch(r, t)) for r in REGEXES]
+    choices = ["Montague", "Capulet", "neither house"]
+    cases.append((StructuredOutputsParams(choice=choices), lambda t: t in choices))
+    cases.append(
+        (StructuredOutputsParams(grammar=EBNF), lambda t: re.fullmatch(r"(hail|good morrow) [A-Z][a-z]{1,3}", t))
+    )
+    cases = [c for c in cases for _ in range(SAMPLES)]
+    outs = llm.generate(
+        ["ROMEO:"] * len(cases), [sampled(spec, i) for i, (spec, _) in enumerate(cases)], use_tqdm=False
+    )
+    for (spec, holds), out in zip(cases, outs):
+        assert out.outputs[0].finish_reason == "stop" and holds(out.outputs[0].text), (spec, out.outputs[0].text)
+
+
+def test_with_and_without_a_grammar_in_one_batch(llm):
+    free = SamplingParams(temperature=1.0, max_tokens=24, seed=5)
+    alone = llm.generate(["ROMEO:"], [free], use_tqdm=False)[0].outputs[0].text
+    spec = StructuredOutputsParams(json=SCHEMAS[0])
+    outs = llm.generate(["ROMEO:", "ROMEO:", "JULIET:"], [sampled(spec, 1), free, sampled(spec, 2)], use_tqdm=False)
+    assert outs[1].outputs[0].text == alone  # the grammar rows' masks do not touch the free row
+    for i in (0, 2):
+        jsonschema.validate(json.loads(outs[i].outputs[0].text), SCHEMAS[0])
+    # greedy: a grammar that allows what the model would say anyway changes nothing
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    text = llm.generate(["ROMEO:"], [greedy], use_tqdm=False)[0].outputs[0].text
+    constrained = SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="(.|\n)*")
+    )
+    assert llm.generate(["ROMEO:"], [constrained], use_tqdm=False)[0].outputs[0].text == text
+
+
+def test_grammar_outputs_survive_preemption():
+    # 20 blocks of 16 tokens for 12 requests of about a hundred tokens each: some are preempted and recomputed
+    small = LLM(kv_cache_memory=20 * 131072, max_model_len=256, max_num_seqs=16)
+    specs = [StructuredOutputsParams(json=SCHEMAS[i % 6]) for i in range(12)]
+    outs = small.generate(["ROMEO:"] * 12, [sampled(s, i, max_tokens=200) for i, s in enumerate(specs)], use_tqdm=False)
+    assert small.stats()["num_preemptions"] > 0
+    for spec, out in zip(specs, outs):
+        jsonschema.validate(json.loads(out.outputs[0].text), json.loads(spec.json))
+
+
+def test_grammar_state_accepts_and_rolls_back(llm):
+    tok = llm.tokenizer
+    so = StructuredOutputs(llm.core.model_config.path, llm.core.vocab_size, llm.core.model_config.eos_token_ids)
+    state = so.submit(StructuredOutputsParams(choice=["Montague", "Capulet"])).result()
+    before = so.fill_bitmask([state]).clone()
+    ids = tok("Capulet", add_special_tokens=False)["input_ids"]
+    assert all(state.accept(t) for t in ids[:-1])
+    assert not state.accept(tok(" x", add_special_tokens=False)["input_ids"][0])  # refused, state unchanged
+    state.rollback(len(ids) - 1)
+    assert (so.fill_bitmask([state]) == before).all()
+    for t in ids:
+        assert state.accept(t)
+    assert not state.terminated
+    assert state.accept(llm.core.model_config.eos_token_ids[0]) and state.terminated
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (dict(json='{"type": "object", "properties": '), "not valid JSON"),
+        (dict(json={"type": "objekt"}), "JSON schema"),
+        (dict(regex="(unclosed"), "regex"),
+        (dict(grammar="root ::= undefined_rule"), "EBNF"),
+        (dict(structural_tag={"type": "nope"}), "structural tag"),
+        (dict(json={"type": "array", "uniqueItems": True}), "uniqueItems at \\$"),
+        (dict(json={"properties": {"a": {"allOf": [{"type": "integer"}]}}}), r"allOf at \$\.properties\.a"),
+        (dict(json={"type": "string", "format": "email", "maxLength": 9}), "together with format"),
+    ],
+)
+def test_bad_specs_are_refused_with_the_reason(spec, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        validate(StructuredOutputsParams(**spec))
+
+
+def test_spec_shape_errors():
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(InvalidRequestError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(InvalidRequestError, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="a"))
+
+
+def test_abort_while_compiling_leaves_nothing_behind(llm):
+    rid = llm.add_request(None, [1, 2, 3], sampled(StructuredOutputsParams(json={"type": "array"}), 0))
+    llm.abort(rid)
+    while llm.core.has_unfinished_requests():
+        llm.step()
+    assert llm.stats()["kv_cache_usage"] == 0
