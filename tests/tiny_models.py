@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -53,8 +55,44 @@ FAMILIES = {
 }
 
 
+# Families whose layers differ from Llama's more than by switches (Gemma's four norms a layer): tested in
+# tests/models (logits, engine runs), not by the dense families' shared tests, whose parameter counts (fulcrum
+# plan) model Llama's layer. Their norms get random weights too (transformers
+# initialises them to the identity, which would hide a wrong (1 + w)).
+MORE_FAMILIES = {
+    # layer_types alternate sliding/full; both caps inside the range of the random model's scores and logits, so
+    # that they bite
+    "gemma2": (
+        Gemma2Config,
+        dict(
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            final_logit_softcapping=3.0,
+            attn_logit_softcapping=1.0,
+        ),
+    ),
+    # a global layer between two sliding ones, each type with its own rope (local base 10k, global 1M linear x4)
+    "gemma3": (
+        Gemma3TextConfig,
+        dict(
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            head_dim=32,
+            query_pre_attn_scalar=48,
+            sliding_window=8,
+            rope_scaling=dict(rope_type="linear", factor=4.0),
+            rope_local_base_freq=10000.0,
+            final_logit_softcapping=3.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+PROMPT_MIN_LEN: dict[str, int] = {}  # families whose prompts must be longer than a few tokens
+
+
 def make_config(family: str, **overrides):
-    cls, extra = FAMILIES[family]
+    cls, extra = FAMILIES[family] if family in FAMILIES else MORE_FAMILIES[family]
     return cls(**{**COMMON, **extra, **overrides})
 
 
@@ -65,6 +103,13 @@ def save_tiny_model(family: str, folder: Path, seed: int = 0, shard_size: str | 
     cfg = make_config(family, **overrides)
     cfg.initializer_range = 0.1
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if family in MORE_FAMILIES:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight") and "gemma" in family:
+                    p.normal_(0.0, 0.2)  # the w of Gemma's (1 + w)
+                elif name.endswith("norm.weight"):
+                    p.uniform_(0.6, 1.4)
     folder.mkdir(parents=True, exist_ok=True)
     kw = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(folder, **kw)
@@ -76,4 +121,4 @@ def hf_model(folder: Path, dtype=torch.float32):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
 
 
-__all__ = ["FAMILIES", "save_tiny_model", "hf_model", "DEFAULT_MODEL"]
+__all__ = ["FAMILIES", "MORE_FAMILIES", "PROMPT_MIN_LEN", "save_tiny_model", "hf_model", "DEFAULT_MODEL"]

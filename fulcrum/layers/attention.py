@@ -97,12 +97,21 @@ def attach_kv_cache(
 
 class Attention(nn.Module):
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        # Gemma 2: scores become cap * tanh(scores / cap) before the softmax. Neither the CPU kernels nor SDPA can
+        # cap, so a capped layer takes the eager path (`_attend_eager`).
+        self.logit_softcap = logit_softcap
         self.gqa = num_heads != num_kv_heads
         # [num_blocks, block_size, kv_heads, head_dim], assigned by the model runner
         self.k_cache: torch.Tensor | None = None
@@ -184,6 +193,9 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [n, H, D], k/v [m, KVH, D] with the queries at the last n positions."""
         n, m = q.shape[0], k.shape[0]
+        if self.logit_softcap is not None:
+            mask = causal_mask(n, m, self.sliding_window, q.device)
+            return self._attend_eager(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask).transpose(0, 1)
         if cpu_attention.prefill_usable(q, k, v):
             return cpu_attention.prefill(q, k, v, self.scale, self.sliding_window)  # flash-style, no score matrix
         if q.device.type == "cpu" and n >= 64 and self.sliding_window is None:
@@ -195,6 +207,17 @@ class Attention(nn.Module):
             mask = causal_mask(n, m, self.sliding_window, q.device)
             o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
         return o.transpose(0, 1)
+
+    def _attend_eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Soft-capped attention as transformers' eager path computes it: q [..., H, n, hd], k/v [..., KVH, m, hd],
+        `mask` (True where allowed) broadcast to the scores [..., H, n, m]; scores and softmax in float32."""
+        g = self.num_heads // self.num_kv_heads
+        *lead, _, n, d = q.shape
+        qg = q.float().reshape(*lead, self.num_kv_heads, g * n, d)  # a KV head's query heads as its rows
+        scores = torch.matmul(qg, k.float().transpose(-1, -2)).view(*lead, self.num_heads, n, -1) * self.scale
+        scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).view(*lead, self.num_kv_heads, g * n, -1)
+        return torch.matmul(probs, v.float()).view(*lead, self.num_heads, n, d).to(q.dtype)
 
     def _attend_blocked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention on CPU as batched matmuls over blocks of PREFILL_BLOCK queries, each against only the
@@ -222,7 +245,7 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One query token per sequence, all sequences in one call: q [D, H, hd]."""
-        if cpu_attention.usable(q, self.k_cache, self.num_kv_heads):
+        if self.logit_softcap is None and cpu_attention.usable(q, self.k_cache, self.num_kv_heads):
             return cpu_attention.decode(
                 q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens,
                 self.scale, self.sliding_window, self.k_scales, self.v_scales,
@@ -240,6 +263,8 @@ class Attention(nn.Module):
             if self.sliding_window is not None:
                 mask &= pos >= ctx - self.sliding_window
             mask = meta.shared[key] = mask[:, None, None, :]
+        if self.logit_softcap is not None:
+            return self._attend_eager(q.unsqueeze(2), ks, vs, mask).squeeze(2)
         if self.gqa and q.dtype != torch.float32:
             # The query heads that share a KV head become that head's "query rows": one grouped call that
             # reads each KV head once, where enable_gqa on CPU in 16 bits expands K and V to every query head.

@@ -22,9 +22,12 @@ from fulcrum.utils.hf_config import layer_sliding_windows
 
 
 class LlamaAttention(nn.Module):
+    """`scale` (default head_dim ** -0.5), `logit_softcap` and `norm` (the q/k norm's class) are Gemma's switches."""
+
     def __init__(
-        self, cfg: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, dtype, quant
-    ):
+        self, cfg: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, dtype, quant,
+        scale: float | None = None, logit_softcap: float | None = None, norm: type[nn.Module] = RMSNorm,
+    ):  # fmt: skip
         super().__init__()
         hd = config_head_dim(cfg)
         prefix = f"model.layers.{layer_idx}.self_attn"  # the checkpoint's module names, which quant matches
@@ -39,11 +42,12 @@ class LlamaAttention(nn.Module):
             quant_method=quant(f"{prefix}.o_proj"),
         )  # fmt: skip
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, hd, hd**-0.5, sliding_window=layer_sliding_windows(cfg)[layer_idx]
-        )
+            self.num_heads, self.num_kv_heads, hd, hd**-0.5 if scale is None else scale,
+            sliding_window=layer_sliding_windows(cfg)[layer_idx], logit_softcap=logit_softcap,
+        )  # fmt: skip
         if qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
+            self.q_norm = norm(hd, cfg.rms_norm_eps, dtype=dtype)
+            self.k_norm = norm(hd, cfg.rms_norm_eps, dtype=dtype)
         self.qk_norm = qk_norm
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata):
@@ -59,9 +63,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: PretrainedConfig, bias: bool, dtype, quant, prefix: str):
+    """`act` takes the stacked [gate, up] to act(gate) * up: SwiGLU's unless another is given (Gemma's GELU)."""
+
+    def __init__(self, cfg: PretrainedConfig, bias: bool, dtype, quant, prefix: str, act: nn.Module | None = None):
         super().__init__()
-        if getattr(cfg, "hidden_act", "silu") != "silu":
+        if act is None and getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         inter = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -70,7 +76,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             inter, cfg.hidden_size, bias=bias, dtype=dtype, quant_method=quant(f"{prefix}.down_proj")
         )
-        self.act = SiluAndMul()
+        self.act = act or SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -119,6 +125,7 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     qk_norm = False
+    base_model_class: type[nn.Module] = LlamaModel  # the decoder stack under the LM head (Gemma has its own)
 
     @staticmethod
     def qkv_bias(cfg) -> bool:
@@ -134,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         quant = quant or (lambda prefix: None)
         self.config = cfg
-        self.model = LlamaModel(cfg, type(self), dtype, quant)
+        self.model = self.base_model_class(cfg, type(self), dtype, quant)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, quant_method=quant("lm_head"))
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
