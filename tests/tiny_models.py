@@ -12,6 +12,7 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -55,9 +56,15 @@ FAMILIES = {
 }
 
 
-# Families whose layers differ from Llama's more than by switches (Gemma's four norms a layer): tested in
-# tests/models (logits, engine runs), not by the dense families' shared tests, whose parameter counts (fulcrum
-# plan) model Llama's layer. Their norms get random weights too (transformers
+# Phi-3's LongRoPE rescales each of the head's 8 frequency pairs (head_dim 16) by its own factor
+_SHORT = [1.0, 1.1, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0]
+_LONG = [1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 12.0, 16.0]
+LONGROPE = dict(rope_type="longrope", short_factor=_SHORT, long_factor=_LONG)
+_PHI3_TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=None)  # Phi3Config's defaults lie beyond 2048
+
+# Families tested in tests/models (logits, engine runs) rather than by the dense families' shared tests: Gemma's
+# layers have four norms, which fulcrum plan's parameter counts (Llama's layer) do not model, and the long
+# LongRoPE's prompts must be longer than those tests' shortest. Their norms get random weights too (transformers
 # initialises them to the identity, which would hide a wrong (1 + w)).
 MORE_FAMILIES = {
     # layer_types alternate sliding/full; both caps inside the range of the random model's scores and logits, so
@@ -87,8 +94,17 @@ MORE_FAMILIES = {
             tie_word_embeddings=False,
         ),
     ),
+    "phi3": (Phi3Config, dict(sliding_window=8, **_PHI3_TOKENS)),
+    # LongRoPE where the whole context is the original one: the short factors, at every length
+    "phi3-longrope": (Phi3Config, dict(rope_scaling=LONGROPE, original_max_position_embeddings=512, **_PHI3_TOKENS)),
+    # a context 32x the original (16): the long factors and an attention factor of 1.5; transformers takes these
+    # only for sequences longer than 16, so this family's prompts are longer (PROMPT_MIN_LEN)
+    "phi3-longrope-long": (
+        Phi3Config,
+        dict(rope_scaling=LONGROPE, original_max_position_embeddings=16, **_PHI3_TOKENS),
+    ),
 }
-PROMPT_MIN_LEN: dict[str, int] = {}  # families whose prompts must be longer than a few tokens
+PROMPT_MIN_LEN = {"phi3-longrope-long": 17}  # families whose prompts must be longer than a few tokens
 
 
 def make_config(family: str, **overrides):

@@ -8,6 +8,7 @@ from transformers import PretrainedConfig
 from fulcrum.errors import UnsupportedArchitectureError
 from fulcrum.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from fulcrum.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from fulcrum.models.phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -16,6 +17,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
