@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from fulcrum.errors import InvalidRequestError, ModelLoadError
+from fulcrum.model_source import resolve_model
 
 DTYPES = {
     "float32": torch.float32,
@@ -75,11 +76,9 @@ def read_eos_token_ids(path: Path, hf_config: PretrainedConfig) -> list[int]:
 
 
 def model_path(model: str | Path | None) -> Path:
-    """The model folder a setting names (None: the bundled model), checked to be one."""
-    path = Path(model) if model is not None else DEFAULT_MODEL
-    if not (path / "config.json").exists():
-        raise ModelLoadError(f"{path} is not a model folder: config.json not found")
-    return path
+    """The model folder a setting names (None: the bundled model): a folder, a .gguf file's folder, or a Hub ID's
+    snapshot in the local Hugging Face cache (fulcrum.model_source)."""
+    return resolve_model(model if model is not None else DEFAULT_MODEL)
 
 
 @dataclass

@@ -17,6 +17,10 @@ class WeightLoadError(ModelLoadError):
     """A checkpoint tensor is missing, unexpected, or has the wrong shape."""
 
 
+class ModelNotCachedError(ModelLoadError):
+    """A Hugging Face Hub ID names a model the local Hugging Face cache does not hold (fulcrum never downloads)."""
+
+
 class InvalidRequestError(FulcrumError, ValueError):
     """A request or sampling parameter has an invalid value; `param` names the field (HTTP 400)."""
 
