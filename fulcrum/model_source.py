@@ -1,5 +1,6 @@
-"""What a model setting names, as a folder of Hugging Face files: a local folder, or a Hub ID found in the local
-Hugging Face cache (never downloaded)."""
+"""What a model setting names, as a folder of Hugging Face files: a local folder, a Hub ID found in the local
+Hugging Face cache (never downloaded), or a llama.cpp `.gguf` file, which gets a folder of its own
+(fulcrum.gguf_folder)."""
 
 from __future__ import annotations
 
@@ -7,25 +8,38 @@ import os
 from pathlib import Path
 
 from fulcrum.errors import ModelLoadError, ModelNotCachedError
+from fulcrum.gguf_folder import gguf_model_folder
 
 
 def resolve_model(model: str | Path) -> Path:
-    """The folder of Hugging Face files `model` stands for: the folder itself or, for a Hub ID (`org/name`,
-    optionally `@revision`) that is not a local path, its snapshot in the local cache."""
+    """The folder of Hugging Face files `model` stands for: the folder itself; a `.gguf` file's folder; or, for
+    a Hub ID (`org/name`, optionally `@revision`) that is not a local path, its snapshot in the local cache."""
     path = Path(model).expanduser()
     if path.is_dir():
         return _model_folder(path, str(path))
-    if path.exists():
-        raise ModelLoadError(f"{path} is a file, not a model folder")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path} is a file, neither a model folder nor a .gguf file")
+        return gguf_model_folder(path)
+    if path.suffix == ".gguf":
+        raise ModelLoadError(f"GGUF file {path} not found")
     if not _is_hub_id(str(model)):
         raise ModelLoadError(f"{model} is not a model folder: no such folder")
     return _model_folder(hub_snapshot(str(model)), f"{model} (Hugging Face cache snapshot {{folder}})")
 
 
 def _model_folder(folder: Path, what: str) -> Path:
+    """A folder with config.json, or one holding a single .gguf file and no config.json (how GGUF repos ship)."""
     if (folder / "config.json").exists():
         return folder
-    raise ModelLoadError(f"{what.format(folder=folder)} is not a model folder: config.json not found")
+    ggufs = sorted(folder.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return gguf_model_folder(ggufs[0])
+    what = what.format(folder=folder)
+    if ggufs:
+        names = ", ".join(g.name for g in ggufs)
+        raise ModelLoadError(f"{what} holds several GGUF files ({names}) and no config.json: give the file's path")
+    raise ModelLoadError(f"{what} is not a model folder: config.json not found")
 
 
 # -- the Hugging Face cache ------------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
-"""Weight loader for Hugging Face model folders: single or sharded safetensors, memory-mapped,
-with q/k/v and gate/up stacked into one parameter each. Fails loudly on a missing, unexpected or
-mis-shaped tensor, naming it."""
+"""Weight loader for Hugging Face model folders: single or sharded safetensors, memory-mapped, or the GGUF file
+behind a GGUF's folder (fulcrum.models.gguf), with q/k/v and gate/up stacked into one parameter each. Fails loudly
+on a missing, unexpected or mis-shaped tensor, naming it."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -14,7 +15,9 @@ from torch import nn
 
 from fulcrum.config import CHECKPOINT_QUANTIZATIONS, ModelConfig
 from fulcrum.errors import ModelLoadError, WeightLoadError, WeightShapeError
+from fulcrum.gguf_folder import GGUF_LINK
 from fulcrum.layers.linear import copy_checked
+from fulcrum.models.gguf import gguf_weights
 from fulcrum.models.registry import model_class
 from fulcrum.quant import describe, method_factory
 
@@ -67,10 +70,21 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 
 def load_weights(model: nn.Module, path: Path) -> None:
+    if (path / GGUF_LINK).exists():
+        file = Path(os.readlink(path / GGUF_LINK))  # the file as it was given (a Hub snapshot's link, not its blob)
+        weights, gguf_names = gguf_weights(model, file)
+        load_named_weights(model, weights, str(file), lambda name: f"{gguf_names.get(name, '?')} ({name})")
+    else:
+        load_named_weights(model, iterate_weights(path), str(path))
+
+
+def load_named_weights(model: nn.Module, weights, source: str, label=lambda name: name) -> None:
+    """Load (name, tensor) pairs under Hugging Face checkpoint names from `source` (a folder or file, for messages);
+    `label(name)` is how messages name a tensor (a GGUF file's own name with it)."""
     params = dict(model.named_parameters())
     tied = getattr(model, "tie_word_embeddings", False)
     loaded: dict[str, set] = {}
-    for name, tensor in iterate_weights(path):
+    for name, tensor in weights:
         if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
         param_name, shard = _packed_target(model, name)
@@ -79,18 +93,18 @@ def load_weights(model: nn.Module, path: Path) -> None:
             continue  # a zero bias the model has no place for (GPTQ tools write one for every linear layer)
         if param is None:
             raise WeightLoadError(
-                f"checkpoint tensor {name} {tuple(tensor.shape)} has no parameter in {type(model).__name__}"
+                f"checkpoint tensor {label(name)} {tuple(tensor.shape)} has no parameter in {type(model).__name__}"
             )
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
             loader(param, tensor, shard) if shard is not None else loader(param, tensor)
         except WeightShapeError as e:
             raise WeightLoadError(
-                f"tensor {name}: checkpoint shape {e.got}, model expects {e.expected}"
+                f"tensor {label(name)}: checkpoint shape {e.got}, model expects {e.expected}"
                 + (f" (shard {shard!r} of {param_name})" if shard is not None else "")
             ) from None
         except WeightLoadError as e:  # a quantized checkpoint's tensor of another dtype than its format's
-            raise WeightLoadError(f"tensor {name}: {e}") from None
+            raise WeightLoadError(f"tensor {label(name)}: {e}") from None
         loaded.setdefault(param_name, set()).add(shard)
 
     stacks = _expected_shards(model)
@@ -105,9 +119,9 @@ def load_weights(model: nn.Module, path: Path) -> None:
             if fragment:
                 src = next(s for s, (d, sh) in model.packed_modules_mapping.items() if d == fragment and sh == shard)
                 src = pname.replace(f".{fragment}.", f".{src}.")
-            missing.append(f"{src} (model expects {tuple(param.shape)}{' stacked' if fragment else ''})")
+            missing.append(f"{label(src)} (model expects {tuple(param.shape)}{' stacked' if fragment else ''})")
     if missing:
-        raise WeightLoadError(f"checkpoint {path} lacks {len(missing)} tensor(s): " + "; ".join(missing[:10]))
+        raise WeightLoadError(f"checkpoint {source} lacks {len(missing)} tensor(s): " + "; ".join(missing[:10]))
     finish_loading(model)
 
 

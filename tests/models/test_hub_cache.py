@@ -11,7 +11,7 @@ import pytest
 import torch
 from huggingface_hub import scan_cache_dir
 
-from fulcrum import LLM, SamplingParams
+from fulcrum import LLM, SamplingParams, gguf_folder
 from fulcrum.config import DEFAULT_MODEL, ModelConfig, model_path
 from fulcrum.errors import ModelLoadError, ModelNotCachedError
 from tests.engine.hf_reference import hf_greedy
@@ -45,6 +45,7 @@ def cache(tmp_path, monkeypatch):
     root = tmp_path / "hf-cache"
     root.mkdir()
     monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.setattr(gguf_folder, "gguf_cache_root", lambda: tmp_path / "gguf-cache")
     return root
 
 
@@ -116,6 +117,19 @@ def test_a_path_that_is_no_model_says_so(cache, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="config.json not found"):
         model_path(tmp_path / "empty")
+
+
+def test_a_gguf_repo_in_the_cache(cache, tmp_path):
+    """A GGUF repo (one .gguf file, no config.json) loads from the cache like a .gguf path."""
+    from tests.models.test_gguf import write_gguf
+
+    folder = save_tiny_model("qwen2", tmp_path / "qwen2")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    write_gguf(folder, repo / "tiny-qwen2-f32.gguf", "qwen2")
+    put_in_cache(repo, cache, "tiny-org/tiny-qwen2-GGUF")
+    config = ModelConfig.from_path("tiny-org/tiny-qwen2-GGUF")
+    assert config.path.name == "tiny-qwen2-f32" and config.hf_config.architectures == ["Qwen2ForCausalLM"]
 
 
 def test_fulcrum_generate_takes_a_hub_id(cache):
