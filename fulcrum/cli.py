@@ -160,10 +160,13 @@ def _serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         drain_timeout=args.drain_timeout,
         log_level=args.log_level,
+        tool_call_parser=args.tool_call_parser,
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fulcrum.server.tool_parsers import TOOL_PARSERS
+
     p = argparse.ArgumentParser(prog="fulcrum", description="LLM inference engine and inference-engineering toolkit")
     sub = p.add_subparsers(dest="verb", required=True)
 
@@ -184,6 +187,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting-requests", type=int, default=1024, help="beyond this, answer 503 + Retry-After")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     s.add_argument("--log-level", default="info")
+    s.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="how the model writes tool calls (tool_choice auto needs it; required and named work without it)",
+    )
+    s.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM's command lines: tool_choice auto is on whenever --tool-call-parser is given",
+    )
     add_engine_args(s)
     s.set_defaults(func=_serve)
 

@@ -133,14 +133,14 @@ _COMMON = {
     "truncate_prompt_tokens": _refused(),
     "allowed_token_ids": _refused(),
     "bad_words": _refused([]),
-    "response_format": _refused({"type": "text"}),
-    "structured_outputs": _refused(),
-    "guided_json": _refused(),
-    "guided_regex": _refused(),
-    "guided_choice": _refused(),
-    "guided_grammar": _refused(),
-    "structural_tag": _refused(),
-    "guided_decoding_backend": _refused(),
+    "response_format": _IMPL,
+    "structured_outputs": _IMPL,
+    "guided_json": _IMPL,
+    "guided_regex": _IMPL,
+    "guided_choice": _IMPL,
+    "guided_grammar": _IMPL,
+    "structural_tag": _IMPL,
+    "guided_decoding_backend": _refused("auto", "xgrammar"),  # the one backend fulcrum has
     "guided_whitespace_pattern": _refused(),
     "logits_processors": _refused(),
     "return_tokens_as_token_ids": _refused(False),
@@ -172,9 +172,9 @@ REQUEST_FIELDS: dict[str, dict[str, FieldSupport]] = {
         "metadata": _NOOP,
         "service_tier": _refused("auto", "default"),
         "store": _refused(False),
-        "tools": _refused([]),
-        "tool_choice": _refused("none", "auto"),
-        "parallel_tool_calls": _refused(True, False),  # means nothing without tools
+        "tools": _IMPL,
+        "tool_choice": _IMPL,
+        "parallel_tool_calls": _IMPL,
         "functions": _refused([]),
         "function_call": _refused("none", "auto"),
         "audio": _refused(),
@@ -238,6 +238,44 @@ class ErrorResponse(BaseModel):
 # -- shared pieces --------------------------------------------------------------------------------
 
 
+class StrictPart(BaseModel):
+    """A nested object of a request whose keys fulcrum knows all of: an unknown key is a 400, not ignored."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+
+class JsonSchemaFormat(StrictPart):
+    name: str | None = None  # OpenAI requires it; vLLM does not
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(StrictPart):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with, and only with, type json_schema")
+        if self.json_schema is not None and self.json_schema.schema_ is None:
+            raise ValueError("json_schema.schema is required")
+        return self
+
+
+class StructuredOutputsFields(StrictPart):
+    """vLLM's `structured_outputs` object (engine side: sampling_params.StructuredOutputsParams)."""
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    disable_any_whitespace: bool = False
+
+
 class StreamOptions(OpenAIBase):
     include_usage: bool = False
 
@@ -277,6 +315,14 @@ class SamplingFields(RequestBody):
     prompt_logprobs: Annotated[int, BeforeValidator(_no_bool), Field(ge=0, le=20)] | None = None
     # token id (as a string, as OpenAI sends it) -> bias in [-100, 100]
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    # structured output: OpenAI's response_format, vLLM's guided_* fields and structured_outputs object
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         """logit_bias with integer keys; a key that is not a token id is the client's error."""
@@ -355,10 +401,77 @@ class TextPart(OpenAIBase):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+
+
+class FunctionDefinition(StrictPart):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # with tool_choice required or a named function the schema is always enforced
+
+
+class ChatTool(StrictPart):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictPart):
+    name: FunctionName
+
+
+class NamedToolChoice(StrictPart):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(StrictPart):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(StrictPart):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBase):
     role: ROLES
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it: text content; tool calls' arguments as objects (the templates
+        of Qwen, Llama 3 and Mistral serialize them again)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                try:
+                    args = json.loads(c.function.arguments)
+                except json.JSONDecodeError:
+                    raise InvalidRequestError(
+                        f"tool call {c.id}: arguments must be JSON text, got {c.function.arguments[:80]!r}",
+                        param="messages",
+                    ) from None
+                calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
+            out["tool_calls"] = calls
+        return out
 
     def text(self) -> str:
         """Content as plain text (text parts of a multi-part message joined)."""
@@ -381,12 +494,34 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, BeforeValidator(_no_bool), Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self):
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise InvalidRequestError("tool_choice other than none needs tools", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in {t.function.name for t in self.tools}:
+                raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        if self.tools and len({t.function.name for t in self.tools}) != len(self.tools):
+            raise InvalidRequestError("tools must have distinct function names", param="tools")
+        return self
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: auto when tools are given, none otherwise."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
 
 class ChatLogprobEntry(BaseModel):
@@ -400,9 +535,21 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatLogprobEntry] | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -423,9 +570,22 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, as on completions
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fastapi import Request
 
 from fulcrum.errors import InvalidRequestError
@@ -18,6 +20,7 @@ from fulcrum.protocol import (
 from fulcrum.server.logprobs import chat_logprobs, prompt_logprobs
 from fulcrum.server.state import ServerState, sampling_params
 from fulcrum.server.streaming import Run, merged, usage_of
+from fulcrum.server.tools import ToolCalling, delta_calls, response_calls
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
@@ -25,9 +28,22 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.stream and req.prompt_logprobs is not None:
         raise InvalidRequestError("prompt_logprobs is not supported with stream", param="prompt_logprobs")
     tok = state.engine.tokenizer
-    ids = state.chat_ids(req.messages, req.add_generation_prompt)
+    tools = ToolCalling.of(req, state.tool_call_parser)
+    ids = state.chat_ids(req.messages, req.add_generation_prompt, tools.tools if tools else None)
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, req.max_completion_tokens or req.max_tokens, k, req.prompt_logprobs)
+    if tools is not None:
+        grammar = tools.grammar()
+        if grammar is not None and params.structured_outputs is not None:
+            raise InvalidRequestError(
+                "tool_choice required or a named function cannot be combined with another output constraint",
+                param="tool_choice",
+            )
+        params = replace(
+            params,
+            structured_outputs=grammar or params.structured_outputs,
+            skip_special_tokens=params.skip_special_tokens and tools.skip_special_tokens,
+        )
     run = await Run.start(merged(state.engine, [(None, ids)], params, req.priority))
     rid = random_id("chatcmpl")
 
@@ -40,16 +56,29 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             for j in range(req.n):
                 yield chunk([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))])
             sent: dict[int, int] = {}  # sample -> tokens already streamed
+            parsers = {j: tools.parser() for j in range(req.n)} if tools else {}
+            calls: dict[int, int] = {}  # sample -> tool calls streamed
             ro = None
             async for _, ro, deltas in run.items():
                 for j, delta in deltas.items():
                     out, done = ro.outputs[j], sent.get(j, 0)
                     lp = chat_logprobs(tok, out.token_ids[done:], out.logprobs[done:], k) if k is not None else None
                     sent[j] = len(out.token_ids)
-                    delta_msg = DeltaMessage(content=delta)
-                    yield chunk(
-                        [ChatStreamChoice(index=j, delta=delta_msg, logprobs=lp, finish_reason=out.finish_reason)]
-                    )
+                    finish = out.finish_reason
+                    if tools is None:
+                        delta_msg = DeltaMessage(content=delta)
+                    else:
+                        piece = parsers[j].feed(delta)
+                        if finish is not None:
+                            end = parsers[j].finish()
+                            piece.content = (piece.content or "") + (end.content or "") or None
+                            piece.tool_calls += end.tool_calls
+                        calls[j] = calls.get(j, 0) + sum(d.id is not None for d in piece.tool_calls)
+                        finish = tools.finish_reason(calls[j], finish)
+                        if piece.content is None and not piece.tool_calls and finish is None and lp is None:
+                            continue  # text held back: it may start a call
+                        delta_msg = DeltaMessage(content=piece.content, tool_calls=delta_calls(piece))
+                    yield chunk([ChatStreamChoice(index=j, delta=delta_msg, logprobs=lp, finish_reason=finish)])
             if req.stream_options and req.stream_options.include_usage and ro is not None:
                 yield chunk([], usage_of([ro]))
 
@@ -59,16 +88,22 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if not isinstance(last, dict):
         return last  # the client went away
     ro = last[0]
-    choices = [
-        ChatChoice(
-            index=j,
-            message=ChatResponseMessage(content=out.text),
-            logprobs=chat_logprobs(tok, out.token_ids, out.logprobs, k) if k is not None else None,
-            finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
+    choices = []
+    for j, out in enumerate(ro.outputs):
+        message, finish = ChatResponseMessage(content=out.text), out.finish_reason
+        if tools is not None:
+            extracted = tools.parser().extract(out.text)
+            message = ChatResponseMessage(content=extracted.content, tool_calls=response_calls(extracted))
+            finish = tools.finish_reason(len(extracted.tool_calls), finish)
+        choices.append(
+            ChatChoice(
+                index=j,
+                message=message,
+                logprobs=chat_logprobs(tok, out.token_ids, out.logprobs, k) if k is not None else None,
+                finish_reason=finish,
+                stop_reason=out.stop_reason,
+            )
         )
-        for j, out in enumerate(ro.outputs)
-    ]
     return ChatCompletionResponse(
         id=rid,
         model=state.model_name,

@@ -84,7 +84,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "the request body is not valid JSON", None
     loc = [str(x) for x in first.get("loc", []) if x != "body"]
     # a union (the completions prompt) reports one branch per error; the field is what a user needs
-    param = ".".join(x for x in loc if not x.startswith(("str", "list[", "constrained-", "function-"))) or None
+    param = ".".join(x for x in loc if x != "str" and not x.startswith(("list[", "constrained-", "function-"))) or None
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     cause = first.get("ctx", {}).get("error")
     if getattr(cause, "param", None):  # raised by our own validators, which know the field

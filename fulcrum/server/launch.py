@@ -53,6 +53,7 @@ def serve(
     max_waiting_requests: int = 1024,
     drain_timeout: float = 30.0,
     log_level: str = "info",
+    tool_call_parser: str | None = None,
 ) -> int:
     try:
         sock = bind_port(host, port)
@@ -61,7 +62,15 @@ def serve(
         return 1
     with sock:
         return _run(
-            sock, config, api_key, served_model_name, metrics_compat, max_waiting_requests, drain_timeout, log_level
+            sock,
+            config,
+            api_key,
+            served_model_name,
+            metrics_compat,
+            max_waiting_requests,
+            drain_timeout,
+            log_level,
+            tool_call_parser,
         )
 
 
@@ -74,6 +83,7 @@ def _run(
     max_waiting_requests: int,
     drain_timeout: float,
     log_level: str,
+    tool_call_parser: str | None = None,
 ) -> int:
     host, port = sock.getsockname()[:2]  # the port is the system's choice under --port 0
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -81,6 +91,7 @@ def _run(
     engine = AsyncLLM(config, max_waiting_requests=max_waiting_requests)
     name = served_model_name or engine.model_path.name
     state = ServerState(engine, name, api_key, ServerMetrics(name, compat_vllm=metrics_compat == "vllm"))
+    state.tool_call_parser = tool_call_parser
     app = build_app(state)
     # our own drain runs first (DrainingServer.shutdown); uvicorn's grace is for the answers it leaves
     uvicorn_config = uvicorn.Config(

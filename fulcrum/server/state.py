@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fulcrum.engine.async_llm import AsyncLLM
+from fulcrum.engine.structured import validate
 from fulcrum.errors import InvalidRequestError, ModelNotFoundError
 from fulcrum.protocol import ChatMessage, SamplingFields
-from fulcrum.sampling_params import SamplingParams
+from fulcrum.sampling_params import SamplingParams, StructuredOutputsParams
 from fulcrum.server.metrics import ServerMetrics
 from fulcrum.utils.tokenizer import chat_prompt_ids
 
@@ -20,15 +21,18 @@ class ServerState:
     api_key: str | None
     metrics: ServerMetrics
     draining: bool = False  # SIGTERM: requests in flight finish, new ones get 503
+    tool_call_parser: str | None = None  # --tool-call-parser: how the model writes tool calls
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model")
 
-    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        convo = [{"role": m.role, "content": m.text()} for m in messages]
+    def chat_ids(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
+        convo = [m.for_template() for m in messages]
         try:
-            return chat_prompt_ids(self.engine.tokenizer, convo, add_generation_prompt)
+            return chat_prompt_ids(self.engine.tokenizer, convo, add_generation_prompt, tools)
         except Exception as e:  # template errors (e.g. a role the template refuses) are the client's
             raise InvalidRequestError(f"messages cannot be rendered by the chat template: {e}", "messages") from e
 
@@ -61,4 +65,48 @@ def sampling_params(
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         logit_bias=logit_bias,
+        structured_outputs=structured_outputs(req),
     )
+
+
+def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The one output constraint a request asks for, whichever of OpenAI's or vLLM's fields it uses."""
+    asked: dict[str, dict] = {}
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        asked["response_format"] = {"json_object": True}
+    elif rf is not None and rf.type == "json_schema":
+        asked["response_format"] = {"json": rf.json_schema.schema_}
+    if req.structured_outputs is not None:
+        so = req.structured_outputs
+        asked["structured_outputs"] = {
+            "json": so.json_,
+            "regex": so.regex,
+            "choice": so.choice,
+            "grammar": so.grammar,
+            "json_object": bool(so.json_object),
+            "structural_tag": so.structural_tag,
+            "disable_any_whitespace": so.disable_any_whitespace,
+        }
+    for name, key in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+        ("structural_tag", "structural_tag"),
+    ):
+        if getattr(req, name) is not None:
+            asked[name] = {key: getattr(req, name)}
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise InvalidRequestError(f"give one output constraint, not {' and '.join(asked)}", param=next(iter(asked)))
+    ((name, spec),) = asked.items()
+    if isinstance(spec.get("json"), bool):  # the schemas `true` and `false`
+        spec["json"] = "true" if spec["json"] else "false"
+    try:
+        params = StructuredOutputsParams(**spec)
+        validate(params)  # the engine checks again; here a 400 can name the request's field
+    except InvalidRequestError as e:
+        raise InvalidRequestError(str(e), param=name) from None
+    return params

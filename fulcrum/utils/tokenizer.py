@@ -17,15 +17,19 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
 
 def chat_prompt_ids(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
 ) -> list[int]:
-    """Token ids of `messages` rendered through the model's chat template (by default ready for the reply)."""
+    """Token ids of `messages` rendered through the model's chat template (by default ready for the reply);
+    `tools` (OpenAI's function definitions) go to the template as transformers passes them."""
     if not messages:
         raise ValueError("messages must not be empty")
     if tokenizer.chat_template is None:
         raise ValueError("this model's tokenizer has no chat template")
     ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
     )
     return list(ids)
 

@@ -81,6 +81,20 @@ EFFECTS = {
         False,
         lambda b, base, path: b["usage"]["prompt_tokens"] < base["usage"]["prompt_tokens"],
     ),
+    # structured output: each way of asking gives text the constraint allows
+    "response_format": (
+        {"type": "json_schema", "json_schema": {"name": "who", "schema": {"enum": ["Romeo", "Juliet"]}}},
+        lambda b, base, path: text(b) in ('"Romeo"', '"Juliet"'),
+    ),
+    "structured_outputs": ({"choice": ["Romeo", "Juliet"]}, lambda b, base, path: text(b) in ("Romeo", "Juliet")),
+    "guided_json": ({"const": "Romeo"}, lambda b, base, path: text(b) == '"Romeo"'),
+    "guided_regex": ("(Romeo|Juliet)!", lambda b, base, path: text(b) in ("Romeo!", "Juliet!")),
+    "guided_choice": (["Romeo", "Juliet"], lambda b, base, path: text(b) in ("Romeo", "Juliet")),
+    "guided_grammar": ('root ::= "Ro" "meo"', lambda b, base, path: text(b) == "Romeo"),
+    "structural_tag": (
+        {"type": "structural_tag", "format": {"type": "const_string", "value": "Romeo"}},
+        lambda b, base, path: text(b) == "Romeo",
+    ),
 }
 # fields whose check needs a body of its own
 SPECIAL = {
@@ -93,17 +107,15 @@ SPECIAL = {
     "stream",
     "stream_options",
     "top_logprobs",
+    "tools",  # with tool_choice and parallel_tool_calls: below, and tests/server/test_tools.py
+    "tool_choice",
+    "parallel_tool_calls",
 }
 TEMPERATURE_1 = {"top_p", "top_k", "min_p", "seed"}
 # a non-default value a client could really send for a refused field (others get a made-up string)
 NON_DEFAULT = {
-    "response_format": {"type": "json_object"},
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-    "tool_choice": "required",
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": {"name": "f"},
-    "guided_json": {"type": "object"},
-    "guided_choice": ["a", "b"],
     "use_beam_search": True,
     "length_penalty": 2.0,
     "spaces_between_special_tokens": False,
@@ -112,7 +124,6 @@ NON_DEFAULT = {
     "add_special_tokens": True,
     "best_of": 2,
     "store": True,
-    "parallel_tool_calls": "yes",
     "allowed_token_ids": [1, 2],
     "truncate_prompt_tokens": 3,
 }
@@ -176,6 +187,10 @@ def test_fields_that_need_bodies_of_their_own(server, base, path):
     if path == CHAT:
         lp = ok(server, path, logprobs=True, top_logprobs=2).json()["choices"][0]["logprobs"]["content"]
         assert all(len(e["top_logprobs"]) == 2 for e in lp)
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"enum": [{}]}}}
+        called = ok(server, path, tools=[tool], tool_choice="required", parallel_tool_calls=False, max_tokens=60)
+        message = called.json()["choices"][0]["message"]
+        assert [c["function"] for c in message["tool_calls"]] == [{"name": "f", "arguments": "{}"}]
     else:
         # prompt as token ids
         ids = ids_of(server, "ROMEO:")
@@ -249,3 +264,35 @@ def test_cached_tokens_in_usage(server):
     assert a["prompt_tokens_details"]["cached_tokens"] < b["prompt_tokens_details"]["cached_tokens"]
     assert b["prompt_tokens_details"]["cached_tokens"] >= 32  # at least two full blocks of the shared prefix
     assert b["prompt_tokens_details"]["cached_tokens"] < b["prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    "extra, param, message",
+    [
+        ({"guided_regex": "(unclosed"}, "guided_regex", "regex"),
+        ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "uniqueItems"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{"}}},
+            "response_format",
+            "",
+        ),
+        ({"response_format": {"type": "json_object", "schema": {}}}, "response_format", ""),  # a key it does not have
+        ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
+        ({"structured_outputs": {"jsn": {}}}, "structured_outputs", ""),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_", "one output constraint"),
+        ({"guided_grammar": "root ::= nothing_defined"}, "guided_grammar", "EBNF"),
+        ({"guided_choice": ["a"], "ignore_eos": True}, "ignore_eos", "structured output"),
+    ],
+)
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+def test_structured_output_errors_are_400_naming_the_field(server, path, extra, param, message):
+    r = post(server, path, {**BASE[path], **extra})
+    assert_error(r, 400, param)
+    assert message in r.json()["error"]["message"]
+
+
+def test_unknown_keys_inside_tools_are_400(server):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}, "colour": "red"}}
+    r = post(server, CHAT, {**BASE[CHAT], "tools": [tool], "tool_choice": "required"})
+    assert_error(r, 400, "tools")

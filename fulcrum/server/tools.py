@@ -1,0 +1,125 @@
+"""Tool calling on /v1/chat/completions: which parser reads the model's calls, the grammar that makes
+`tool_choice: required` or a named function always produce valid calls in the parser's own format, and the
+parsed calls in OpenAI's shapes (whole and streamed)."""
+
+from __future__ import annotations
+
+import json
+
+from fulcrum.engine.structured.grammar import MAX_WHITESPACE, unenforced_keywords
+from fulcrum.errors import InvalidRequestError
+from fulcrum.protocol import (
+    ChatCompletionRequest,
+    DeltaFunction,
+    DeltaToolCall,
+    NamedToolChoice,
+    ResponseToolCall,
+    ToolCallFunction,
+)
+from fulcrum.sampling_params import StructuredOutputsParams
+from fulcrum.server.tool_parsers import ExtractedToolCalls, StreamDelta, ToolParser, get_tool_parser
+
+# the format a forced call is written in when the server was started without --tool-call-parser
+DEFAULT_FORCED_FORMAT = "hermes"
+NO_PARAMETERS = {"type": "object", "properties": {}}
+# A forced turn's calls are bounded: a model that prefers the separator to its end token (the bundled one does)
+# would otherwise write calls until max_tokens cuts one in half and none can be read.
+MAX_PARALLEL_CALLS = 8
+
+
+class ToolCalling:
+    """What one chat request does with tools (None from `of` when it has none, or tool_choice none)."""
+
+    def __init__(self, req: ChatCompletionRequest, parser_name: str | None):
+        self.choice = req.effective_tool_choice
+        self.tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        self.parallel = req.parallel_tool_calls
+        self.forced = self.choice == "required" or isinstance(self.choice, NamedToolChoice)
+        if not self.forced and parser_name is None:
+            raise InvalidRequestError(
+                'tool_choice "auto" needs a tool-call parser: start the server with --tool-call-parser '
+                "(hermes, llama3_json or mistral), or ask for tool_choice required or a named function",
+                param="tool_choice",
+            )
+        self.parser_name = parser_name or DEFAULT_FORCED_FORMAT
+        self.parser_class = type(get_tool_parser(self.parser_name))
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest, parser_name: str | None) -> ToolCalling | None:
+        if not req.tools or req.effective_tool_choice == "none":
+            return None
+        return cls(req, parser_name)
+
+    def parser(self) -> ToolParser:
+        """A fresh parser (streaming keeps state: one per sample)."""
+        return get_tool_parser(self.parser_name, self.tools)
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        return self.parser_name != "mistral"  # [TOOL_CALLS] is a special token of Mistral's tokenizers
+
+    def grammar(self) -> StructuredOutputsParams | None:
+        """For required and named choices: calls in the parser's format, each {"name": <a tool>, <arguments key>:
+        <an object of that tool's parameters schema>}; one call for a named function or without parallel calls."""
+        if not self.forced:
+            return None
+        named = self.choice.function.name if isinstance(self.choice, NamedToolChoice) else None
+        p = self.parser_class
+        tags = []
+        for tool in self.tools:
+            fn = tool["function"]
+            if named is not None and fn["name"] != named:
+                continue
+            schema = fn.get("parameters") or NO_PARAMETERS
+            unenforced = unenforced_keywords(schema)
+            if unenforced:
+                raise InvalidRequestError(
+                    f"the parameters of {fn['name']} use what a forced tool call cannot enforce: "
+                    + ", ".join(unenforced[:5]),
+                    param="tools",
+                )
+            tags.append(
+                {
+                    "type": "tag",
+                    "begin": f'{p.call_prefix}{{"name": {json.dumps(fn["name"])}, "{p.arguments_key}": ',
+                    "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE},
+                    "end": "}" + p.call_suffix,
+                }
+            )
+        call = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+        parts = [{"type": "const_string", "value": v} for v in (p.calls_prefix,) if v]
+        parts.append(call)
+        if named is None and self.parallel:
+            more = {"type": "sequence", "elements": [{"type": "const_string", "value": p.call_separator}, call]}
+            parts.append({"type": "repeat", "min": 0, "max": MAX_PARALLEL_CALLS - 1, "content": more})
+        parts += [{"type": "const_string", "value": v} for v in (p.calls_suffix,) if v]
+        fmt = parts[0] if len(parts) == 1 else {"type": "sequence", "elements": parts}
+        return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": fmt}))
+
+    def finish_reason(self, extracted_calls: int, finish_reason: str | None) -> str | None:
+        """OpenAI's: "tool_calls" when the model called tools of its own choice (auto, required); a named function's
+        call ends with "stop"."""
+        if extracted_calls and finish_reason == "stop" and not isinstance(self.choice, NamedToolChoice):
+            return "tool_calls"
+        return finish_reason
+
+
+def response_calls(extracted: ExtractedToolCalls) -> list[ResponseToolCall]:
+    return [
+        ResponseToolCall(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
+        for c in extracted.tool_calls
+    ]
+
+
+def delta_calls(delta: StreamDelta) -> list[DeltaToolCall] | None:
+    if not delta.tool_calls:
+        return None
+    return [
+        DeltaToolCall(
+            index=d.index,
+            id=d.id,
+            type="function" if d.id is not None else None,
+            function=DeltaFunction(name=d.name, arguments=d.arguments),
+        )
+        for d in delta.tool_calls
+    ]
