@@ -194,8 +194,7 @@ class Attention(nn.Module):
         """q [n, H, D], k/v [m, KVH, D] with the queries at the last n positions."""
         n, m = q.shape[0], k.shape[0]
         if self.logit_softcap is not None:
-            mask = causal_mask(n, m, self.sliding_window, q.device)
-            return self._attend_eager(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask).transpose(0, 1)
+            return self._attend_capped(q, k, v)
         if cpu_attention.prefill_usable(q, k, v):
             return cpu_attention.prefill(q, k, v, self.scale, self.sliding_window)  # flash-style, no score matrix
         if q.device.type == "cpu" and n >= 64 and self.sliding_window is None:
@@ -207,6 +206,20 @@ class Attention(nn.Module):
             mask = causal_mask(n, m, self.sliding_window, q.device)
             o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
         return o.transpose(0, 1)
+
+    def _attend_capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Soft-capped causal attention, PREFILL_BLOCK queries at a time against only the keys they can see (those
+        of their window), so that the scores of a long prompt are never held whole."""
+        n, m = q.shape[0], k.shape[0]
+        out = torch.empty_like(q)
+        for s in range(0, n, PREFILL_BLOCK):
+            e = min(n, s + PREFILL_BLOCK)
+            hi = m - n + e  # keys up to the block's last query
+            lo = 0 if self.sliding_window is None else max(0, m - n + s - self.sliding_window + 1)
+            mask = causal_mask(e - s, hi - lo, self.sliding_window, q.device)
+            kt, vt = k[lo:hi].transpose(0, 1), v[lo:hi].transpose(0, 1)
+            out[s:e] = self._attend_eager(q[s:e].transpose(0, 1), kt, vt, mask).transpose(0, 1)
+        return out
 
     def _attend_eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Soft-capped attention as transformers' eager path computes it: q [..., H, n, hd], k/v [..., KVH, m, hd],

@@ -1,12 +1,13 @@
 """Gemma 2 and 3 beyond the shared parity tests (tests/models/test_parity.py): that those tests can see what they
-claim to check (the sliding window, the soft-caps, Gemma 3's two ropes), the paths a cap-free Gemma 2 takes, and the
-configs fulcrum refuses."""
+claim to check (the sliding window, the soft-caps, Gemma 3's two ropes), the paths a cap-free Gemma 2 takes, the
+soft-capped attention against a float64 reference, and the configs fulcrum refuses."""
 
 import pytest
 import torch
 
 from fulcrum.config import ModelConfig
 from fulcrum.errors import ModelLoadError
+from fulcrum.layers.attention import Attention
 from fulcrum.models.loader import load_model
 from tests.models.test_parity import hf_logits, max_diff, our_logits, prompts
 from tests.tiny_models import hf_model, save_tiny_model
@@ -69,3 +70,26 @@ def test_bidirectional_attention_is_refused(tmp_path):
     folder = save_tiny_model("gemma3", tmp_path / "m", use_bidirectional_attention=True)
     with pytest.raises(ModelLoadError, match="use_bidirectional_attention"):
         _load(folder)
+
+
+def _capped_reference(q, k, v, scale, cap, window):
+    """Float64 soft-capped causal attention, queries at the last positions: q [n, H, hd], k/v [m, KVH, hd]."""
+    n, m, g = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    scores = torch.einsum("nhd,mhd->hnm", q.double(), k) * scale
+    scores = torch.tanh(scores / cap) * cap
+    q_pos, k_pos = torch.arange(m - n, m)[:, None], torch.arange(m)[None]
+    allowed = (k_pos <= q_pos) & (k_pos > q_pos - window if window else True)
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hnm,mhd->nhd", probs, v)
+
+
+@pytest.mark.parametrize("window", [None, 8, 200])
+@pytest.mark.parametrize("n, m", [(300, 300), (37, 300), (1, 1)])
+def test_capped_attention_equals_the_float64_reference(window, n, m):
+    """Blocks of 128 queries, each against the keys of its window only; fresh prompts and chunks after context."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(n, 8, 32, generator=g), torch.randn(m, 2, 32, generator=g), torch.randn(m, 2, 32, generator=g)
+    attn = Attention(8, 2, 32, 32**-0.5 * 3, sliding_window=window, logit_softcap=2.0)
+    out = attn._attend(q, k, v)
+    torch.testing.assert_close(out.double(), _capped_reference(q, k, v, 32**-0.5 * 3, 2.0, window), atol=1e-5, rtol=0)
