@@ -220,8 +220,9 @@ class ModelRunner:
                 if p.logit_bias:
                     bias[i, list(p.logit_bias)] = col(list(p.logit_bias.values()))
             meta.logit_bias = bias
-        if self.structured is not None:
-            meta.token_bitmask = self.structured.fill_bitmask([s.request.grammar for s in rows])
+        masks = self.structured.fill_bitmask([s.request.grammar for s in rows]) if self.structured else None
+        if masks is not None:
+            meta.token_bitmask, meta.bitmask_rows = masks
         if any(p.seed is not None for p in params):
             meta.generators = [s.request.generator for s in rows]
         wanted = [p.logprobs for p in params if p.logprobs is not None]

@@ -30,6 +30,7 @@ class SamplingMetadata:
     logit_bias: torch.Tensor | None = None  # [B, V] added to the logits (OpenAI's logit_bias)
     # [B, ceil(V / 32)] int32, bit t % 32 of word t // 32 set = token t allowed (a grammar's next tokens)
     token_bitmask: torch.Tensor | None = None
+    bitmask_rows: list[int] | None = None  # the rows with a grammar (None: all)
     generators: list[torch.Generator | None] | None = None
     max_num_logprobs: int = 0  # top-k logprobs to return (0 = only the sampled token's, -1 = none)
 
@@ -46,7 +47,7 @@ class Sampler(nn.Module):
         logits = logits.float()
         if meta.token_bitmask is not None:
             # first, as vLLM does: the logprobs returned are those of the tokens the grammar allows
-            logits = apply_token_bitmask(logits, meta.token_bitmask)
+            logits = apply_token_bitmask(logits, meta.token_bitmask, meta.bitmask_rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
         logits = self.apply_penalties(logits, meta)
         if meta.logit_bias is not None:
@@ -100,11 +101,13 @@ class Sampler(nn.Module):
         return torch.where(greedy_rows, greedy_tokens, sampled)
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """-inf where the bitmask forbids a token (words past the vocabulary's end are ignored)."""
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask.to(logits.device).unsqueeze(-1) >> bits) & 1).flatten(1)[:, : logits.shape[1]]
-    return logits.masked_fill(allowed == 0, float("-inf"))
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+    """-inf, in place, where the bitmask forbids a token, in `rows` (None: all). xgrammar's kernel (C++ on CPU, CUDA
+    or Triton on a GPU): on 2 cores it takes 32 x 152k logits in a fifth of the time of unpacking the bits in torch."""
+    import xgrammar
+
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[1], indices=rows)
+    return logits
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

@@ -212,12 +212,12 @@ def test_grammar_state_accepts_and_rolls_back(llm):
     tok = llm.tokenizer
     so = StructuredOutputs(llm.core.model_config.path, llm.core.vocab_size, llm.core.model_config.eos_token_ids)
     state = so.submit(StructuredOutputsParams(choice=["Montague", "Capulet"])).result()
-    before = so.fill_bitmask([state]).clone()
+    before = so.fill_bitmask([state])[0].clone()
     ids = tok("Capulet", add_special_tokens=False)["input_ids"]
     assert all(state.accept(t) for t in ids[:-1])
     assert not state.accept(tok(" x", add_special_tokens=False)["input_ids"][0])  # refused, state unchanged
     state.rollback(len(ids) - 1)
-    assert (so.fill_bitmask([state]) == before).all()
+    assert (so.fill_bitmask([state])[0] == before).all()
     for t in ids:
         assert state.accept(t)
     assert not state.terminated

@@ -187,8 +187,9 @@ class StructuredOutputs:
         """Compile on the worker thread; the future's result is a fresh GrammarState."""
         return self._pool.submit(lambda: GrammarState(self.compile(spec)))
 
-    def fill_bitmask(self, states: list[GrammarState | None]) -> torch.Tensor | None:
-        """The allowed-token bitmask of a batch (int32, 32 tokens a word); rows without a grammar allow all."""
+    def fill_bitmask(self, states: list[GrammarState | None]) -> tuple[torch.Tensor, list[int]] | None:
+        """The allowed-token bitmask of a batch (int32, 32 tokens a word; rows without a grammar allow all) and the
+        rows that have a grammar, or None when none has."""
         rows = [i for i, s in enumerate(states) if s is not None]
         if not rows:
             return None
@@ -198,7 +199,7 @@ class StructuredOutputs:
         else:
             for i in rows:
                 states[i].fill_bitmask(bitmask, i)
-        return bitmask
+        return bitmask, rows
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
