@@ -76,7 +76,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             inter, cfg.hidden_size, bias=bias, dtype=dtype, quant_method=quant(f"{prefix}.down_proj")
         )
-        self.act = act or SiluAndMul()
+        self.act = SiluAndMul() if act is None else act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
