@@ -602,6 +602,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # on the first chunk with text, if asked
 
 
 # -- models, tokenize ----------------------------------------------------------------------------

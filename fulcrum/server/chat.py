@@ -25,8 +25,6 @@ from fulcrum.server.tools import ToolCalling, delta_calls, response_calls
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
     state.check_model(req.model)
-    if req.stream and req.prompt_logprobs is not None:
-        raise InvalidRequestError("prompt_logprobs is not supported with stream", param="prompt_logprobs")
     tok = state.engine.tokenizer
     tools = ToolCalling.of(req, state.tool_call_parser)
     ids = state.chat_ids(req.messages, req.add_generation_prompt, tools.tools if tools else None)
@@ -49,8 +47,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
     if req.stream:
 
-        def chunk(choices, usage=None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=rid, model=state.model_name, choices=choices, usage=usage)
+        def chunk(choices, usage=None, prompt_lp=None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(
+                id=rid, model=state.model_name, choices=choices, usage=usage, prompt_logprobs=prompt_lp
+            )
 
         async def events():
             for j in range(req.n):
@@ -58,6 +58,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             sent: dict[int, int] = {}  # sample -> tokens already streamed
             parsers = {j: tools.parser() for j in range(req.n)} if tools else {}
             calls: dict[int, int] = {}  # sample -> tool calls streamed
+            prompt_sent = False
             ro = None
             async for _, ro, deltas in run.items():
                 for j, delta in deltas.items():
@@ -78,7 +79,12 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                         if piece.content is None and not piece.tool_calls and finish is None and lp is None:
                             continue  # text held back: it may start a call
                         delta_msg = DeltaMessage(content=piece.content, tool_calls=delta_calls(piece))
-                    yield chunk([ChatStreamChoice(index=j, delta=delta_msg, logprobs=lp, finish_reason=finish)])
+                    prompt_lp = None
+                    if req.prompt_logprobs is not None and not prompt_sent:  # with the first chunk of text
+                        prompt_lp, prompt_sent = prompt_logprobs(tok, ro.prompt_logprobs), True
+                    yield chunk(
+                        [ChatStreamChoice(index=j, delta=delta_msg, logprobs=lp, finish_reason=finish)], None, prompt_lp
+                    )
             if req.stream_options and req.stream_options.include_usage and ro is not None:
                 yield chunk([], usage_of([ro]))
 

@@ -19,8 +19,6 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         raise InvalidRequestError("best_of other than n is not supported", param="best_of")
     if req.stream and req.max_tokens == 0:
         raise InvalidRequestError("max_tokens 0 (scoring the prompt) is not supported with stream", "max_tokens")
-    if req.stream and req.prompt_logprobs is not None:
-        raise InvalidRequestError("prompt_logprobs is not supported with stream", param="prompt_logprobs")
     tok = state.engine.tokenizer
     prompts = tokenize_prompts(req.prompt, tok)
     k = req.logprobs
@@ -58,6 +56,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                     choice = CompletionChoice(
                         index=idx, text=text, logprobs=lp, finish_reason=out.finish_reason, stop_reason=out.stop_reason
                     )
+                    if done is None and req.prompt_logprobs is not None:  # with the choice's first chunk, as vLLM
+                        choice.prompt_logprobs = prompt_logprobs(tok, ro.prompt_logprobs)
                     yield response([choice])
                 if ro.finished:
                     finished[i] = ro

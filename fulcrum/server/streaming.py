@@ -125,8 +125,9 @@ class Run:
 
 def sse(event: BaseModel) -> str:
     body = event.model_dump()
-    if body.get("usage", 0) is None:  # usage rides only on the last chunk, when the client asked for it
-        del body["usage"]
+    for key in ("usage", "prompt_logprobs"):  # each rides on one chunk only, when the client asked for it
+        if body.get(key, 0) is None:
+            del body[key]
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 

@@ -254,7 +254,23 @@ def test_chat_prompt_logprobs(server):
     pl = r["prompt_logprobs"]
     assert pl[0] is None and len(pl) == r["usage"]["prompt_tokens"]
     assert all(len(e) == 1 and next(iter(e.values()))["logprob"] <= 0 for e in pl[1:])
-    assert_error(post(server, CHAT, {**BASE[CHAT], "prompt_logprobs": 1, "stream": True}), 400, "prompt_logprobs")
+    # streamed: on the first chunk with text, equal to the whole answer's
+    events = sse_events(post(server, CHAT, {**BASE[CHAT], "prompt_logprobs": 0, "stream": True}))
+    with_lp = [e for e in events if "prompt_logprobs" in e]
+    assert len(with_lp) == 1 and with_lp[0]["prompt_logprobs"] == pl
+
+
+def test_completion_prompt_logprobs_streamed(server):
+    whole = ok(server, CMPL, prompt_logprobs=2, n=2).json()["choices"]
+    events = sse_events(post(server, CMPL, {**BASE[CMPL], "prompt_logprobs": 2, "n": 2, "stream": True}))
+    firsts = {}
+    for e in events:
+        for c in e["choices"]:
+            firsts.setdefault(c["index"], c)
+    assert sorted(firsts) == [0, 1]
+    for i, c in firsts.items():
+        assert c["prompt_logprobs"] == whole[i]["prompt_logprobs"]
+    assert sum(1 for e in events for c in e["choices"] if c.get("prompt_logprobs")) == 2
 
 
 def test_cached_tokens_in_usage(server):
