@@ -8,6 +8,7 @@ from fulcrum.config import DEFAULT_MODEL, ModelConfig
 from fulcrum.layers.attention import AttentionMetadata
 from fulcrum.models.loader import load_model
 from fulcrum.utils.hf_config import head_dim
+from tests.engine.conftest import DEVICES
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_llm_parity import N_NEW, assert_all_blocks_free, greedy, make_llm, random_prompts
 from tests.tiny_models import FAMILIES, MORE_FAMILIES, PROMPT_MIN_LEN, hf_model, save_tiny_model
@@ -103,61 +104,65 @@ def _prompts(family: str, count: int, lo: int, hi: int, seed: int) -> list[list[
     return random_prompts(count, lo, max(lo, hi), seed)
 
 
-def assert_same_as_transformers(folder, prompt: list[int], out) -> None:
+def assert_same_as_transformers(folder, prompt: list[int], out, device: str) -> None:
     """The engine's greedy tokens and their logprobs (which see Gemma's final soft-cap, invisible to an argmax)."""
-    tokens, ref = hf_greedy(folder, prompt, len(out.token_ids))
+    tokens, ref = hf_greedy(folder, prompt, len(out.token_ids), device)
     assert out.token_ids == tokens
     for tok, entry, lp in zip(tokens, out.logprobs, ref):
         assert abs(entry[tok] - lp[tok].item()) <= 1e-4
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", MORE_FAMILIES)
-def test_engine_alone_and_batched_match_transformers(family, more_model_dir):
+def test_engine_alone_and_batched_match_transformers(family, device, more_model_dir):
     folder = more_model_dir(family)
     prompts = _prompts(family, 24, 3, 60, seed=1)
-    llm = make_llm(folder)
+    llm = make_llm(folder, device)
     alone = llm.generate([prompts[0]], greedy(), use_tqdm=False)[0].outputs[0].token_ids
     batch = llm.generate(prompts, greedy(), use_tqdm=False)
     for i in [0, 1, 17, 23]:
-        assert batch[i].outputs[0].token_ids == hf_greedy(folder, prompts[i], N_NEW)[0], f"prompt {i}"
+        assert batch[i].outputs[0].token_ids == hf_greedy(folder, prompts[i], N_NEW, device)[0], f"prompt {i}"
     assert alone == batch[0].outputs[0].token_ids
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", MORE_FAMILIES)
-def test_engine_chunked_prefill_matches(family, more_model_dir):
+def test_engine_chunked_prefill_matches(family, device, more_model_dir):
     """Chunks of 16 tokens in blocks of 8: every sliding window (8) straddles a chunk or a block boundary."""
     folder = more_model_dir(family)
     prompts = _prompts(family, 4, 40, 120, seed=2)
-    llm = make_llm(folder, max_num_batched_tokens=16, block_size=8)
+    llm = make_llm(folder, device, max_num_batched_tokens=16, block_size=8)
     for p, o in zip(prompts, llm.generate(prompts, greedy(logprobs=1), use_tqdm=False)):
-        assert_same_as_transformers(folder, p, o.outputs[0])
+        assert_same_as_transformers(folder, p, o.outputs[0], device)
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", MORE_FAMILIES)
-def test_engine_after_a_prefix_cache_hit(family, more_model_dir):
+def test_engine_after_a_prefix_cache_hit(family, device, more_model_dir):
     folder = more_model_dir(family)
     prefix = random_prompts(1, 64, 64, seed=3)[0]
     prompts = [prefix + tail for tail in random_prompts(3, 5, 20, seed=4)]
-    llm = make_llm(folder, block_size=16)
+    llm = make_llm(folder, device, block_size=16)
     llm.generate(prompts[:1], greedy(), use_tqdm=False)
     for p, o in zip(prompts[1:], llm.generate(prompts[1:], greedy(logprobs=1), use_tqdm=False)):
         assert o.metrics.num_cached_tokens == 64
-        assert_same_as_transformers(folder, p, o.outputs[0])
+        assert_same_as_transformers(folder, p, o.outputs[0], device)
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", MORE_FAMILIES)
-def test_engine_preemption_recomputes_to_the_same_tokens(family, more_model_dir):
+def test_engine_preemption_recomputes_to_the_same_tokens(family, device, more_model_dir):
     folder = more_model_dir(family)
     cfg = ModelConfig.from_path(folder).hf_config
     block_bytes = 8 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim(cfg) * 4  # fp32 k, v: 8 tokens
     prompts = _prompts(family, 6, 20, 40, seed=5)
     # 20 blocks: room for about three sequences at a time, so the rest wait or get preempted mid-decode
-    llm = make_llm(folder, block_size=8, kv_cache_memory=20 * block_bytes, max_model_len=160)
+    llm = make_llm(folder, device, block_size=8, kv_cache_memory=20 * block_bytes, max_model_len=160)
     outs = llm.generate(prompts, greedy(max_tokens=40), use_tqdm=False)
     assert llm.stats()["num_preemptions"] > 0
     for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == hf_greedy(folder, p, 40)[0]
+        assert o.outputs[0].token_ids == hf_greedy(folder, p, 40, device)[0]
     assert_all_blocks_free(llm)
