@@ -43,7 +43,10 @@ class EngineCore:
             config.model, config.dtype, config.max_model_len, config.quantization, config.quantization_group_size
         )
         self.runner = ModelRunner(config, self.model_config, own_process)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        # blocks fall out of the window only when they do for every layer (Gemma's global layers keep them all)
+        windows = {a.sliding_window for a in self.runner.attn_layers}
+        window = None if None in windows else max(windows)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, window)
         self.scheduler = Scheduler(config, self.model_config.max_model_len, self.kv)
         self.structured = StructuredOutputs(self.model_config.path, self.vocab_size, self.model_config.eos_token_ids)
         self.runner.structured = self.structured

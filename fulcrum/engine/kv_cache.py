@@ -3,6 +3,9 @@
 Full blocks are registered under a chained hash of their tokens. A freed block keeps its hash and
 goes to the tail of an LRU free queue, so a later request with the same prefix can take it back
 without recomputing; new allocations evict from the head (least recently freed) first.
+
+When every attention layer has a sliding window, the blocks a request's next tokens can no longer see
+are released as it goes (`release_out_of_window`): a long conversation holds about a window of blocks.
 """
 
 from __future__ import annotations
@@ -34,13 +37,17 @@ class KVCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None
+    ):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # the widest window, when every layer has one
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[int, Block] = {}  # block hash -> block
-        self.req_blocks: dict[str, list[Block]] = {}
+        # a request's blocks by position; None where a block fell out of the window and was released
+        self.req_blocks: dict[str, list[Block | None]] = {}
         self.req_hashes: dict[str, list[int]] = {}  # hashes of the request's full blocks, in order
         self.queries = self.hits = 0
 
@@ -50,7 +57,14 @@ class KVCacheManager:
         return len(self.free_queue)
 
     def block_table(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+        """Block ids by position. A released block's entry repeats the first block still held: the attention
+        never reads it (out of every layer's window), and it keeps finite data there, never another's fresh block."""
+        blocks = self.req_blocks.get(request_id, [])
+        live = next((b.block_id for b in blocks if b is not None), 0)
+        return [live if b is None else b.block_id for b in blocks]
+
+    def num_held_blocks(self, request_id: str) -> int:
+        return sum(b is not None for b in self.req_blocks.get(request_id, []))
 
     def _full_block_hashes(self, req: Request, num_tokens: int) -> list[int]:
         """Extend the request's chain of block hashes to cover the first `num_tokens` tokens."""
@@ -111,13 +125,31 @@ class KVCacheManager:
             self._cache_full_blocks(req, blocks, total)
         return True
 
-    def _cache_full_blocks(self, req: Request, blocks: list[Block], num_tokens: int) -> None:
+    def release_out_of_window(self, req: Request) -> None:
+        """Free the blocks wholly before the window of the request's next token (position num_computed_tokens
+        sees positions above num_computed_tokens - window). They keep their hash: a prefix hit can still take
+        them back while they wait in the free queue."""
+        if self.sliding_window is None:
+            return
+        blocks = self.req_blocks.get(req.request_id)
+        if not blocks:
+            return
+        first_seen = req.num_computed_tokens - self.sliding_window + 1
+        for i in range(min(max(first_seen, 0) // self.block_size, len(blocks))):
+            b = blocks[i]
+            if b is not None:
+                blocks[i] = None
+                b.ref_cnt -= 1
+                if b.ref_cnt == 0:
+                    self.free_queue[b.block_id] = b
+
+    def _cache_full_blocks(self, req: Request, blocks: list[Block | None], num_tokens: int) -> None:
         """Register the blocks that `num_tokens` known tokens fill completely."""
         num_full = min(num_tokens, req.num_tokens) // self.block_size
         hashes = self._full_block_hashes(req, num_full * self.block_size)
         for i in range(num_full):
             b = blocks[i]
-            if b.block_hash is None:
+            if b is not None and b.block_hash is None:
                 b.block_hash = hashes[i]
                 self.cached.setdefault(hashes[i], b)
 
@@ -125,6 +157,8 @@ class KVCacheManager:
         """Release a request's blocks. Tail blocks go to the free queue first so that they are
         evicted before the shared prefix blocks."""
         for b in reversed(self.req_blocks.pop(req.request_id, [])):
+            if b is None:
+                continue
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 self.free_queue[b.block_id] = b

@@ -103,6 +103,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            self.kv.release_out_of_window(req)
             while not self.kv.allocate_slots(req, n):
                 # only requests not yet scheduled in this step may be preempted
                 victim = max(self.running[i:], key=lambda r: (r.priority, r.arrival_time))
