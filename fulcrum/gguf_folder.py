@@ -20,8 +20,11 @@ log = logging.getLogger(__name__)
 # GGUF's name for an architecture -> the transformers class that fulcrum's registry runs it as. Mistral files say
 # "llama" too (llama.cpp converts them as Llama).
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-# In a GGUF file's folder: the link to the file, which the weight loader reads
+# In a GGUF file's folder: the link to the file, which the weight loader reads, and the file's table of tensors
+# (name, GGML type, shape in torch's order, byte offset and length), which gguf.GGUFReader takes seconds to rebuild
+# for a vocabulary of 150k tokens, since it parses every metadata string
 GGUF_LINK = "model.gguf"
+GGUF_TENSORS = "gguf_tensors.json"
 # Part of each folder's key: a change to what the folder holds (this module) must not reuse an older folder
 GGUF_FOLDER_VERSION = 1
 # Llama 3's original context, which its rope settings are stated against (see llama3_rope)
@@ -108,6 +111,17 @@ def _write_gguf_folder(file: Path, folder: Path) -> None:
             f"supported: {', '.join(sorted(GGUF_ARCHITECTURES))}"
         )
     names = {t.name for t in reader.tensors}
+    table = [
+        dict(
+            name=t.name,
+            type=t.tensor_type.name,
+            shape=[int(d) for d in reversed(t.shape)],
+            offset=int(t.data_offset),
+            nbytes=int(t.n_bytes),
+        )
+        for t in reader.tensors
+    ]
+    (folder / GGUF_TENSORS).write_text(json.dumps({"architecture": arch, "tensors": table}) + "\n")
 
     # transformers maps llama.cpp's metadata keys to a config (the same code `from_pretrained(gguf_file=)` runs)
     config = AutoConfig.from_pretrained(folder, gguf_file=GGUF_LINK)

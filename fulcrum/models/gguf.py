@@ -1,10 +1,13 @@
 """Weights from a llama.cpp GGUF file, under the Hugging Face checkpoint names fulcrum's loader takes: GGUF's
 tensor names mapped back with gguf's own table (the one llama.cpp's converter names them by), Llama's q/k rows put
-back in Hugging Face's rotary layout, and every block type gguf can dequantize (Q8_0, Q4_0 ...) dequantized."""
+back in Hugging Face's rotary layout, and every block type gguf can dequantize (Q8_0, Q4_0 ...) dequantized. The
+tensors are read from the memory-mapped file at the places the file's folder lists (fulcrum.gguf_folder)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +17,7 @@ import torch
 from torch import nn
 
 from fulcrum.errors import WeightLoadError
-from fulcrum.gguf_folder import FLOAT_DTYPES, read_gguf
+from fulcrum.gguf_folder import FLOAT_DTYPES, GGUF_LINK, GGUF_TENSORS
 from fulcrum.utils.hf_config import head_dim as config_head_dim
 
 log = logging.getLogger(__name__)
@@ -54,47 +57,53 @@ def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def tensor_values(t) -> torch.Tensor:
-    """A GGUF tensor as a torch tensor in torch's dimension order: F32/F16/BF16 as views of the mapped file,
-    blocks dequantized to float32 by gguf.quants."""
-    from gguf import GGMLQuantizationType, dequantize
+def tensor_values(raw: np.ndarray, ggml_type: str, shape: list[int]) -> torch.Tensor:
+    """A tensor's bytes as a torch tensor of `shape`: F32/F16/BF16 viewed as they are, blocks dequantized to
+    float32 by gguf.quants."""
+    from gguf import GGMLQuantizationType, dequantize, quant_shape_to_byte_shape
 
-    if t.tensor_type.name in FLOAT_DTYPES:
-        with warnings.catch_warnings():  # a read-only map: only ever copied from
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.from_numpy(t.data)
-        # numpy has no bfloat16: the reader gives its bytes, two per value
-        return data.view(torch.bfloat16) if t.tensor_type == GGMLQuantizationType.BF16 else data
-    try:
-        return torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type)))
-    except NotImplementedError:
-        raise WeightLoadError(
-            f"GGUF tensor {t.name} is stored as {t.tensor_type.name}, which gguf cannot dequantize"
-        ) from None
+    with warnings.catch_warnings():  # views of a read-only map: only ever copied from
+        warnings.simplefilter("ignore", UserWarning)
+        if ggml_type in ("F32", "F16"):
+            return torch.from_numpy(raw.view(np.float32 if ggml_type == "F32" else np.float16).reshape(shape))
+        if ggml_type == "BF16":  # numpy has no bfloat16
+            return torch.from_numpy(raw.view(np.int16).reshape(shape)).view(torch.bfloat16)
+    qtype = GGMLQuantizationType[ggml_type]
+    blocks = raw.reshape(quant_shape_to_byte_shape(shape, qtype))
+    return torch.from_numpy(np.ascontiguousarray(dequantize(blocks, qtype)))
 
 
-def gguf_weights(model: nn.Module, file: Path) -> tuple[Iterator[tuple[str, torch.Tensor]], dict[str, str]]:
-    """(name, tensor) under Hugging Face names for every tensor of the file, and each name's GGUF name (for the
-    loader's messages). A tensor the model has no place for fails naming it."""
-    reader = read_gguf(file)
-    arch = reader.get_field("general.architecture").contents()
+def gguf_weights(model: nn.Module, folder: Path) -> tuple[Iterator[tuple[str, torch.Tensor]], dict[str, str]]:
+    """(name, tensor) under Hugging Face names for every tensor of a GGUF folder's file, and each name's GGUF name
+    (for the loader's messages). A tensor the model has no place for, or that the file cuts short, fails naming it."""
+    file = Path(os.readlink(folder / GGUF_LINK))  # the file as it was given (a Hub snapshot's link, not its blob)
+    listing = json.loads((folder / GGUF_TENSORS).read_text())
+    arch, table = listing["architecture"], listing["tensors"]
+    data = np.memmap(file, dtype=np.uint8, mode="r")
     to_hf = gguf_to_hf_names(model, arch)
     cfg = model.config
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
     hd = config_head_dim(cfg)
-    blocks = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type.name not in FLOAT_DTYPES})
+    blocks = sorted({t["type"] for t in table} - FLOAT_DTYPES.keys())
     if blocks:
         log.info("GGUF %s: dequantizing %s at load (fulcrum has no kernel for GGUF blocks)", file, ", ".join(blocks))
 
     def tensors():
-        for t in reader.tensors:
-            if t.name in CONSUMED:
+        for t in table:
+            if t["name"] in CONSUMED:
                 continue
-            name = to_hf.get(t.name)
+            name = to_hf.get(t["name"])
             if name is None:
-                shape = tuple(int(d) for d in reversed(t.shape))
-                raise WeightLoadError(f"GGUF tensor {t.name} {shape} has no parameter in {type(model).__name__}")
-            w = tensor_values(t)
+                raise WeightLoadError(
+                    f"GGUF tensor {t['name']} {tuple(t['shape'])} has no parameter in {type(model).__name__}"
+                )
+            end = t["offset"] + t["nbytes"]
+            if end > len(data):
+                raise WeightLoadError(f"GGUF file {file} is truncated: tensor {t['name']} ends at byte {end}")
+            try:
+                w = tensor_values(data[t["offset"] : end], t["type"], t["shape"])
+            except NotImplementedError:
+                raise WeightLoadError(f"GGUF tensor {t['name']} is {t['type']}, which gguf cannot dequantize") from None
             module = name.rsplit(".", 2)[-2]
             if arch == "llama" and module in heads and w.shape[0] == heads[module] * hd:
                 w = unpermute_rotary(w, heads[module])

@@ -71,9 +71,9 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 def load_weights(model: nn.Module, path: Path) -> None:
     if (path / GGUF_LINK).exists():
-        file = Path(os.readlink(path / GGUF_LINK))  # the file as it was given (a Hub snapshot's link, not its blob)
-        weights, gguf_names = gguf_weights(model, file)
-        load_named_weights(model, weights, str(file), lambda name: f"{gguf_names.get(name, '?')} ({name})")
+        weights, gguf_names = gguf_weights(model, path)
+        file = os.readlink(path / GGUF_LINK)
+        load_named_weights(model, weights, file, lambda name: f"{gguf_names.get(name, '?')} ({name})")
     else:
         load_named_weights(model, iterate_weights(path), str(path))
 
