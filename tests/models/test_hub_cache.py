@@ -64,12 +64,17 @@ def test_hub_id_generates_what_the_folder_does(family, cache, tmp_path):
     folder = save_tiny_model(family, tmp_path / family)
     snapshot = put_in_cache(folder, cache, f"tiny-org/tiny-{family}")
     assert model_path(f"tiny-org/tiny-{family}") == snapshot
-    llm = LLM(model=f"tiny-org/tiny-{family}", dtype="float32", kv_cache_memory=16 << 20, seed=0)
     g = torch.Generator().manual_seed(5)
     batch = [torch.randint(5, 2048, (n,), generator=g).tolist() for n in (4, 31)]
-    outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-    for p, o in zip(batch, outs):
-        assert o.outputs[0].token_ids == hf_greedy(folder, p, 10)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def tokens(model):
+        llm = LLM(model=model, dtype="float32", kv_cache_memory=16 << 20, seed=0)
+        return [o.outputs[0].token_ids for o in llm.generate(batch, greedy, use_tqdm=False)]
+
+    by_id = tokens(f"tiny-org/tiny-{family}")
+    assert by_id == tokens(str(folder))
+    assert by_id == [hf_greedy(folder, p, 10)[0] for p in batch]
 
 
 def test_revision_by_branch_tag_or_commit(cache, tmp_path):
