@@ -57,15 +57,16 @@ class ModelRunner:
         self.vocab_size = model_config.hf_config.vocab_size
         self.block_size = engine_config.block_size
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        a = self.attn_layers[0]
         self.kv_format = kv_quant.kv_format(engine_config.kv_cache_dtype)
         self.kv_cache_dtype_name = (
             str(model_config.dtype).removeprefix("torch.")
             if self.kv_format is None
             else (f"{self.kv_format.name} with a scale per token and head")
         )
-        head_bytes = kv_quant.bytes_per_head(self.kv_format, a.head_dim, model_config.dtype)
-        self.bytes_per_block = 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * head_bytes
+        # each layer says what a token costs in its cache (k and v per KV head, or MLA's one latent)
+        self.bytes_per_block = self.block_size * sum(
+            a.kv_bytes_per_token(model_config.dtype, self.kv_format) for a in self.attn_layers
+        )
         self.num_blocks = self._num_kv_blocks()
         if self.num_blocks * self.block_size < model_config.max_model_len:
             raise KVCacheTooSmallError(

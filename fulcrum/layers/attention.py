@@ -81,18 +81,14 @@ def attach_kv_cache(
     device,
     empty=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One paged cache for `layers`: [2, layers, blocks, block_size, kv_heads, head_dim] of `dtype` (the format's
-    when `fmt` quantizes it, with its scales [2, layers, blocks, block_size, kv_heads]), each layer given its views.
+    """One paged cache for `layers`, each layer given its views, laid out as their class lays it out
+    (`allocate_cache`: k and v per KV head here; one latent per token for multi-head latent attention).
     `empty(shape, dtype)` allocates the values zeroed (default torch.zeros on `device`)."""
-    a = layers[0]
-    shape = (2, len(layers), num_blocks, block_size, a.num_kv_heads, a.head_dim)
+    kinds = {type(layer) for layer in layers}
+    if len(kinds) > 1:
+        raise ValueError(f"one paged cache serves one kind of attention layer, not {sorted(k.__name__ for k in kinds)}")
     empty = empty or (lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device))
-    cache = empty(shape, dtype if fmt is None else fmt.dtype)
-    scales = None if fmt is None else empty(shape[:-1], kv_quant.SCALE_DTYPE)
-    for i, layer in enumerate(layers):
-        layer_scales = (None, None) if scales is None else (scales[0, i], scales[1, i])
-        layer.set_cache(cache[0, i], cache[1, i], fmt, *layer_scales)
-    return cache, scales
+    return type(layers[0]).allocate_cache(layers, num_blocks, block_size, dtype, fmt, empty)
 
 
 class Attention(nn.Module):
@@ -121,6 +117,23 @@ class Attention(nn.Module):
         self.kv_format: KVFormat | None = None
         self.k_scales: torch.Tensor | None = None
         self.v_scales: torch.Tensor | None = None
+
+    def kv_bytes_per_token(self, dtype: torch.dtype, fmt: KVFormat | None) -> int:
+        """Cache bytes one token takes in this layer: its k and v of every KV head (with their scales if quantized)."""
+        return 2 * self.num_kv_heads * kv_quant.bytes_per_head(fmt, self.head_dim, dtype)
+
+    @classmethod
+    def allocate_cache(cls, layers, num_blocks, block_size, dtype, fmt, empty):
+        """[2, layers, blocks, block_size, kv_heads, head_dim] of `dtype` (the format's when `fmt` quantizes it,
+        with its scales [2, layers, blocks, block_size, kv_heads]); returns (cache, scales)."""
+        a = layers[0]
+        shape = (2, len(layers), num_blocks, block_size, a.num_kv_heads, a.head_dim)
+        cache = empty(shape, dtype if fmt is None else fmt.dtype)
+        scales = None if fmt is None else empty(shape[:-1], kv_quant.SCALE_DTYPE)
+        for i, layer in enumerate(layers):
+            layer_scales = (None, None) if scales is None else (scales[0, i], scales[1, i])
+            layer.set_cache(cache[0, i], cache[1, i], fmt, *layer_scales)
+        return cache, scales
 
     def set_cache(self, k_cache, v_cache, fmt: KVFormat | None = None, k_scales=None, v_scales=None) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
