@@ -6,6 +6,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from fulcrum.errors import UnsupportedArchitectureError
+from fulcrum.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from fulcrum.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from fulcrum.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from fulcrum.models.phi3 import Phi3ForCausalLM
@@ -18,6 +19,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

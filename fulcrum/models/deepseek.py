@@ -1,0 +1,177 @@
+"""DeepSeek-V2 and V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM): multi-head latent attention in every layer
+(fulcrum.layers.mla: the queries from a low-rank q_a/q_b pair, or V2-Lite's plain q_proj; keys and values from one
+compressed latent), Llama's SwiGLU MLP in the first first_k_dense_replace layers and a mixture of experts after.
+
+RoPE touches only the qk_rope_head_dim part of the query and the one RoPE key all heads share; the checkpoints lay
+its dimensions out in interleaved pairs (V2 always, V3 unless rope_interleave is false). With YaRN scaling DeepSeek
+scales the softmax by mscale(factor, mscale_all_dim) squared as well as cos and sin by YaRN's attention factor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from fulcrum.config import rope_parameters
+from fulcrum.errors import ModelLoadError
+from fulcrum.layers.attention import AttentionMetadata
+from fulcrum.layers.embedding import VocabParallelEmbedding
+from fulcrum.layers.layernorm import RMSNorm
+from fulcrum.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
+from fulcrum.layers.mla import MLAAttention
+from fulcrum.layers.rotary import RotaryEmbedding, apply_rotary
+from fulcrum.models.llama import LlamaForCausalLM, LlamaMLP
+
+# transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default, not config.rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+
+
+def softmax_scale(cfg: PretrainedConfig) -> float:
+    """qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared when the rope is scaled and the
+    config gives mscale_all_dim (transformers' yarn_apply_mscale): the longer context's logits are scaled up."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    params = rope_parameters(cfg)
+    mscale_all_dim = params.get("mscale_all_dim")
+    if params["rope_type"] != "default" and mscale_all_dim:
+        factor = params["factor"]
+        mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE over interleaved pairs (x0, x1), (x2, x3) ... from the rotate-half tables (cos and signed sin, whose
+    first half holds each pair's angle), the result de-interleaved (evens, then odds) as transformers' V3 returns
+    it. q and k come out permuted alike, so their dot products are the interleaved rotation's."""
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., half:]  # sin's second half carries the + sign
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+
+
+class DeepseekAttention(nn.Module):
+    """The projections around MLAAttention, under the checkpoint's names. q_a_proj and kv_a_proj_with_mqa are
+    replicated across tensor-parallel ranks (LinearBase: no split), as is the latent cache; the heads split."""
+
+    def __init__(self, cfg: PretrainedConfig, layer_idx: int, interleaved: bool, dtype, quant):
+        super().__init__()
+        prefix = f"model.layers.{layer_idx}.self_attn"
+        heads, hidden, bias = cfg.num_attention_heads, cfg.hidden_size, bool(cfg.attention_bias)
+        self.q_lora_rank, self.kv_lora_rank = cfg.q_lora_rank, cfg.kv_lora_rank
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        qk = self.nope + self.rope_dim
+        if self.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, heads * qk, dtype=dtype, quant_method=quant(f"{prefix}.q_proj"))
+        else:
+            self.q_a_proj = LinearBase(
+                hidden, [self.q_lora_rank], bias=bias, dtype=dtype, quant_method=quant(f"{prefix}.q_a_proj")
+            )
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, dtype=dtype)
+            self.q_b_proj = ColumnParallelLinear(
+                self.q_lora_rank, heads * qk, dtype=dtype, quant_method=quant(f"{prefix}.q_b_proj")
+            )
+        self.kv_a_proj_with_mqa = LinearBase(
+            hidden, [self.kv_lora_rank + self.rope_dim], bias=bias, dtype=dtype,
+            quant_method=quant(f"{prefix}.kv_a_proj_with_mqa"),
+        )  # fmt: skip
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, dtype=dtype)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, heads * (self.nope + self.v_dim), dtype=dtype, quant_method=quant(f"{prefix}.kv_b_proj")
+        )
+        self.o_proj = RowParallelLinear(
+            heads * self.v_dim, hidden, bias=bias, dtype=dtype, quant_method=quant(f"{prefix}.o_proj")
+        )
+        self.num_heads = self.o_proj.input_size // self.v_dim  # this rank's heads
+        self.dtype = dtype or torch.get_default_dtype()
+        self.interleaved = interleaved
+        self.attn = MLAAttention(
+            self.num_heads, self.kv_lora_rank, self.nope, self.rope_dim, self.v_dim, softmax_scale(cfg)
+        )
+
+    def after_loading(self) -> None:
+        """kv_b_proj's weights move into the attention as W_UK and W_UV (prefill expands with them, decode absorbs
+        them); the projection itself is dropped, so its weights are held once."""
+        self.attn.load_up_projection(self.kv_b_proj, self.dtype)
+        del self.kv_b_proj
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata):
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(-1, self.num_heads, self.nope + self.rope_dim).split([self.nope, self.rope_dim], -1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        k_pe = k_pe.unsqueeze(1)  # the one RoPE key all heads share, [T, 1, rope]
+        if self.interleaved:
+            q_pe, k_pe = rotate_pairs(q_pe, *rope), rotate_pairs(k_pe, *rope)
+        else:
+            q_pe, k_pe = apply_rotary(q_pe, k_pe, *rope)
+        o = self.attn(torch.cat((q_nope, q_pe), -1), torch.cat((latent, k_pe.squeeze(1)), -1), meta)
+        return self.o_proj(o.reshape(-1, self.num_heads * self.v_dim))
+
+
+def dense_layers(cfg: PretrainedConfig) -> int:
+    """How many leading layers have a dense MLP (the rest have experts)."""
+    return min(cfg.num_hidden_layers, cfg.first_k_dense_replace or 0)
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: PretrainedConfig, layer_idx: int, family: type[DeepseekV2ForCausalLM], dtype, quant):
+        super().__init__()
+        self.self_attn = DeepseekAttention(cfg, layer_idx, family.rope_interleaved(cfg), dtype, quant)
+        prefix = f"model.layers.{layer_idx}.mlp"
+        if layer_idx < dense_layers(cfg):
+            self.mlp = LlamaMLP(cfg, bool(getattr(cfg, "mlp_bias", False)), dtype, quant, prefix)
+        else:
+            raise ModelLoadError(
+                f"{family.__name__}: layer {layer_idx} is a mixture of experts (first_k_dense_replace="
+                f"{cfg.first_k_dense_replace} of {cfg.num_hidden_layers} layers), which fulcrum cannot run yet; "
+                "only DeepSeek configs whose layers are all dense load"
+            )
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    def forward(self, rope, x, meta):
+        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, cfg: PretrainedConfig, family: type[DeepseekV2ForCausalLM], dtype, quant):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(cfg, i, family, dtype, quant) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        # the table covers the RoPE part of a head only
+        self.rotary_emb = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, x.dtype)  # one lookup for all layers
+        for layer in self.layers:
+            x = layer(rope, x, meta)
+        return self.norm(x)
+
+
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    # the MLP's gate and up stack as Llama's; the attention's projections load under their own names
+    packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    base_model_class = DeepseekModel
+
+    @staticmethod
+    def rope_interleaved(cfg) -> bool:
+        return True  # V2 rotates complex pairs
+
+    def after_loading(self) -> None:
+        super().after_loading()
+        for layer in self.model.layers:
+            layer.self_attn.after_loading()
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    @staticmethod
+    def rope_interleaved(cfg) -> bool:
+        return bool(getattr(cfg, "rope_interleave", True))
