@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
     Gemma2Config,
     Gemma3TextConfig,
     LlamaConfig,
@@ -107,8 +109,43 @@ MORE_FAMILIES = {
 PROMPT_MIN_LEN = {"phi3-longrope-long": 17}  # families whose prompts must be longer than a few tokens
 
 
+# Multi-head latent attention (DeepSeek-V2/V3): every layer dense (first_k_dense_replace = num_hidden_layers), a
+# latent of 32 + a RoPE key of 8 per token, heads of 16 + 8 for q/k and 16 for v; YaRN x4 over an original 128 as the
+# real configs scale (V2's mscale 0.707, V3's 1.0), which scales the softmax as well as cos and sin
+_MLA = dict(
+    num_key_value_heads=4,  # the config's own field; MLA has no KV heads (transformers wants it = the heads)
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    first_k_dense_replace=2,
+    tie_word_embeddings=False,
+)
+
+
+def _yarn(mscale: float, mscale_all_dim: float) -> dict:
+    return dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=128, beta_fast=32, beta_slow=1,
+        mscale=mscale, mscale_all_dim=mscale_all_dim,
+    )  # fmt: skip
+
+
+MLA_FAMILIES = {
+    # V2-Lite's shape: no query compression (q_proj), complex-pair RoPE
+    "deepseek-v2": (DeepseekV2Config, dict(_MLA, q_lora_rank=None, rope_scaling=_yarn(0.707, 0.707))),
+    # V3's: the query through a rank-24 latent with its own norm, interleaved RoPE
+    "deepseek-v3": (DeepseekV3Config, dict(_MLA, q_lora_rank=24, rope_scaling=_yarn(1.0, 1.0))),
+    # rotate-half RoPE (rope_interleave false), biases on q_a/kv_a/o, and mscales that differ, so YaRN's attention
+    # factor on cos and sin is not 1 (1.065) beside the softmax's mscale
+    "deepseek-v3-rotate-half": (
+        DeepseekV3Config,
+        dict(_MLA, q_lora_rank=24, rope_interleave=False, attention_bias=True, rope_scaling=_yarn(1.0, 0.5)),
+    ),
+}
+
+
 def make_config(family: str, **overrides):
-    cls, extra = FAMILIES[family] if family in FAMILIES else MORE_FAMILIES[family]
+    cls, extra = FAMILIES[family] if family in FAMILIES else {**MORE_FAMILIES, **MLA_FAMILIES}[family]
     return cls(**{**COMMON, **extra, **overrides})
 
 
@@ -119,7 +156,7 @@ def save_tiny_model(family: str, folder: Path, seed: int = 0, shard_size: str | 
     cfg = make_config(family, **overrides)
     cfg.initializer_range = 0.1
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    if family in MORE_FAMILIES:
+    if family in MORE_FAMILIES or family in MLA_FAMILIES:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight") and "gemma" in family:
@@ -137,4 +174,12 @@ def hf_model(folder: Path, dtype=torch.float32):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
 
 
-__all__ = ["FAMILIES", "MORE_FAMILIES", "PROMPT_MIN_LEN", "save_tiny_model", "hf_model", "DEFAULT_MODEL"]
+__all__ = [
+    "FAMILIES",
+    "MORE_FAMILIES",
+    "MLA_FAMILIES",
+    "PROMPT_MIN_LEN",
+    "save_tiny_model",
+    "hf_model",
+    "DEFAULT_MODEL",
+]

@@ -10,6 +10,8 @@ once, where expanding would rebuild [context, heads, qk + v] keys and values eve
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -72,7 +74,7 @@ class MLAAttention(Attention):
     def load_up_projection(self, kv_b_proj: nn.Module, dtype: torch.dtype) -> None:
         """W_UK and W_UV from kv_b_proj ([heads * (qk_nope + v), kv_lora_rank], heads outermost), read by running
         the layer on the identity: a quantized kv_b_proj gives the weights its own matmul uses."""
-        device = next(kv_b_proj.parameters()).device
+        device = next(itertools.chain(kv_b_proj.parameters(), kv_b_proj.buffers())).device  # quantized: buffers
         with torch.no_grad():
             w = kv_b_proj(torch.eye(self.kv_lora_rank, dtype=dtype, device=device)).T
         w = w.reshape(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
@@ -87,7 +89,7 @@ class MLAAttention(Attention):
         if self.w_uk is None:
             raise RuntimeError("MLAAttention used before load_up_projection (the model's after_loading) ran")
         out = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
-        if meta.slot_mapping is None or self.k_cache is None:
+        if meta.slot_mapping is None or self.k_cache is None:  # the reference forward: each prompt on its own
             start = 0
             for n in meta.query_lens:
                 out[start : start + n] = self._attend_expanded(q[start : start + n], kv[start : start + n])

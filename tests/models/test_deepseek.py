@@ -1,0 +1,192 @@
+"""DeepSeek-V2/V3 (multi-head latent attention) against transformers on tiny random models of their real config
+classes: fp32 logits, the engine's greedy tokens and logprobs however a request runs, the KV bytes the engine
+allocates per token against `fulcrum plan`'s figure, every block freed, and what fulcrum refuses."""
+
+import pytest
+import torch
+
+from fulcrum.config import ModelConfig
+from fulcrum.errors import InvalidRequestError, ModelLoadError
+from fulcrum.layers.mla import MLAAttention
+from fulcrum.models.loader import load_model
+from fulcrum.plan.model_spec import kv_bytes_per_token, load_model_spec
+from fulcrum.quant import formats
+from tests.engine.conftest import DEVICES
+from tests.engine.hf_reference import hf_greedy
+from tests.engine.test_llm_parity import N_NEW, greedy, make_llm, random_prompts
+from tests.models.test_parity import assert_same_as_transformers, hf_logits, max_diff, our_logits, prompts
+from tests.tiny_models import MLA_FAMILIES, hf_model, save_tiny_model
+
+LENS = [1, 5, 17, 40, 130]  # 130 is past YaRN's original context (128)
+FAMILIES = list(MLA_FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            cache[family] = save_tiny_model(family, tmp_path_factory.mktemp(family))
+        return cache[family]
+
+    return get
+
+
+def _load(folder, dtype="float32"):
+    return load_model(ModelConfig.from_path(folder, dtype=dtype))
+
+
+def assert_all_blocks_free(llm) -> None:
+    """From the KV cache manager itself: no request holds a block, and every block is back in the free queue."""
+    kv = llm.core.kv
+    assert not kv.req_blocks
+    assert kv.num_free_blocks() == kv.num_blocks
+    s = llm.stats()
+    assert s["num_free_blocks"] == s["num_blocks"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_logits_match_transformers(family, model_dir):
+    folder = model_dir(family)
+    batch = prompts(2048, lens=LENS)
+    assert max_diff(our_logits(_load(folder), batch), hf_logits(hf_model(folder), batch)) <= 1e-4
+
+
+def test_bfloat16_logits_close_to_transformers(model_dir):
+    """bf16 rounds each side's activations in its own order (the latent up-projection batched per head here, one
+    GEMM there): within 3% of the largest logit, the bound the dense families' bf16 test takes."""
+    folder = model_dir("deepseek-v3")
+    batch = prompts(2048, lens=LENS)
+    ref32 = hf_logits(hf_model(folder), batch)
+    diff = max_diff(our_logits(_load(folder, "bfloat16"), batch), hf_logits(hf_model(folder, torch.bfloat16), batch))
+    assert diff <= 0.03 * max(x.abs().max().item() for x in ref32)
+
+
+@pytest.mark.parametrize("family", ["deepseek-v2", "deepseek-v3"])
+def test_int8_weights_match_transformers_with_the_same_rounded_weights(family, model_dir):
+    """Online int8 quantizes kv_b_proj too: W_UK and W_UV are read back from the quantized layer, so the logits
+    equal transformers' with every linear weight rounded as int8 rounds it."""
+    folder = model_dir(family)
+    theirs = hf_model(folder)
+    with torch.no_grad():
+        for module in theirs.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(formats.dequantize_int8(*formats.quantize_int8(module.weight)))
+    ours = load_model(ModelConfig.from_path(folder, dtype="float32", quantization="int8"))
+    batch = prompts(2048, lens=LENS)
+    assert max_diff(our_logits(ours, batch), hf_logits(theirs, batch)) <= 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_softmax_scale_and_rope_are_transformers(family, model_dir):
+    """YaRN's mscale on the softmax scale (1.30x for V3's mscale_all_dim 1.0 at factor 4), the rope table of the
+    qk_rope_head_dim part with YaRN's attention factor on cos and sin, and each family's RoPE layout."""
+    folder = model_dir(family)
+    ours, theirs = _load(folder), hf_model(folder)
+    attn = ours.model.layers[0].self_attn
+    assert attn.attn.scale == pytest.approx(theirs.model.layers[0].self_attn.scaling, rel=1e-12)
+    assert attn.attn.scale > 1.1 * (16 + 8) ** -0.5
+    assert attn.interleaved == (family != "deepseek-v3-rotate-half")
+    rotary = theirs.model.rotary_emb
+    assert ours.model.rotary_emb.cos.shape[-1] == 8
+    assert ours.model.rotary_emb.cos[0, 0].item() == pytest.approx(rotary.attention_scaling)
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v3-rotate-half"])
+def test_the_rope_layout_shows_in_the_logits(family, model_dir, tmp_path):
+    """The same weights read with V3's other RoPE layout move transformers' logits far past the parity tolerance,
+    so the parity test's agreement is the layout honoured (V2 has one layout, complex pairs)."""
+    folder = model_dir(family)
+    other = save_tiny_model(
+        family, tmp_path / "other", rope_interleave=not MLA_FAMILIES[family][1].get("rope_interleave", True)
+    )
+    batch = prompts(2048, lens=LENS[1:])
+    assert max_diff(hf_logits(hf_model(folder), batch), hf_logits(hf_model(other), batch)) > 1e-2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_cache_holds_the_latent_and_rope_key_only_as_plan_counts(family, model_dir):
+    """KV bytes per token the engine allocates = `fulcrum plan`'s MLA figure for the same config.json:
+    (kv_lora_rank + qk_rope_head_dim) values per layer, 40 x 4 bytes x 2 layers here (a GQA cache would be
+    2 x heads x head_dim per layer); the allocated tensor is exactly num_blocks of them."""
+    folder = model_dir(family)
+    llm = make_llm(folder)
+    runner = llm.core.runner
+    per_token = kv_bytes_per_token(load_model_spec(folder), "fp32")
+    assert runner.bytes_per_block == runner.block_size * per_token == runner.block_size * 2 * (32 + 8) * 4
+    assert all(isinstance(a, MLAAttention) for a in runner.attn_layers)
+    cache = runner.kv_cache
+    assert cache.shape == (2, runner.num_blocks, runner.block_size, 40)
+    assert cache.numel() * cache.element_size() == runner.num_blocks * runner.bytes_per_block
+    assert runner.kv_scales is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_alone_and_batched_match_transformers(family, device, model_dir):
+    folder = model_dir(family)
+    batch_prompts = random_prompts(24, 3, 60, seed=1)
+    llm = make_llm(folder, device)
+    alone = llm.generate([batch_prompts[0]], greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    batch = llm.generate(batch_prompts, greedy(), use_tqdm=False)
+    for i in [0, 1, 17, 23]:
+        assert batch[i].outputs[0].token_ids == hf_greedy(folder, batch_prompts[i], N_NEW, device)[0], f"prompt {i}"
+    assert alone == batch[0].outputs[0].token_ids
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_chunked_prefill_matches(family, device, model_dir):
+    """Chunks of 16 tokens in blocks of 8: every chunk after the first expands its context from the cached rows."""
+    folder = model_dir(family)
+    llm = make_llm(folder, device, max_num_batched_tokens=16, block_size=8)
+    batch_prompts = random_prompts(4, 40, 140, seed=2)
+    for p, o in zip(batch_prompts, llm.generate(batch_prompts, greedy(logprobs=1), use_tqdm=False)):
+        assert_same_as_transformers(folder, p, o.outputs[0], device)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_after_a_prefix_cache_hit(family, device, model_dir):
+    folder = model_dir(family)
+    prefix = random_prompts(1, 64, 64, seed=3)[0]
+    batch_prompts = [prefix + tail for tail in random_prompts(3, 5, 20, seed=4)]
+    llm = make_llm(folder, device, block_size=16)
+    llm.generate(batch_prompts[:1], greedy(), use_tqdm=False)
+    for p, o in zip(batch_prompts[1:], llm.generate(batch_prompts[1:], greedy(logprobs=1), use_tqdm=False)):
+        assert o.metrics.num_cached_tokens == 64
+        assert_same_as_transformers(folder, p, o.outputs[0], device)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_preemption_recomputes_to_the_same_tokens(family, device, model_dir):
+    folder = model_dir(family)
+    block_bytes = 8 * int(kv_bytes_per_token(load_model_spec(folder), "fp32"))  # blocks of 8 tokens
+    batch_prompts = random_prompts(6, 20, 40, seed=5)
+    # 20 blocks: room for about three sequences at a time, so the rest wait or get preempted mid-decode
+    llm = make_llm(folder, device, block_size=8, kv_cache_memory=20 * block_bytes, max_model_len=160)
+    assert llm.core.runner.num_blocks == 20
+    outs = llm.generate(batch_prompts, greedy(max_tokens=40), use_tqdm=False)
+    assert llm.stats()["num_preemptions"] > 0
+    for p, o in zip(batch_prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(folder, p, 40, device)[0]
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+def test_a_quantized_kv_cache_is_refused_by_name(kv_cache_dtype, model_dir):
+    with pytest.raises(InvalidRequestError, match=f"--kv-cache-dtype {kv_cache_dtype}.*latent") as e:
+        make_llm(model_dir("deepseek-v3"), kv_cache_dtype=kv_cache_dtype)
+    assert e.value.param == "kv_cache_dtype"
+
+
+def test_a_mixture_of_experts_layer_is_refused_by_name(tmp_path):
+    folder = save_tiny_model("deepseek-v3", tmp_path / "m", first_k_dense_replace=1, n_routed_experts=8,
+                             num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32)  # fmt: skip
+    with pytest.raises(ModelLoadError, match="layer 1 is a mixture of experts"):
+        _load(folder)
