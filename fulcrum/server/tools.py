@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from fulcrum.engine.structured.grammar import MAX_WHITESPACE, unenforced_keywords
+from fulcrum.engine.structured.grammar import unenforced_keywords
 from fulcrum.errors import InvalidRequestError
 from fulcrum.protocol import (
     ChatCompletionRequest,
@@ -25,6 +25,9 @@ NO_PARAMETERS = {"type": "object", "properties": {}}
 # A forced turn's calls are bounded: a model that prefers the separator to its end token (the bundled one does)
 # would otherwise write calls until max_tokens cuts one in half and none can be read.
 MAX_PARALLEL_CALLS = 8
+# Models write their calls' JSON compactly (Hermes, Llama 3 and Mistral alike): a little whitespace per gap, not
+# the 20 a free JSON answer may indent with
+CALL_WHITESPACE = 4
 
 
 class ToolCalling:
@@ -82,7 +85,7 @@ class ToolCalling:
                 {
                     "type": "tag",
                     "begin": f'{p.call_prefix}{{"name": {json.dumps(fn["name"])}, "{p.arguments_key}": ',
-                    "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE},
+                    "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": CALL_WHITESPACE},
                     "end": "}" + p.call_suffix,
                 }
             )

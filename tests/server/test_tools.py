@@ -90,7 +90,7 @@ def test_required_always_gives_valid_calls(served):
         assert len(choice.message.tool_calls) == 1
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
     # parallel calls (the default): the bundled model always takes another, up to the bound
-    r = create(client, tools=TOOLS[1:], tool_choice="required", seed=0, max_tokens=1000)
+    r = create(client, tools=TOOLS[1:], tool_choice="required", seed=0, max_tokens=600)
     check_calls(r.choices[0].message.tool_calls)
     assert 1 < len(r.choices[0].message.tool_calls) <= MAX_PARALLEL_CALLS
 
@@ -110,7 +110,7 @@ def test_streamed_calls_equal_the_whole_answer(served):
     _, client = served
     for seed in range(3):
         kw = dict(tools=TOOLS[seed == 0 :], tool_choice="required", seed=seed, parallel_tool_calls=seed == 0)
-        kw["max_tokens"] = 1000
+        kw["max_tokens"] = 600
         whole = create(client, **kw).choices[0]
         content, calls, finish = streamed(client, **kw)
         same_calls(whole.message.tool_calls, calls)
