@@ -1,0 +1,206 @@
+"""Mixture of experts: a router picks each token's top-k experts and weighs them, and the experts run grouped (the
+token slots sorted by expert, one GEMM pair per expert that some token chose), their weights stacked at load time
+into [num_experts, ...] tensors from the checkpoint's one tensor per expert.
+
+The routing switches cover the families that share this layer: Mixtral (softmax, top-k renormalised), Qwen2/3-MoE
+(softmax, renormalised when norm_topk_prob) and DeepSeek V2/V3 (grouped top-k, sigmoid scoring, a score correction
+bias, routed_scaling_factor, logits in float32). Shared experts run beside the routed ones, optionally scaled by a
+sigmoid gate (Qwen2-MoE's shared_expert_gate). Under tensor parallelism every rank holds every expert, with its
+slice of each expert's intermediate dimension, as the dense MLP splits it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fulcrum.distributed.parallel_state import tp_all_reduce, tp_rank, tp_size
+from fulcrum.errors import WeightLoadError, WeightShapeError
+from fulcrum.kernels import cpu_gemv
+from fulcrum.layers.activation import SiluAndMul
+from fulcrum.layers.linear import LinearBase, divide
+
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+def select_experts(
+    logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", renormalize: bool = False,
+    n_group: int | None = None, topk_group: int | None = None, correction_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Router logits [T, E] -> (weights float32 [T, k], expert ids int64 [T, k]), in transformers' order of steps.
+
+    Scores are softmax or sigmoid of the logits in float32. The correction bias (DeepSeek V3) is added to the scores
+    for choosing only; the weights are the unbiased scores of the chosen experts. Grouped top-k (n_group groups of
+    E / n_group experts) keeps the topk_group best groups of each token and chooses among their experts: a group
+    scores its best expert, or with a correction bias the sum of its best two (V2's group_limited_greedy and V3's
+    noaux_tc, as vLLM tells them apart). Renormalised weights sum to 1 (the 1e-20 of DeepSeek's divisor is below
+    an fp32 ulp of any sum of scores, so it changes no other family's weights); then routed_scaling_factor."""
+    if scoring not in SCORING_FUNCS:
+        raise ValueError(f"scoring function {scoring!r} is not supported; supported: {', '.join(SCORING_FUNCS)}")
+    logits = logits.float()
+    scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias
+    if n_group is not None and n_group > 1 and (topk_group or n_group) < n_group:
+        tokens, experts = choice.shape
+        groups = choice.view(tokens, n_group, experts // n_group)
+        group_scores = groups.max(-1).values if correction_bias is None else groups.topk(2, -1).values.sum(-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, -1).indices, True)
+        choice = groups.masked_fill(~keep[..., None], float("-inf")).view(tokens, experts)
+    ids = choice.topk(top_k, -1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
+    return weights, ids
+
+
+class TopKRouter(nn.Module):
+    """The gate: logits = x W^T (W [num_experts, hidden], the checkpoint's `gate.weight`, never quantized), then
+    select_experts. `logits_fp32` keeps W in float32 and takes x to float32 first (DeepSeek); otherwise the logits
+    are in the model's dtype, as Mixtral's and Qwen's gates compute them."""
+
+    def __init__(
+        self, hidden_size: int, num_experts: int, top_k: int, *, scoring: str = "softmax", renormalize: bool = False,
+        n_group: int | None = None, topk_group: int | None = None, routed_scaling_factor: float = 1.0,
+        correction_bias: bool = False, logits_fp32: bool = False, dtype: torch.dtype | None = None,
+    ):  # fmt: skip
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
+        if n_group and num_experts % n_group:
+            raise ValueError(f"num_experts {num_experts} is not divisible by n_group {n_group}")
+        if scoring not in SCORING_FUNCS:
+            raise ValueError(f"scoring function {scoring!r} is not supported; supported: {', '.join(SCORING_FUNCS)}")
+        self.top_k, self.scoring, self.renormalize = top_k, scoring, renormalize
+        self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor
+        self.logits_fp32 = logits_fp32
+        w_dtype = torch.float32 if logits_fp32 else (dtype or torch.get_default_dtype())
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=w_dtype), requires_grad=False)
+        self.e_score_correction_bias = None
+        if correction_bias:  # the checkpoint's `gate.e_score_correction_bias`, kept in float32 as transformers does
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = cpu_gemv.linear(x.float() if self.logits_fp32 else x, self.weight)
+        return select_experts(
+            logits, self.top_k, scoring=self.scoring, renormalize=self.renormalize, n_group=self.n_group,
+            topk_group=self.topk_group, correction_bias=self.e_score_correction_bias,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )  # fmt: skip
+
+
+class StackedExpertWeight(nn.Module):
+    """One projection of every expert, stacked: weight [num_experts, sum(output_sizes), input_size], filled from the
+    checkpoint's per-expert tensors (loader shard id (expert, part): part indexes output_sizes, gate 0 and up 1).
+    `tp_dim` 0 splits each part's rows across tensor-parallel ranks (gate/up), 1 the input columns (down)."""
+
+    def __init__(self, num_experts: int, input_size: int, output_sizes: list[int], tp_dim: int, dtype):
+        super().__init__()
+        self.tp_dim, self.tp_rank, self.tp_size = tp_dim, tp_rank(), tp_size()
+        self.full_shapes = [(size, input_size) for size in output_sizes]  # one expert's checkpoint tensor per part
+        self.output_sizes = [divide(s, self.tp_size) for s in output_sizes] if tp_dim == 0 else list(output_sizes)
+        local_input = divide(input_size, self.tp_size) if tp_dim == 1 else input_size
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, sum(self.output_sizes), local_input, dtype=dtype), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, int] | None = None) -> None:
+        if shard is None:
+            raise WeightLoadError(
+                f"a stacked tensor {tuple(loaded.shape)} for all experts; fulcrum loads one tensor per expert "
+                "(experts.<e>.<proj>.weight, as transformers saves them)"
+            )
+        expert, part = shard
+        if tuple(loaded.shape) != self.full_shapes[part]:  # checked whole, before a rank's slice hides the size
+            raise WeightShapeError(self.full_shapes[part], tuple(loaded.shape))
+        if self.tp_size > 1:
+            loaded = loaded.chunk(self.tp_size, self.tp_dim)[self.tp_rank]
+        offset = sum(self.output_sizes[:part])
+        param.data[expert].narrow(0, offset, self.output_sizes[part]).copy_(loaded)
+
+
+class FusedExperts(nn.Module):
+    """Every routed expert's SwiGLU MLP, stacked: gate_up_proj.weight [E, 2 * I, H] and down_proj.weight [E, H, I]
+    (transformers' own names for its stacked experts, each holding one module's weight here)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype=None):
+        super().__init__()
+        dtype = dtype or torch.get_default_dtype()
+        self.num_experts = num_experts
+        self.gate_up_proj = StackedExpertWeight(
+            num_experts, hidden_size, [intermediate_size, intermediate_size], 0, dtype
+        )
+        self.down_proj = StackedExpertWeight(num_experts, intermediate_size, [hidden_size], 1, dtype)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], weights/ids [T, k] -> sum over each token's k experts of weight * expert(x), [T, H] (under
+        tensor parallelism this rank's partial sum, which the caller all-reduces)."""
+        tokens, k = topk_ids.shape
+        flat = topk_ids.flatten()
+        order = flat.argsort(stable=True)  # the T * k (token, choice) slots grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync: the GEMM sizes
+        xs = x[order // k]  # each sorted slot's token
+        slot_weights = topk_weights.flatten()[order, None]
+        ys = torch.empty_like(xs)
+        w13, w2 = self.gate_up_proj.weight, self.down_proj.weight
+        start = 0
+        for expert, n in enumerate(counts):
+            if not n:
+                continue
+            end = start + n
+            h = cpu_gemv.linear(self.act(cpu_gemv.linear(xs[start:end], w13[expert])), w2[expert])
+            ys[start:end] = h * slot_weights[start:end]  # the float32 weight, rounded with the product
+            start = end
+        # back to (token, choice) order; a token's k contributions summed in float32 and rounded once. (Not
+        # index_add_ into the tokens' rows: on CPU it runs as scatter_add_, 2.6 ms for one row of 768.)
+        ys = ys.index_select(0, order.argsort())
+        return ys.view(tokens, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def expert_params_mapping(num_experts: int, gate: str, up: str, down: str, prefix: str = "experts") -> dict:
+    """The loader's packed_modules_mapping entries that stack each expert's checkpoint tensors into FusedExperts:
+    `{prefix}.{e}.{gate}` -> (`{prefix}.gate_up_proj`, (e, 0)), up -> part 1, down -> `{prefix}.down_proj`. A model
+    puts them before its dense entries, which match first otherwise (an expert's `.gate_proj.` is a dense name)."""
+    out = {}
+    for e in range(num_experts):
+        out[f"{prefix}.{e}.{gate}"] = (f"{prefix}.gate_up_proj", (e, 0))
+        out[f"{prefix}.{e}.{up}"] = (f"{prefix}.gate_up_proj", (e, 1))
+        out[f"{prefix}.{e}.{down}"] = (f"{prefix}.down_proj", (e, 0))
+    return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`) + grouped routed experts (`experts`), plus an always-on shared expert, registered under the
+    checkpoint's name for it (Qwen2-MoE's `shared_expert`, DeepSeek's `shared_experts`); with `shared_expert_gate`
+    its output is scaled by sigmoid(x w) first (Qwen2-MoE's `shared_expert_gate.weight` [1, hidden])."""
+
+    def __init__(
+        self, gate: TopKRouter, experts: FusedExperts, shared_expert: nn.Module | None = None,
+        shared_expert_name: str = "shared_expert", shared_expert_gate: bool = False, dtype=None,
+    ):  # fmt: skip
+        super().__init__()
+        self.gate, self.experts = gate, experts
+        self.shared_expert_name = shared_expert_name if shared_expert is not None else None
+        if shared_expert is not None:
+            self.add_module(shared_expert_name, shared_expert)
+        self.shared_expert_gate = None
+        if shared_expert_gate:
+            if shared_expert is None:
+                raise ValueError("a shared expert gate needs a shared expert")
+            hidden = gate.weight.shape[1]
+            self.shared_expert_gate = LinearBase(hidden, [1], bias=False, dtype=dtype)  # replicated, full precision
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = tp_all_reduce(self.experts(x, weights, ids))
+        if self.shared_expert_name is not None:
+            shared = getattr(self, self.shared_expert_name)(x)  # its down projection all-reduces on its own
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
