@@ -14,9 +14,12 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Phi3Config,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from fulcrum.config import DEFAULT_MODEL
@@ -64,6 +67,37 @@ _LONG = [1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 12.0, 16.0]
 LONGROPE = dict(rope_type="longrope", short_factor=_SHORT, long_factor=_LONG)
 _PHI3_TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=None)  # Phi3Config's defaults lie beyond 2048
 
+# Mixture-of-experts families: 8 experts, top-2 or top-3, each family's own normalisation of the top-k weights
+MOE_FAMILIES = {
+    "mixtral": (MixtralConfig, dict(num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)),
+    # a shared expert (wider than a routed one) with its sigmoid gate, weights not renormalised, and a dense layer
+    # between two sparse ones (mlp_only_layers)
+    "qwen2-moe": (
+        Qwen2MoeConfig,
+        dict(
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=96,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+        ),
+    ),
+    # q/k norms and top-3 weights renormalised (norm_topk_prob, true in Qwen3-MoE's releases)
+    "qwen3-moe": (
+        Qwen3MoeConfig,
+        dict(
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            head_dim=32,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
 # Families tested in tests/models (logits, engine runs) rather than by the dense families' shared tests: Gemma's
 # layers have four norms, which fulcrum plan's parameter counts (Llama's layer) do not model, and the long
 # LongRoPE's prompts must be longer than those tests' shortest. Their norms get random weights too (transformers
@@ -105,6 +139,8 @@ MORE_FAMILIES = {
         Phi3Config,
         dict(rope_scaling=LONGROPE, original_max_position_embeddings=16, **_PHI3_TOKENS),
     ),
+    # the MoE families too: fulcrum plan's parameter counts are checked for them in tests/models/test_moe.py
+    **MOE_FAMILIES,
 }
 PROMPT_MIN_LEN = {"phi3-longrope-long": 17}  # families whose prompts must be longer than a few tokens
 
@@ -178,6 +214,7 @@ __all__ = [
     "FAMILIES",
     "MORE_FAMILIES",
     "MLA_FAMILIES",
+    "MOE_FAMILIES",
     "PROMPT_MIN_LEN",
     "save_tiny_model",
     "hf_model",

@@ -9,7 +9,9 @@ from fulcrum.errors import UnsupportedArchitectureError
 from fulcrum.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from fulcrum.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from fulcrum.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from fulcrum.models.mixtral import MixtralForCausalLM
 from fulcrum.models.phi3 import Phi3ForCausalLM
+from fulcrum.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -21,6 +23,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -1,0 +1,78 @@
+"""Mixtral (MixtralForCausalLM): Llama's attention (no biases, sliding window from config.sliding_window) with a
+sparse mixture-of-experts feed-forward in every layer, `block_sparse_moe`: a softmax router whose top-k weights are
+renormalised to sum to 1, over num_local_experts SwiGLU experts (w1 gate, w3 up, w2 down), computed grouped.
+
+MoeModel, Llama's decoder stack with the family's own decoder layer, serves the Qwen MoE families too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from fulcrum.config import rope_parameters
+from fulcrum.errors import ModelLoadError
+from fulcrum.layers.embedding import VocabParallelEmbedding
+from fulcrum.layers.layernorm import RMSNorm
+from fulcrum.layers.moe import FusedExperts, SparseMoeBlock, TopKRouter, expert_params_mapping
+from fulcrum.layers.rotary import RotaryEmbedding
+from fulcrum.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
+from fulcrum.utils.hf_config import head_dim as config_head_dim
+
+
+def check_silu(cfg: PretrainedConfig) -> None:
+    """The experts' activation is SiluAndMul's; refuse another rather than compute the wrong one."""
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"hidden_act {cfg.hidden_act!r} is not supported for experts (only silu)")
+
+
+class MixtralDecoderLayer(nn.Module):
+    def __init__(self, cfg: PretrainedConfig, layer_idx: int, family: type[LlamaForCausalLM], dtype, quant):
+        super().__init__()
+        check_silu(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_idx, False, False, False, dtype, quant)
+        n = cfg.num_local_experts
+        self.block_sparse_moe = SparseMoeBlock(
+            TopKRouter(cfg.hidden_size, n, cfg.num_experts_per_tok, renormalize=True, dtype=dtype),
+            FusedExperts(n, cfg.hidden_size, cfg.intermediate_size, dtype),
+        )
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    def forward(self, rope, x, meta):
+        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
+        return x + self.block_sparse_moe(self.post_attention_layernorm(x))
+
+
+class MoeModel(nn.Module):
+    """Llama's stack (embedding, layers, final norm, one rope) built from `family.decoder_layer`, so that no dense
+    MLP of config.intermediate_size is ever allocated for a layer whose feed-forward is sparse."""
+
+    def __init__(self, cfg: PretrainedConfig, family: type[LlamaForCausalLM], dtype, quant):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            family.decoder_layer(cfg, i, family, dtype, quant) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.rotary_emb = RotaryEmbedding(config_head_dim(cfg), cfg.max_position_embeddings, rope_parameters(cfg))
+
+    forward = LlamaModel.forward  # the same walk over the same attribute names
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    base_model_class = MoeModel
+    decoder_layer: type[nn.Module] = MixtralDecoderLayer
+    expert_names = ("w1", "w3", "w2")  # the checkpoint's gate, up and down projections of each expert
+
+    @staticmethod
+    def num_experts(cfg) -> int:
+        return cfg.num_local_experts
+
+    def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype | None = None, quant=None):
+        super().__init__(cfg, dtype, quant)
+        # the loader stacks experts.<e>.<proj> into each layer's FusedExperts through this mapping, one entry per
+        # expert and projection; ahead of the dense entries, which would take an expert's gate_proj otherwise
+        experts = expert_params_mapping(self.num_experts(cfg), *self.expert_names)
+        self.packed_modules_mapping = {**experts, **type(self).packed_modules_mapping}
