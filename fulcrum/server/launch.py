@@ -8,6 +8,7 @@ import errno
 import logging
 import socket
 import sys
+from pathlib import Path
 
 import uvicorn
 
@@ -41,6 +42,14 @@ def _bind_error(e: OSError, host: str, port: int) -> str:
     if e.errno == errno.EADDRINUSE:
         return f"error: port {port} on {host} is already in use; pick another with --port"
     return f"error: cannot listen on {host}:{port}: {e.strerror or e}"
+
+
+def default_model_name(model, path) -> str:
+    """What clients call the model without --served-model-name: a Hub ID as given (its revision dropped), not the
+    snapshot folder it resolved to (a commit hash); else the folder's name (a GGUF file's stem)."""
+    if model is not None and not Path(str(model)).exists() and path.name != Path(str(model)).name:
+        return str(model).split("@")[0]
+    return path.name
 
 
 def serve(
@@ -89,7 +98,7 @@ def _run(
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(asctime)s %(name)s %(message)s")
     engine = AsyncLLM(config, max_waiting_requests=max_waiting_requests)
-    name = served_model_name or engine.model_path.name
+    name = served_model_name or default_model_name(config.model, engine.model_path)
     state = ServerState(engine, name, api_key, ServerMetrics(name, compat_vllm=metrics_compat == "vllm"))
     state.tool_call_parser = tool_call_parser
     app = build_app(state)
