@@ -98,9 +98,9 @@ MOE_FAMILIES = {
     ),
 }
 
-# Families tested in tests/models (logits, engine runs) rather than by the dense families' shared tests: Gemma's
-# layers have four norms, which fulcrum plan's parameter counts (Llama's layer) do not model, and the long
-# LongRoPE's prompts must be longer than those tests' shortest. Their norms get random weights too (transformers
+# Families tested in tests/models (logits, engine runs) rather than by the dense families' shared tests: the long
+# LongRoPE's prompts must be longer than those tests' shortest (plan's parameter counts take gemma2, gemma3 and
+# phi3 too: tests/plan). Their norms get random weights too (transformers
 # initialises them to the identity, which would hide a wrong (1 + w)).
 MORE_FAMILIES = {
     # layer_types alternate sliding/full; both caps inside the range of the random model's scores and logits, so

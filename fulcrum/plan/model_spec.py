@@ -70,6 +70,7 @@ class ModelSpec:
     max_position_embeddings: int | None = None  # the longest context the model was trained for, when stated
     # what a pre-quantized checkpoint stores its linear weights as (quantization_config), in plan's names
     weight_format: str | None = None
+    norms_per_layer: int = 2  # RMSNorms around attention and MLP: Gemma 2/3 have four (before and after each)
 
     @property
     def attention_kind(self) -> str:
@@ -154,7 +155,7 @@ def from_config(cfg: dict, name: str = "model") -> ModelSpec:
         # Qwen2 puts biases on q, k, v only; attention_bias (Llama, gpt-oss) means q, k, v and o
         qkv_bias=bool(cfg.get("attention_bias")) or model_type in ("qwen2", "qwen2_moe"),
         o_bias=bool(cfg.get("attention_bias")),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"),
         sinks=model_type == "gpt_oss",
         mlp_bias=bool(cfg.get("mlp_bias")),
         windows=tuple(layer_sliding_windows(ns)) if not mla else (None,) * cfg["num_hidden_layers"],
@@ -163,6 +164,7 @@ def from_config(cfg: dict, name: str = "model") -> ModelSpec:
         moe=moe,
         max_position_embeddings=cfg.get("max_position_embeddings"),
         weight_format=weight_format,
+        norms_per_layer=4 if model_type in ("gemma2", "gemma3", "gemma3_text") else 2,
     )
 
 
@@ -234,7 +236,7 @@ def mlp_params(s: ModelSpec) -> tuple[int, int]:
 
 
 def parameter_counts(s: ModelSpec) -> ParamCount:
-    norms = s.num_layers * 2 * s.hidden + s.hidden  # two RMSNorms per layer, one final
+    norms = s.num_layers * s.norms_per_layer * s.hidden + s.hidden  # the layers' RMSNorms, one final
     attn = s.num_layers * attention_params(s)
     mlp_total, mlp_active = mlp_params(s)
     emb = s.vocab * s.hidden

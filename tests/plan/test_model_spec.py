@@ -94,7 +94,7 @@ def test_gpt_oss_sliding_layers_keep_only_their_window():
     assert p.active - p.embedding == pytest.approx(5.13e9, rel=0.01)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILIES) + ["gemma2", "gemma3", "phi3"])
 def test_local_folder_counts_equal_the_saved_models_parameters(family, tmp_path):
     folder = save_tiny_model(family, tmp_path / family)
     model = hf_model(folder, dtype=torch.float32)
