@@ -56,7 +56,7 @@ static inline void for_each_token(const C* cache, const int64_t* table, int64_t 
 template <typename T, typename C, int HD>
 static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, const c10::Half* vsc,
                    int64_t sstride, const int64_t* table, int64_t start, int64_t ctx, int64_t bs, int64_t kv_stride,
-                   int64_t g, float scale, float* scores, T* out, int64_t q_stride) {
+                   int64_t g, float scale, float softcap, float* scores, T* out, int64_t q_stride) {
   constexpr float factor = load_factor<C>();
   constexpr int NV = HD / VW;
   const int64_t n = ctx - start;
@@ -75,6 +75,9 @@ static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, c
       scores[h * n + i] = vsum(acc) * ks;
     }
   });
+  // Gemma 2's soft cap on the scaled scores, cap * tanh(score / cap), before the softmax
+  if (softcap > 0)
+    for (int64_t t = 0; t < g * n; ++t) scores[t] = softcap * std::tanh(scores[t] / softcap);
   // softmax per head, in place (the tail past the last full vector in scalar code)
   for (int64_t h = 0; h < g; ++h) {
     float* s = scores + h * n;
@@ -118,7 +121,7 @@ static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, c
 template <typename T, typename C, int HD>
 static void run(const T* qp, const C* kp, const C* vp, const c10::Half* ks, const c10::Half* vs, const int64_t* tp,
                 const int64_t* lp, T* op, int64_t D, int64_t H, int64_t KVH, int64_t bs, int64_t width, float scale,
-                int64_t window) {
+                int64_t window, float softcap) {
   const int64_t g = H / KVH, kv_stride = KVH * HD;
   int64_t max_ctx = 0;
   for (int64_t i = 0; i < D; ++i) max_ctx = std::max(max_ctx, lp[i]);
@@ -128,7 +131,7 @@ static void run(const T* qp, const C* kp, const C* vp, const c10::Half* ks, cons
       const int64_t i = task / KVH, kvh = task % KVH, ctx = lp[i];
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
       attend<T, C, HD>(qp + (i * H + kvh * g) * HD, kp + kvh * HD, vp + kvh * HD, ks ? ks + kvh : nullptr,
-                       vs ? vs + kvh : nullptr, KVH, tp + i * width, start, ctx, bs, kv_stride, g, scale,
+                       vs ? vs + kvh : nullptr, KVH, tp + i * width, start, ctx, bs, kv_stride, g, scale, softcap,
                        scores.data(), op + (i * H + kvh * g) * HD, HD);
     }
   });
@@ -137,20 +140,20 @@ static void run(const T* qp, const C* kp, const C* vp, const c10::Half* ks, cons
 template <typename T, int HD>
 static void run_cache(int64_t kind, const void* q, const void* kc, const void* vc, const void* ks, const void* vs,
                       const int64_t* tables, const int64_t* lens, void* out, int64_t D, int64_t H, int64_t KVH,
-                      int64_t bs, int64_t width, float scale, int64_t window) {
+                      int64_t bs, int64_t width, float scale, int64_t window, float softcap) {
   using S = c10::Half;
   const S *ksc = (const S*)ks, *vsc = (const S*)vs;
 #if QUANTIZED_KV  // the quantized caches' build: int8 and fp8 only
   if (kind == 1)
     run<T, int8_t, HD>((const T*)q, (const int8_t*)kc, (const int8_t*)vc, ksc, vsc, tables, lens, (T*)out, D, H,
-                       KVH, bs, width, scale, window);
+                       KVH, bs, width, scale, window, softcap);
   else if (kind == 2)
     run<T, c10::Float8_e4m3fn, HD>((const T*)q, (const c10::Float8_e4m3fn*)kc, (const c10::Float8_e4m3fn*)vc, ksc,
-                                   vsc, tables, lens, (T*)out, D, H, KVH, bs, width, scale, window);
+                                   vsc, tables, lens, (T*)out, D, H, KVH, bs, width, scale, window, softcap);
 #else
   if (kind == 0)
     run<T, T, HD>((const T*)q, (const T*)kc, (const T*)vc, nullptr, nullptr, tables, lens, (T*)out, D, H, KVH, bs,
-                  width, scale, window);
+                  width, scale, window, softcap);
 #endif
 }
 
@@ -288,13 +291,13 @@ extern "C" int64_t fulcrum_decode_attention(int64_t bf16, int64_t kind, const vo
                                             const void* v_cache, const void* k_scales, const void* v_scales,
                                             const int64_t* tables, const int64_t* ctx_lens, void* out, int64_t D,
                                             int64_t H, int64_t KVH, int64_t hd, int64_t bs, int64_t width, float scale,
-                                            int64_t window) {
+                                            int64_t window, float softcap) {
 #define CASE(HD)                                                                                                   \
   case HD:                                                                                                         \
     if (bf16) run_cache<c10::BFloat16, HD>(kind, q, k_cache, v_cache, k_scales, v_scales, tables, ctx_lens, out, D, \
-                                           H, KVH, bs, width, scale, window);                                      \
+                                           H, KVH, bs, width, scale, window, softcap);                             \
     else run_cache<float, HD>(kind, q, k_cache, v_cache, k_scales, v_scales, tables, ctx_lens, out, D, H, KVH, bs, \
-                              width, scale, window);                                                               \
+                              width, scale, window, softcap);                                                      \
     return 0;
   switch (hd) {
     CASE(16) CASE(32) CASE(64) CASE(80) CASE(96) CASE(128) CASE(160) CASE(256)
@@ -323,7 +326,7 @@ def _module(quantized_kv: bool = False):
         return None
     P, I64 = cpu_ext.PTR, cpu_ext.I64
     decode = cpu_ext.bind(
-        lib.fulcrum_decode_attention, I64, I64, I64, P, P, P, P, P, P, P, P, *[I64] * 6, cpu_ext.F32, I64
+        lib.fulcrum_decode_attention, I64, I64, I64, P, P, P, P, P, P, P, P, *[I64] * 6, cpu_ext.F32, I64, cpu_ext.F32
     )
     prefill = cpu_ext.bind(lib.fulcrum_prefill_attention, I64, I64, P, P, P, P, *[I64] * 9, cpu_ext.F32, I64)
     return {"decode": decode, "prefill": prefill}
@@ -357,9 +360,11 @@ def decode(
     sliding_window: int | None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [D, H, hd] (one token per sequence) over each sequence's first context_lens cached tokens. An int8/fp8
-    cache comes with its fp16 scales [blocks, block_size, kv_heads] (fulcrum.quant.kv)."""
+    cache comes with its fp16 scales [blocks, block_size, kv_heads] (fulcrum.quant.kv). `softcap`: Gemma 2's
+    cap * tanh(score / cap) on the scaled scores."""
     q = q.contiguous()
     tables, lens = block_tables.to(torch.int64).contiguous(), context_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
@@ -371,7 +376,7 @@ def decode(
         q.dtype == torch.bfloat16, kind, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         k_scales.data_ptr() if kind else None, v_scales.data_ptr() if kind else None, tables.data_ptr(),
         lens.data_ptr(), out.data_ptr(), d, h, k_cache.shape[2], hd, k_cache.shape[1], tables.shape[1], scale,
-        sliding_window or 0,
+        sliding_window or 0, softcap or 0.0,
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"decode attention: unsupported head_dim {hd}")

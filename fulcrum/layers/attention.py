@@ -271,10 +271,10 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One query token per sequence, all sequences in one call: q [D, H, hd]."""
-        if self.logit_softcap is None and cpu_attention.usable(q, self.k_cache, self.num_kv_heads):
+        if cpu_attention.usable(q, self.k_cache, self.num_kv_heads):
             return cpu_attention.decode(
                 q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                self.scale, self.sliding_window, self.k_scales, self.v_scales,
+                self.scale, self.sliding_window, self.k_scales, self.v_scales, self.logit_softcap,
             )  # fmt: skip
         bs = self.k_cache.shape[1]
         nblocks = -(-meta.decode_max_context // bs)

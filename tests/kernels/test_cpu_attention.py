@@ -28,7 +28,7 @@ def paged(ctxs, heads, kv_heads, head_dim, block, dtype, seed=0):
     return q, kc, vc, tables, torch.tensor(ctxs)
 
 
-def reference(q, kc, vc, tables, ctxs, scale, window):
+def reference(q, kc, vc, tables, ctxs, scale, window, softcap=None):
     heads, kv_heads, block = q.shape[1], kc.shape[2], kc.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     for j, c in enumerate(ctxs.tolist()):
@@ -37,6 +37,8 @@ def reference(q, kc, vc, tables, ctxs, scale, window):
         vs = vc[blocks].flatten(0, 1)[:c].double().repeat_interleave(heads // kv_heads, 1)
         start = max(0, c - window) if window else 0
         scores = torch.einsum("hd,thd->ht", q[j].double(), ks[start:]) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         out[j] = torch.einsum("ht,thd->hd", scores.softmax(-1), vs[start:])
     return out
 
@@ -61,6 +63,18 @@ def test_matches_attention_over_gathered_tokens(dtype, tol, ctxs, heads, kv_head
     got = cpu_attention.decode(q, kc, vc, tables, lens, head_dim**-0.5, window)
     assert got.dtype == dtype and got.shape == q.shape
     assert (got.double() - reference(q, kc, vc, tables, lens, head_dim**-0.5, window)).abs().max() < tol
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("window", [None, 21])
+def test_soft_capped_scores(dtype, tol, window):
+    """Gemma 2's cap * tanh(score / cap): a cap below the scores' range changes the answer, and the kernel follows."""
+    q, kc, vc, tables, lens = paged([1, 50, 300], 8, 2, 64, 16, dtype, seed=1)
+    q = q * 8  # scores well past the cap
+    got = cpu_attention.decode(q, kc, vc, tables, lens, 64**-0.5, window, softcap=2.0)
+    want = reference(q, kc, vc, tables, lens, 64**-0.5, window, softcap=2.0)
+    assert (got.double() - want).abs().max() < tol
+    assert (reference(q, kc, vc, tables, lens, 64**-0.5, window) - want).abs().max() > 0.1
 
 
 def test_attention_layer_gives_the_same_with_and_without_the_kernel(monkeypatch):
