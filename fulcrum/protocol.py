@@ -184,6 +184,9 @@ REQUEST_FIELDS: dict[str, dict[str, FieldSupport]] = {
         "verbosity": _refused(),
         "web_search_options": _refused(),
         "prompt_cache_key": _NOOP,
+        "prompt_cache_retention": _refused(),  # how long OpenAI keeps a prompt's cache; fulcrum's is an LRU
+        "prompt_cache_options": _refused(),
+        "moderation": _refused(),
         "safety_identifier": _NOOP,
         # vLLM
         "add_generation_prompt": _IMPL,

@@ -205,6 +205,17 @@ def test_unknown_fields_are_400_naming_them(server, path, field):
     assert "unknown field" in r.json()["error"]["message"]
 
 
+def test_the_table_covers_every_field_of_the_openai_clients_request_types():
+    """The official client's own request types (openai.types ... CompletionCreateParamsBase): a field a newer
+    client sends shows up here, not as a silent 200."""
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_create_params
+
+    for path, params in [(CMPL, completion_create_params), (CHAT, chat_create_params)]:
+        fields = set(params.CompletionCreateParamsBase.__annotations__)
+        assert fields <= set(REQUEST_FIELDS[path]), fields - set(REQUEST_FIELDS[path])
+
+
 @pytest.mark.parametrize("path, model", [(CMPL, CompletionRequest), (CHAT, ChatCompletionRequest)])
 def test_the_table_agrees_with_the_request_models(path, model):
     table = REQUEST_FIELDS[path]
