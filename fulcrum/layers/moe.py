@@ -159,7 +159,7 @@ class FusedExperts(nn.Module):
         # back to (token, choice) order; a token's k contributions summed in float32 and rounded once. (Not
         # index_add_ into the tokens' rows: on CPU it runs as scatter_add_, 2.6 ms for one row of 768.)
         ys = ys.index_select(0, order.argsort())
-        return ys.view(tokens, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
+        return ys.view(tokens, k, x.shape[1]).sum(1, dtype=torch.float32).to(x.dtype)
 
 
 def expert_params_mapping(num_experts: int, gate: str, up: str, down: str, prefix: str = "experts") -> dict:

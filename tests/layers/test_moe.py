@@ -156,6 +156,8 @@ def test_grouped_experts_equal_a_float64_per_token_loop(tokens, k):
     weights = torch.rand(tokens, k, generator=g)
     out = ex(x, weights, ids)
     torch.testing.assert_close(out.double(), _reference(tensors, x, weights, ids), atol=1e-5, rtol=1e-5)
+    empty = ex(x[:0], weights[:0], ids[:0])  # a step with no token for this layer's experts
+    assert empty.shape == (0, H)
     bf16, _ = _experts(dtype=torch.bfloat16)
     out16 = bf16(x.bfloat16(), weights, ids)
     assert out16.dtype == torch.bfloat16

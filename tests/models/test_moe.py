@@ -1,7 +1,10 @@
 """The MoE families beyond the shared parity tests (tests/models/test_parity.py runs them through the logits and the
 engine as MORE_FAMILIES): the checkpoint's per-expert tensors stacked, the errors that name a missing, mis-shaped or
 unexpected expert tensor, that each family's top-k normalisation and Qwen's sparse-layer rule show in the logits
-(so that parity is their proof), bf16 close to transformers, and fulcrum plan's parameter counts on the files."""
+(so that parity is their proof), bf16 close to transformers, fulcrum plan's parameter counts on the files, and int8
+weights on the dense layers only."""
+
+import shutil
 
 import pytest
 import torch
@@ -13,7 +16,10 @@ from fulcrum.layers.moe import SparseMoeBlock
 from fulcrum.models.llama import LlamaMLP
 from fulcrum.models.loader import load_model
 from fulcrum.plan.model_spec import load_model_spec, parameter_counts
+from tests.engine.hf_reference import hf_greedy
+from tests.engine.test_llm_parity import N_NEW, greedy, make_llm, random_prompts
 from tests.models.test_parity import hf_logits, max_diff, our_logits, prompts
+from tests.quant.test_quantized_engine import dequantized
 from tests.tiny_models import MOE_FAMILIES, hf_model, save_tiny_model
 
 LENS = [1, 5, 17, 40, 130]
@@ -174,3 +180,31 @@ def test_plan_counts_the_parameters_fulcrum_loads(family, tmp_path):
     folder = save_tiny_model(family, tmp_path / family)
     ours = _load(folder)
     assert parameter_counts(load_model_spec(folder)).total == sum(p.numel() for p in ours.parameters())
+
+
+def test_int8_quantizes_the_dense_layers_and_leaves_experts_and_routers_in_full_precision(tmp_path):
+    """Quantized linear methods stop at the experts: attention, the shared expert, the dense layer and the LM head
+    take int8 (logits within int8's tolerance of those weights dequantized, and the same greedy tokens); the stacked
+    experts, the router and the shared expert's gate keep the checkpoint's values."""
+    folder = save_tiny_model("qwen2-moe", tmp_path / "m")
+    ref = tmp_path / "ref"
+    shutil.copytree(folder, ref)
+    tensors = load_file(folder / "model.safetensors")
+    for name, t in tensors.items():
+        dense_linear = name.endswith("proj.weight") and ".experts." not in name
+        if dense_linear or name == "lm_head.weight":
+            tensors[name] = dequantized(t, "int8", 128).contiguous()
+    save_file(tensors, ref / "model.safetensors", metadata={"format": "pt"})
+    ours = load_model(ModelConfig.from_path(folder, "float32", quantization="int8"))
+    sparse, dense = ours.model.layers[0].mlp, ours.model.layers[1].mlp
+    assert sparse.shared_expert.gate_up_proj.qweight.dtype == dense.down_proj.qweight.dtype == torch.int8
+    assert ours.model.layers[0].self_attn.qkv_proj.qweight.dtype == torch.int8
+    assert sparse.experts.gate_up_proj.weight.dtype == sparse.gate.weight.dtype == torch.float32
+    assert sparse.shared_expert_gate.weight.dtype == torch.float32
+    batch = prompts(2048, lens=LENS)
+    want = hf_logits(hf_model(ref), batch)
+    assert max_diff(our_logits(ours, batch), want) < 1e-3 * max(x.abs().max().item() for x in want)
+    llm = make_llm(folder, quantization="int8")
+    some = random_prompts(3, 3, 40, seed=9)
+    for p, o in zip(some, llm.generate(some, greedy(), use_tqdm=False)):
+        assert o.outputs[0].token_ids == hf_greedy(ref, p, N_NEW)[0]
