@@ -149,7 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.model_pos:
         args.model = args.model_pos
-    config = EngineConfig(**engine_kwargs(args))
+    config = EngineConfig(**engine_kwargs(args), data_parallel_size=args.data_parallel_size)
     return serve(
         config,
         host=args.host,
@@ -192,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(TOOL_PARSERS),
         default=None,
         help="how the model writes tool calls (tool_choice auto needs it; required and named work without it)",
+    )
+    s.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine cores behind this server, each with its own KV cache and a share of the CPU cores",
     )
     s.add_argument(
         "--enable-auto-tool-choice",

@@ -179,6 +179,9 @@ class EngineConfig:
     quantization: str | None = None
     quantization_group_size: int = 128
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    # data parallel: this many engine cores behind one server frontend, each with its own KV cache and a share of
+    # the CPU cores; requests go to the least loaded (engine/async_llm.py)
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         checks = {
@@ -192,6 +195,7 @@ class EngineConfig:
             "quantization": self.quantization is None or self.quantization in QUANTIZATIONS,
             "quantization_group_size": self.quantization_group_size in INT4_GROUP_SIZES,
             "kv_cache_dtype": self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "data_parallel_size": isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
         }
         for name, ok in checks.items():
             if not ok:

@@ -12,7 +12,9 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -35,6 +37,7 @@ from fulcrum.engine.output_processor import OutputProcessor
 from fulcrum.engine.outputs import RequestOutput
 from fulcrum.engine.request import check_request, fan_out
 from fulcrum.errors import EngineDeadError, EngineOverloadedError, ModelLoadError, RequestFailedError
+from fulcrum.kernels import cpu_threads
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.utils.tokenizer import load_tokenizer
 
@@ -56,51 +59,65 @@ class AsyncLLM:
         self.stat_loggers: list = []  # objects with record(core_outputs: CoreOutputs, now: float)
         self.on_dead: Callable[[], None] | None = None
         self._ids = itertools.count()
-        self._proc: mp.Process | None = None
-        self._loop_task: asyncio.Task | None = None
+        self.cores: list[_Core] = []
+        self._owner: dict[str, _Core] = {}  # engine request (a sample) -> the core running it
+        self._loop_tasks: list[asyncio.Task] = []
 
     # -- lifecycle --------------------------------------------------------------------------------
 
     async def start(self) -> CoreReady:
+        """Start the engine core(s): one process each (data parallel: `data_parallel_size` of them, each with its
+        own KV cache and a share of the cores), and wait until all are ready."""
         self._dir = tempfile.mkdtemp(prefix="fulcrum-")
-        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._ctx = zmq.asyncio.Context()
         self._sync_ctx = zmq.Context()
-        # a plain socket for input: sends never await, so an abort from a cancelled task still goes out
-        self._in = self._sync_ctx.socket(zmq.PUSH)
-        self._in.bind(in_addr)
-        self._out = self._ctx.socket(zmq.PULL)
-        self._out.bind(out_addr)
-        self._proc = mp.get_context("spawn").Process(
-            target=run_engine_core, args=(self.config, in_addr, out_addr), name="fulcrum-engine-core", daemon=True
-        )
-        self._proc.start()
+        configs = data_parallel_configs(self.config)
+        for i, cfg in enumerate(configs):
+            in_addr, out_addr = f"ipc://{self._dir}/in{i}", f"ipc://{self._dir}/out{i}"
+            # a plain socket for input: sends never await, so an abort from a cancelled task still goes out
+            inp = self._sync_ctx.socket(zmq.PUSH)
+            inp.bind(in_addr)
+            out = self._ctx.socket(zmq.PULL)
+            out.bind(out_addr)
+            name = "fulcrum-engine-core" + (f"-{i}" if len(configs) > 1 else "")
+            proc = mp.get_context("spawn").Process(
+                target=run_engine_core, args=(cfg, in_addr, out_addr), name=name, daemon=True
+            )
+            proc.start()
+            self.cores.append(_Core(i, proc, inp, out))
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not await self._out.poll(500):
-            if not self._proc.is_alive() or time.monotonic() > deadline:
-                raise ModelLoadError(f"the engine core did not start (exit code {self._proc.exitcode})")
-        self.ready = decode_ready(await self._out.recv())
-        if self.ready.error:
-            raise ModelLoadError(f"the engine core failed to start: {self.ready.error}")
-        self._loop_task = asyncio.create_task(self._output_loop())
+        for core in self.cores:
+            while not await core.out.poll(500):
+                if not core.proc.is_alive() or time.monotonic() > deadline:
+                    raise ModelLoadError(f"the engine core did not start (exit code {core.proc.exitcode})")
+            core.ready = decode_ready(await core.out.recv())
+            if core.ready.error:
+                raise ModelLoadError(f"the engine core failed to start: {core.ready.error}")
+        first = self.cores[0].ready
+        # what the server reports: one model's limits, the cache of every core together
+        self.ready = msgspec.structs.replace(first, num_blocks=sum(c.ready.num_blocks for c in self.cores))
+        self._loop_tasks = [asyncio.create_task(self._output_loop(c)) for c in self.cores]
         return self.ready
 
     async def shutdown(self) -> None:
-        if self._loop_task:
-            self._loop_task.cancel()
-        if self._proc and self._proc.is_alive():
-            with contextlib.suppress(zmq.ZMQError):
-                self._in.send_multipart([SHUTDOWN, b""])
-            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10)
-            if self._proc.is_alive():
-                self._proc.kill()
+        for t in self._loop_tasks:
+            t.cancel()
+        loop = asyncio.get_running_loop()
+        for core in self.cores:
+            if core.proc.is_alive():
+                with contextlib.suppress(zmq.ZMQError):
+                    core.inp.send_multipart([SHUTDOWN, b""])
+        for core in self.cores:
+            await loop.run_in_executor(None, core.proc.join, 10)
+            if core.proc.is_alive():
+                core.proc.kill()
         self._ctx.destroy(linger=0)
         self._sync_ctx.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     @property
     def healthy(self) -> bool:
-        return not self.dead and self._proc is not None and self._proc.is_alive()
+        return not self.dead and bool(self.cores) and all(c.proc.is_alive() for c in self.cores)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -132,10 +149,16 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = queue
         self.processor.add_request(rid, prompt, list(prompt_ids), params, [cid for cid, _ in children])
+        # the least loaded core takes all the samples, which share the prompt's blocks there
+        core = min(self.cores, key=lambda c: (c.load, c.index))
+        for cid, _ in children:
+            self._owner[cid] = core
+        core.load += len(children)
+        core.given += len(children)
         finished = False
         try:
             for m in msgs:
-                self._in.send_multipart([ADD, m])
+                core.inp.send_multipart([ADD, m])
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -171,30 +194,45 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         children = self.processor.abort(request_id)
-        if children and not self.dead:
-            self._in.send_multipart([ABORT, encoder.encode(children)])
+        for core, ids in self._release(children).items():
+            if not self.dead:
+                core.inp.send_multipart([ABORT, encoder.encode(ids)])
+
+    def _release(self, child_ids: list[str]) -> dict[_Core, list[str]]:
+        """Forget which core ran these samples (they are done); returns them grouped by core."""
+        by_core: dict[_Core, list[str]] = {}
+        for cid in child_ids:
+            core = self._owner.pop(cid, None)
+            if core is not None:
+                core.load -= 1
+                by_core.setdefault(core, []).append(cid)
+        return by_core
 
     # -- the output loop ---------------------------------------------------------------------------
 
-    async def _output_loop(self) -> None:
+    async def _output_loop(self, core: _Core) -> None:
         try:
             while True:
-                if not await self._out.poll(1000):
-                    if not self._proc.is_alive():
-                        raise EngineDeadError(f"the engine core exited (code {self._proc.exitcode})")
+                if not await core.out.poll(1000):
+                    if not core.proc.is_alive():
+                        raise EngineDeadError(f"the engine core exited (code {core.proc.exitcode})")
                     continue
-                msg: CoreOutputs = decode_outputs(await self._out.recv())
+                msg: CoreOutputs = decode_outputs(await core.out.recv())
                 now = time.time()
-                self.stats = msg.stats
+                core.stats = msg.stats
+                self.stats = total_stats([c.stats for c in self.cores])
+                if len(self.cores) > 1:  # the loggers count every core's work: give them the totals
+                    msg = CoreOutputs(msg.outputs, self.stats, msg.timestamp)
                 for logger in self.stat_loggers:
                     logger.record(msg, now)
+                self._release([o.request_id for o in msg.outputs if o.finish_reason is not None])
                 results, stop_now = self.processor.process(msg.outputs)
                 for ro, deltas in results:
                     q = self.queues.get(ro.request_id)
                     if q is not None:
                         q.put_nowait((ro, deltas))
                 if stop_now:
-                    self._in.send_multipart([FINISH, encoder.encode(stop_now)])
+                    core.inp.send_multipart([FINISH, encoder.encode(stop_now)])
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -205,3 +243,55 @@ class AsyncLLM:
                 q.put_nowait(err)
             if self.on_dead:
                 self.on_dead()
+
+
+@dataclass(eq=False)
+class _Core:
+    """One engine-core process as the frontend sees it."""
+
+    index: int
+    proc: mp.Process
+    inp: zmq.Socket
+    out: zmq.asyncio.Socket
+    ready: CoreReady | None = None
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+    load: int = 0  # samples in flight on it
+    given: int = 0  # samples sent to it since start
+
+
+def total_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    """The cores' gauges and cumulative counters added up (KV usage over all their blocks; the slowest step)."""
+    if len(stats) == 1:
+        return stats[0]
+    blocks = sum(s.num_blocks for s in stats)
+    out = SchedulerStats(
+        kv_cache_usage=sum(s.kv_cache_usage * s.num_blocks for s in stats) / blocks if blocks else 0.0,
+        step_time=max(s.step_time for s in stats),
+    )
+    for f in msgspec.structs.fields(SchedulerStats):
+        if f.name in ("kv_cache_usage", "step_time"):
+            continue
+        values = [getattr(s, f.name) for s in stats]
+        if all(isinstance(v, int) for v in values):
+            setattr(out, f.name, sum(values))
+        elif all(isinstance(v, list) for v in values):  # per-position counts: added position by position
+            setattr(out, f.name, [sum(col) for col in itertools.zip_longest(*values, fillvalue=0)])
+    return out
+
+
+def data_parallel_configs(config: EngineConfig) -> list[EngineConfig]:
+    """One config per data-parallel engine core: each gets a contiguous share of this process's cores (with the
+    automatic binding; a given --cpu-bind is split the same way), or none pinned when there are more cores than
+    CPUs."""
+    n = config.data_parallel_size
+    if n == 1:
+        return [config]
+    cpus = cpu_threads.parse_cpus(config.cpu_bind) if config.cpu_bind not in ("auto", "none") else None
+    cpus = cpus or cpu_threads.allowed_cpus()
+    share = len(cpus) // n
+    if config.cpu_bind == "none" or share == 0:
+        return [replace(config, cpu_bind="none", cpu_threads=config.cpu_threads or 1) for _ in range(n)]
+    return [
+        replace(config, cpu_bind=",".join(map(str, cpus[i * share : (i + 1) * share])), cpu_threads=share)
+        for i in range(n)
+    ]

@@ -79,6 +79,15 @@ class ServerMetrics:
         self.queue = _Family(
             Histogram, "request_queue_time_seconds", "Time waiting before first scheduled", r, m, c, buckets=E2E_BUCKETS
         )
+        # data parallel: what each engine core was given and runs now (labelled by its index)
+        self.engine_requests = _Family(
+            Counter, "engine_requests", "Requests (samples) sent to each engine core", r, m, False, labels=("engine",)
+        )
+        self.engine_running = _Family(
+            Gauge, "engine_num_requests_running", "Requests running on each engine core", r, m, False,
+            labels=("engine",),
+        )  # fmt: skip
+        self._engine_given: dict[int, int] = {}
         # the cache's shape, as vLLM's cache_config_info: set once the engine reports ready
         self.kv_capacity = _Family(Gauge, "kv_cache_capacity_tokens", "Tokens the KV cache holds", r, m, False)
         self.cache_info = Gauge(
@@ -87,6 +96,13 @@ class ServerMetrics:
         )  # fmt: skip
         self._last = {"q": 0, "h": 0, "p": 0}
         self._last_token_time: dict[str, float] = {}
+
+    def record_engines(self, given: list[int], running: list[int]) -> None:
+        """Each engine core's cumulative requests given and its running count (the frontend's, at scrape time)."""
+        for i, (g, n) in enumerate(zip(given, running)):
+            self.engine_requests.inc(g - self._engine_given.get(i, 0), engine=str(i))
+            self._engine_given[i] = g
+            self.engine_running.set(n, engine=str(i))
 
     def record_ready(self, ready: CoreReady) -> None:
         self.kv_capacity.set(ready.num_blocks * ready.block_size)
