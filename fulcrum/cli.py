@@ -210,9 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     from fulcrum.bench.cli import add_bench_parser
     from fulcrum.eval.cli import add_eval_parser
     from fulcrum.plan.cli import add_plan_parser
+    from fulcrum.router.cli import add_router_parsers
 
     add_bench_parser(sub)
     add_eval_parser(sub)
+    add_router_parsers(sub)
     # plan/ imports neither torch (which fulcrum.config does) nor what measures: the CLI joins them, handing it the
     # bundled model as the default and fulcrum.probe's measurements
     add_plan_parser(sub).set_defaults(

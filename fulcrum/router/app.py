@@ -1,0 +1,291 @@
+"""The router's OpenAI-compatible front: each request is checked against the schemas of fulcrum/protocol.py,
+given to one replica by the policy and streamed back. A replica that fails or times out before the first event
+has the request retried on another; once an event has reached the client it never is, and a stream cut midway
+ends with an error event and [DONE]. Every request ends with its tokens or an error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import aiohttp
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from fulcrum.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
+from fulcrum.router.metrics import RouterMetrics
+from fulcrum.router.policies import NEEDS_TOKENS, POLICIES, Decision
+from fulcrum.router.pool import Pool, Replica
+from fulcrum.router.tokens import PromptTokenizer, hasher
+
+log = logging.getLogger("fulcrum.router")
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 502: "BadGatewayError",
+               503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}  # fmt: skip
+RETRY_STATUS = {500, 502, 503, 504}  # a replica failing, draining or overloaded: another may answer
+HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host", "keep-alive"}
+
+
+def error_body(status: int, message: str) -> dict:
+    return ErrorResponse(
+        error=ErrorInfo(message=message, type=ERROR_TYPES.get(status, "Error"), code=status)
+    ).model_dump()
+
+
+def error(status: int, message: str) -> JSONResponse:
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
+
+
+def sse_error(status: int, message: str) -> bytes:
+    return f"data: {json.dumps(error_body(status, message))}\n\ndata: [DONE]\n\n".encode()
+
+
+class Failed(Exception):
+    """This replica cannot answer this request now (connection, timeout, 5xx): try another."""
+
+    def __init__(self, status: int, message: str, dead: bool):
+        super().__init__(message)
+        self.status, self.dead = status, dead
+
+
+@dataclass
+class RouterConfig:
+    policy: str = "round-robin"
+    model: str | None = None  # tokenizer folder or Hub ID for prefix-aware policies
+    balance_margin: float = 4.0
+    prefix_weight: float = 1.0
+    load_weight: float = 0.1
+    sticky_header: str | None = None
+    sticky_user: bool = False
+    max_attempts: int = 3
+    connect_timeout: float = 2.0
+    first_token_timeout: float = 60.0
+    request_timeout: float = 600.0
+    validate: bool = True
+    api_key: str | None = None
+    discover: str | None = None  # HOST:PORT resolved every few seconds (a Kubernetes headless Service)
+
+
+def make_policy(cfg: RouterConfig, pool: Pool):
+    kind = POLICIES[cfg.policy]
+    if cfg.policy == "prefix":
+        return kind(pool, cfg.balance_margin)
+    if cfg.policy == "weighted":
+        return kind(pool, cfg.prefix_weight, cfg.load_weight)
+    return kind(pool)
+
+
+class Router:
+    def __init__(self, pool: Pool, cfg: RouterConfig):
+        self.pool, self.cfg = pool, cfg
+        self.policy = make_policy(cfg, pool)
+        self.tokenizer = PromptTokenizer(cfg.model) if cfg.policy in NEEDS_TOKENS else None
+        self.metrics = RouterMetrics(pool)
+        self.sticky: dict[str, str] = {}
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=False)
+        await self.pool.start()
+
+    async def stop(self) -> None:
+        await self.pool.stop()
+        if self.session:
+            await self.session.close()
+
+    def decide(self, candidates: list[Replica], hashes: Callable, key: str | None) -> Decision:
+        if key and (url := self.sticky.get(key)) and any(r.url == url for r in candidates):
+            return Decision(next(r for r in candidates if r.url == url), "sticky")
+        d = self.policy.choose(candidates, hashes)
+        if key:
+            self.sticky[key] = d.replica.url
+        return d
+
+    def _headers(self, request: Request) -> dict:
+        return {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+
+    async def forward(self, request: Request, path: str, endpoint: str, body: dict, raw: bytes) -> Response:
+        stream = bool(body.get("stream"))
+        hashes = hasher(self.tokenizer.token_ids(endpoint, body)) if self.tokenizer else (lambda bs: [])
+        key = None
+        if self.cfg.sticky_header:
+            key = request.headers.get(self.cfg.sticky_header)
+        if key is None and self.cfg.sticky_user and isinstance(body.get("user"), str):
+            key = body["user"]
+        tried: set[str] = set()
+        last = Failed(503, "no healthy replica is in the pool", False)
+        for attempt in range(self.cfg.max_attempts):
+            candidates = self.pool.available(exclude=tried)
+            if not candidates:
+                break
+            d = self.decide(candidates, hashes, key)
+            r = d.replica
+            tried.add(r.url)
+            self.metrics.decided(d, retry=attempt > 0)
+            r.remember(hashes(r.metrics.block_size or 16) if self.tokenizer else [])
+            r.in_flight += 1
+            try:
+                return await self._send(r, request, path, raw, stream)
+            except Failed as e:
+                r.in_flight -= 1
+                last = e
+                self.metrics.retried(r)
+                if e.dead:
+                    self.pool.mark_failed(r)
+                log.warning("%s on %s failed before its first token (%s); %s", path, r.url, e,
+                            "retrying" if attempt + 1 < self.cfg.max_attempts else "giving up")  # fmt: skip
+        self.metrics.failed()
+        return error(last.status, f"no replica could serve the request: {last}")
+
+    async def _send(self, r: Replica, request: Request, path: str, raw: bytes, stream: bool) -> Response:
+        timeout = aiohttp.ClientTimeout(
+            total=self.cfg.request_timeout, sock_connect=self.cfg.connect_timeout, sock_read=None
+        )
+        try:
+            resp = await asyncio.wait_for(
+                self.session.post(f"{r.url}{path}", data=raw, headers=self._headers(request), timeout=timeout),
+                self.cfg.first_token_timeout,
+            )
+        except (aiohttp.ClientError, OSError) as e:
+            raise Failed(502, f"{type(e).__name__}: {e}", dead=True) from None
+        except asyncio.TimeoutError:
+            raise Failed(504, f"no answer in {self.cfg.first_token_timeout:.0f} s", dead=False) from None
+        try:
+            if resp.status in RETRY_STATUS:
+                text = await resp.text()
+                raise Failed(
+                    resp.status, f"HTTP {resp.status}: {text[:200]}", dead=resp.status >= 500 and resp.status != 503
+                )
+            if not stream or resp.status != 200 or "text/event-stream" not in resp.headers.get("content-type", ""):
+                content = await asyncio.wait_for(resp.read(), self.cfg.request_timeout)
+                resp.release()
+                r.in_flight -= 1
+                self.metrics.served(r)
+                return Response(content, status_code=resp.status, media_type=resp.headers.get("content-type"))
+            first = await asyncio.wait_for(self._first_event(resp), self.cfg.first_token_timeout)
+        except Failed:
+            resp.release()
+            raise
+        except (aiohttp.ClientError, OSError) as e:
+            resp.release()
+            raise Failed(502, f"{type(e).__name__}: {e}", dead=True) from None
+        except asyncio.TimeoutError:
+            resp.release()
+            raise Failed(504, f"no first token in {self.cfg.first_token_timeout:.0f} s", dead=False) from None
+        return StreamingResponse(self._relay(r, resp, first), media_type="text/event-stream")
+
+    async def _first_event(self, resp: aiohttp.ClientResponse) -> bytes:
+        buf = b""
+        while b"\n\n" not in buf:
+            chunk = await resp.content.readany()
+            if not chunk:
+                raise Failed(502, "the replica closed the stream before its first event", dead=False)
+            buf += chunk
+        return buf
+
+    async def _relay(self, r: Replica, resp: aiohttp.ClientResponse, first: bytes):
+        tail = first[-64:]
+        try:
+            yield first
+            while chunk := await resp.content.readany():
+                tail = (tail + chunk)[-64:]
+                yield chunk
+            if b"[DONE]" not in tail:
+                raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
+            self.metrics.served(r)
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+            # tokens already reached the client: no retry, the stream ends with an error event
+            log.warning("stream from %s cut after its first token: %s", r.url, e)
+            self.metrics.failed(r)
+            self.pool.mark_failed(r)
+            yield sse_error(502, f"the replica {r.url} failed mid-stream: {type(e).__name__}: {e}")
+        finally:
+            resp.release()
+            r.in_flight -= 1
+
+    async def get(self, path: str) -> Response:
+        for r in self.pool.available():
+            try:
+                async with self.session.get(f"{r.url}{path}", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    return Response(await resp.read(), resp.status, media_type=resp.headers.get("content-type"))
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                self.pool.mark_failed(r)
+        return error(503, "no healthy replica is in the pool")
+
+    async def discover(self) -> None:
+        """Pool membership from DNS: every address a headless Service resolves to is a replica."""
+        host, _, port = self.cfg.discover.rpartition(":")
+        while True:
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+                urls = {f"http://{info[4][0]}:{port}" for info in infos}
+                for url in urls - set(self.pool.replicas):
+                    self.pool.add(url)
+                for url in set(self.pool.replicas) - urls:
+                    self.pool.remove(url)
+            except OSError as e:
+                log.warning("resolving %s: %s", self.cfg.discover, e)
+            await asyncio.sleep(5)
+
+
+def build_app(router: Router) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await router.start()
+        task = asyncio.get_running_loop().create_task(router.discover()) if router.cfg.discover else None
+        yield
+        if task:
+            task.cancel()
+        await router.stop()
+
+    app = FastAPI(title="fulcrum router", lifespan=lifespan)
+    app.state.router = router
+
+    async def generate(request: Request, path: str, endpoint: str, schema):
+        if router.cfg.api_key:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or token.strip() != router.cfg.api_key:
+                return JSONResponse(error_body(401, "invalid or missing API key"), status_code=401)
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+            if router.cfg.validate:
+                schema.model_validate(body)
+        except (ValueError, ValidationError) as e:
+            first = e.errors()[0] if isinstance(e, ValidationError) else None
+            where = ".".join(str(x) for x in first["loc"]) if first and first.get("loc") else "request"
+            message = f"{where}: {first['msg']}" if first else "the request body is not valid JSON"
+            return error(400, message.removeprefix("Value error, "))
+        if not isinstance(body, dict):
+            return error(400, "the request body must be a JSON object")
+        return await router.forward(request, path, endpoint, body, raw)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, "/v1/completions", "completions", CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await generate(request, "/v1/chat/completions", "chat", ChatCompletionRequest)
+
+    @app.get("/v1/models")
+    async def models():
+        return await router.get("/v1/models")
+
+    @app.get("/health")
+    async def health():
+        n = len(router.pool.available())
+        return JSONResponse({"healthy_replicas": n}, status_code=200 if n else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(router.metrics.collect()), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,94 @@
+"""Routing policies: each picks one replica for a request among those available and says why (the reason is
+counted in the router's /metrics). Prefix-aware policies see the request's chained block hashes at each
+replica's block size (the engine's own hash, fulcrum/utils/hashing.py)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fulcrum.router.pool import SATURATED, Pool, Replica
+
+DEFAULT_BLOCK_SIZE = 16  # a replica that does not publish cache_config_info (SGLang) is hashed at this size
+
+
+@dataclass
+class Decision:
+    replica: Replica
+    reason: str  # round-robin, least-load, prefix, load-guard, no-prefix, weighted, sticky
+    cached_blocks: int = 0
+    prompt_blocks: int = 0
+
+
+def blocks_of(r: Replica, hashes: Callable[[int], list[int]]) -> list[int]:
+    return hashes(r.metrics.block_size or DEFAULT_BLOCK_SIZE)
+
+
+class RoundRobin:
+    name = "round-robin"
+
+    def __init__(self, pool: Pool):
+        self.pool, self._counter = pool, itertools.count()
+
+    def choose(self, candidates: list[Replica], hashes) -> Decision:
+        return Decision(candidates[next(self._counter) % len(candidates)], "round-robin")
+
+
+class LeastLoad:
+    name = "least-load"
+
+    def __init__(self, pool: Pool):
+        self.pool = pool
+
+    def choose(self, candidates: list[Replica], hashes) -> Decision:
+        return Decision(self.pool.least_loaded(candidates), "least-load")
+
+
+class Prefix:
+    """The longest cached prefix wins unless that replica's load exceeds the least-loaded one's by more than
+    `balance_margin` (requests in flight plus queued): then the least-loaded takes it (the balance guard)."""
+
+    name = "prefix"
+
+    def __init__(self, pool: Pool, balance_margin: float = 4.0):
+        self.pool, self.balance_margin = pool, balance_margin
+
+    def choose(self, candidates: list[Replica], hashes) -> Decision:
+        matched = [(r, r.cached_prefix(blocks_of(r, hashes))) for r in candidates]
+        total = max(len(blocks_of(r, hashes)) for r in candidates)
+        best = max(n for _, n in matched)
+        least = self.pool.least_loaded(candidates)
+        if best == 0:
+            return Decision(least, "no-prefix", 0, total)
+        choice = random.choice([r for r, n in matched if n == best])
+        low, mine = least.load(self.pool.stale_after), choice.load(self.pool.stale_after)
+        if mine == SATURATED and low < SATURATED or mine - low > self.balance_margin:
+            return Decision(least, "load-guard", least.cached_prefix(blocks_of(least, hashes)), total)
+        return Decision(choice, "prefix", best, total)
+
+
+class Weighted:
+    """score = prefix_weight * (cached fraction of the prompt) - load_weight * load; the highest wins."""
+
+    name = "weighted"
+
+    def __init__(self, pool: Pool, prefix_weight: float = 1.0, load_weight: float = 0.1):
+        self.pool, self.prefix_weight, self.load_weight = pool, prefix_weight, load_weight
+
+    def choose(self, candidates: list[Replica], hashes) -> Decision:
+        scored = []
+        for r in candidates:
+            blocks = blocks_of(r, hashes)
+            cached = r.cached_prefix(blocks)
+            load = min(r.load(self.pool.stale_after), 1e6)
+            score = self.prefix_weight * (cached / len(blocks) if blocks else 0.0) - self.load_weight * load
+            scored.append((score, r, cached, len(blocks)))
+        top = max(s for s, *_ in scored)
+        _, r, cached, total = random.choice([x for x in scored if x[0] == top])
+        return Decision(r, "weighted", cached, total)
+
+
+POLICIES = {p.name: p for p in (RoundRobin, LeastLoad, Prefix, Weighted)}
+NEEDS_TOKENS = {"prefix", "weighted"}

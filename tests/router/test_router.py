@@ -1,0 +1,106 @@
+"""The router over two real replicas, through the official openai client: each policy routes as specified,
+streamed and not."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.router.conftest import run_router
+
+PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?"
+
+
+def complete(client, prompt=PROMPT, stream=False, max_tokens=4, **kw):
+    if stream:
+        chunks = list(client.completions.create(model="shakespeare", prompt=prompt, max_tokens=max_tokens,
+                                                stream=True, **kw))  # fmt: skip
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+    return client.completions.create(model="shakespeare", prompt=prompt, max_tokens=max_tokens, **kw).choices[0].text
+
+
+def test_round_robin_streamed_and_not(replicas):
+    with run_router([s.url for s in replicas], policy="round-robin") as r:
+        client = r.client()
+        for i in range(4):
+            assert complete(client, stream=bool(i % 2))
+        chat = client.chat.completions.create(
+            model="shakespeare", messages=[{"role": "user", "content": "Speak."}], max_tokens=3
+        )
+        assert chat.choices[0].message.content is not None
+        streamed = client.chat.completions.create(
+            model="shakespeare", messages=[{"role": "user", "content": "Speak."}], max_tokens=3, stream=True
+        )
+        assert any(c.choices and c.choices[0].delta.content for c in streamed)
+        assert sorted(r.requests_by_replica().values()) == [3, 3]
+        assert [m.id for m in client.models.list()] == ["shakespeare"]
+        assert httpx.get(f"{r.url}/health").status_code == 200
+        text = httpx.get(f"{r.url}/metrics").text
+        assert 'fulcrum_router:decisions_total{reason="round-robin"} 6.0' in text
+
+
+def test_bad_request_is_a_400_in_openai_shape(replicas):
+    with run_router([s.url for s in replicas]) as r:
+        resp = httpx.post(f"{r.url}/v1/completions", json={"model": "shakespeare", "prompt": "x", "max_tokens": -1})
+        assert resp.status_code == 400
+        assert resp.json()["error"]["code"] == 400
+
+
+def test_least_load_avoids_the_busy_replica(replicas):
+    with run_router([s.url for s in replicas], policy="least-load") as r:
+        busy, idle = r.router.pool.replicas[replicas[0].url], r.router.pool.replicas[replicas[1].url]
+        busy.in_flight += 5  # as if five requests were running there
+        try:
+            client = r.client()
+            for stream in (False, True, False):
+                assert complete(client, stream=stream)
+        finally:
+            busy.in_flight -= 5
+        assert r.requests_by_replica() == {idle.url: 3}
+
+
+def test_prefix_lands_on_the_holder_and_the_guard_overrides(replicas):
+    system = "You are a herald of Verona. " * 12  # several blocks of shared prefix
+    with run_router([s.url for s in replicas], policy="prefix", balance_margin=2) as r:
+        client = r.client()
+        complete(client, prompt=system + "Who comes?")
+        (holder,) = r.requests_by_replica()
+        for i, stream in enumerate((False, True, False, True)):
+            complete(client, prompt=system + f"Question {i}?", stream=stream)
+        assert r.requests_by_replica() == {holder: 5}
+        assert r.decisions()["prefix"] == 4
+        # saturate the holder: its load now exceeds the other's by more than the margin
+        pool = r.router.pool
+        pool.replicas[holder].in_flight += 3
+        try:
+            complete(client, prompt=system + "And now?", stream=True)
+        finally:
+            pool.replicas[holder].in_flight -= 3
+        other = next(u for u in pool.replicas if u != holder)
+        assert r.requests_by_replica()[other] == 1
+        assert r.decisions()["load-guard"] == 1
+        r.router.metrics.collect()  # refreshes the gauges
+        assert r.router.metrics.hit_rate._value.get() > 0.5
+
+
+def test_weighted_prefers_the_holder_until_load_outweighs(replicas):
+    system = "The king's speech before Agincourt, once more. " * 10
+    with run_router([s.url for s in replicas], policy="weighted", prefix_weight=1.0, load_weight=0.2) as r:
+        client = r.client()
+        complete(client, prompt=system + "Go.")
+        (holder,) = r.requests_by_replica()
+        complete(client, prompt=system + "On.", stream=True)
+        assert r.requests_by_replica() == {holder: 2}
+        r.router.pool.replicas[holder].in_flight += 10  # 10 * 0.2 outweighs a whole prompt cached
+        try:
+            complete(client, prompt=system + "Up.")
+        finally:
+            r.router.pool.replicas[holder].in_flight -= 10
+        assert len(r.requests_by_replica()) == 2
+
+
+def test_sticky_user(replicas):
+    with run_router([s.url for s in replicas], policy="round-robin", sticky_user=True) as r:
+        client = r.client()
+        for _ in range(3):
+            complete(client, user="alice")
+        assert sorted(r.requests_by_replica().values()) == [3]
