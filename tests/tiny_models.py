@@ -145,9 +145,9 @@ MORE_FAMILIES = {
 PROMPT_MIN_LEN = {"phi3-longrope-long": 17}  # families whose prompts must be longer than a few tokens
 
 
-# Multi-head latent attention (DeepSeek-V2/V3): every layer dense (first_k_dense_replace = num_hidden_layers), a
-# latent of 32 + a RoPE key of 8 per token, heads of 16 + 8 for q/k and 16 for v; YaRN x4 over an original 128 as the
-# real configs scale (V2's mscale 0.707, V3's 1.0), which scales the softmax as well as cos and sin
+# Multi-head latent attention (DeepSeek-V2/V3), every layer dense (first_k_dense_replace = num_hidden_layers) but
+# in the -moe families: a latent of 32 + a RoPE key of 8 per token, heads of 16 + 8 for q/k and 16 for v; YaRN x4
+# over an original 128 as the real configs scale (V2's mscale 0.707, V3's 1.0), scaling the softmax as well as cos/sin
 _MLA = dict(
     num_key_value_heads=4,  # the config's own field; MLA has no KV heads (transformers wants it = the heads)
     kv_lora_rank=32,
@@ -157,6 +157,11 @@ _MLA = dict(
     first_k_dense_replace=2,
     tie_word_embeddings=False,
 )
+
+_MLA_MOE = dict(
+    num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    n_group=4, topk_group=2,
+)  # fmt: skip
 
 
 def _yarn(mscale: float, mscale_all_dim: float) -> dict:
@@ -176,6 +181,33 @@ MLA_FAMILIES = {
     "deepseek-v3-rotate-half": (
         DeepseekV3Config,
         dict(_MLA, q_lora_rank=24, rope_interleave=False, attention_bias=True, rope_scaling=_yarn(1.0, 0.5)),
+    ),
+    # with experts after one dense layer: 8 routed experts in 4 groups, 2 groups kept, top-3 (V2) or top-2 (V3),
+    # shared experts (V2: two, each of moe_intermediate_size; V3: one). V2-236B's router: softmax, group_limited_greedy, scaled;
+    # V3's: sigmoid, the score-correction bias (random here, transformers initialises it to zero), groups ranked
+    # by their best two, renormalised, scaled by 2.5
+    "deepseek-v2-moe": (
+        DeepseekV2Config,
+        {**_MLA, **_MLA_MOE}
+        | dict(
+            q_lora_rank=None,
+            rope_scaling=_yarn(0.707, 0.707),
+            n_shared_experts=2,
+            num_experts_per_tok=3,  # top-2 of 2 groups kept would always be greedy's top-2
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=1.5,
+        ),
+    ),
+    "deepseek-v3-moe": (
+        DeepseekV3Config,
+        {**_MLA, **_MLA_MOE}
+        | dict(
+            q_lora_rank=24,
+            rope_scaling=_yarn(1.0, 1.0),
+            n_shared_experts=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+        ),
     ),
 }
 
@@ -199,6 +231,9 @@ def save_tiny_model(family: str, folder: Path, seed: int = 0, shard_size: str | 
                     p.normal_(0.0, 0.2)  # the w of Gemma's (1 + w)
                 elif name.endswith("norm.weight"):
                     p.uniform_(0.6, 1.4)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: a bias that changes which experts win
+                    b.normal_(0.0, 0.3)
     folder.mkdir(parents=True, exist_ok=True)
     kw = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(folder, **kw)

@@ -1,6 +1,8 @@
 """DeepSeek-V2 and V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM): multi-head latent attention in every layer
 (fulcrum.layers.mla: the queries from a low-rank q_a/q_b pair, or V2-Lite's plain q_proj; keys and values from one
-compressed latent), Llama's SwiGLU MLP in the first first_k_dense_replace layers and a mixture of experts after.
+compressed latent), Llama's SwiGLU MLP in the first first_k_dense_replace layers and a mixture of experts after
+(fulcrum.layers.moe: n_routed_experts grouped, n_shared_experts always on as one MLP of their summed width; V2's
+softmax router, greedy or group-limited; V3's sigmoid router with its score-correction bias and grouped top-k).
 
 RoPE touches only the qk_rope_head_dim part of the query and the one RoPE key all heads share; the checkpoints lay
 its dimensions out in interleaved pairs (V2 always, V3 unless rope_interleave is false). With YaRN scaling DeepSeek
@@ -22,8 +24,11 @@ from fulcrum.layers.embedding import VocabParallelEmbedding
 from fulcrum.layers.layernorm import RMSNorm
 from fulcrum.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from fulcrum.layers.mla import MLAAttention
+from fulcrum.layers.moe import FusedExperts, SparseMoeBlock, TopKRouter, expert_params_mapping
 from fulcrum.layers.rotary import RotaryEmbedding, apply_rotary
 from fulcrum.models.llama import LlamaForCausalLM, LlamaMLP
+from fulcrum.models.mixtral import check_silu
+from fulcrum.models.qwen_moe import with_intermediate_size
 
 # transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default, not config.rms_norm_eps
 LATENT_NORM_EPS = 1e-6
@@ -121,13 +126,20 @@ class DeepseekDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DeepseekAttention(cfg, layer_idx, family.rope_interleaved(cfg), dtype, quant)
         prefix = f"model.layers.{layer_idx}.mlp"
+        bias = bool(getattr(cfg, "mlp_bias", False))  # V2's; V3 has none
         if layer_idx < dense_layers(cfg):
-            self.mlp = LlamaMLP(cfg, bool(getattr(cfg, "mlp_bias", False)), dtype, quant, prefix)
+            self.mlp = LlamaMLP(cfg, bias, dtype, quant, prefix)
         else:
-            raise ModelLoadError(
-                f"{family.__name__}: layer {layer_idx} is a mixture of experts (first_k_dense_replace="
-                f"{cfg.first_k_dense_replace} of {cfg.num_hidden_layers} layers), which fulcrum cannot run yet; "
-                "only DeepSeek configs whose layers are all dense load"
+            check_silu(cfg)
+            n, shared = cfg.n_routed_experts, None
+            if cfg.n_shared_experts:
+                shared_cfg = with_intermediate_size(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                shared = LlamaMLP(shared_cfg, bias, dtype, quant, f"{prefix}.shared_experts")
+            self.mlp = SparseMoeBlock(
+                family.router(cfg, dtype),
+                FusedExperts(n, cfg.hidden_size, cfg.moe_intermediate_size, dtype),
+                shared_expert=shared,
+                shared_expert_name="shared_experts",
             )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -165,6 +177,26 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def rope_interleaved(cfg) -> bool:
         return True  # V2 rotates complex pairs
 
+    @staticmethod
+    def router(cfg, dtype) -> TopKRouter:
+        """Softmax over the experts in float32, scaled by routed_scaling_factor and never renormalised (transformers'
+        V2 router reads no norm_topk_prob); group_limited_greedy keeps the topk_group groups of best expert."""
+        grouped = cfg.topk_method == "group_limited_greedy"
+        if cfg.topk_method not in ("greedy", "group_limited_greedy"):
+            raise ModelLoadError(f"topk_method {cfg.topk_method!r} is not DeepSeek-V2's (greedy, group_limited_greedy)")
+        return TopKRouter(
+            cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, scoring="softmax",
+            n_group=cfg.n_group if grouped else None, topk_group=cfg.topk_group if grouped else None,
+            routed_scaling_factor=cfg.routed_scaling_factor, logits_fp32=True, dtype=dtype,
+        )  # fmt: skip
+
+    def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype | None = None, quant=None):
+        super().__init__(cfg, dtype, quant)
+        # each expert's checkpoint tensors stack into its layer's FusedExperts; these entries go first, since an
+        # expert's gate_proj would match the dense one
+        experts = expert_params_mapping(cfg.n_routed_experts or 0, "gate_proj", "up_proj", "down_proj")
+        self.packed_modules_mapping = {**experts, **type(self).packed_modules_mapping}
+
     def after_loading(self) -> None:
         super().after_loading()
         for layer in self.model.layers:
@@ -175,3 +207,14 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     @staticmethod
     def rope_interleaved(cfg) -> bool:
         return bool(getattr(cfg, "rope_interleave", True))
+
+    @staticmethod
+    def router(cfg, dtype) -> TopKRouter:
+        """Sigmoid scores in float32; e_score_correction_bias added for choosing only; the topk_group groups of best
+        two (biased) scores kept; the chosen unbiased scores renormalised when norm_topk_prob, then scaled by
+        routed_scaling_factor (transformers' V3 router, whatever topk_method says)."""
+        return TopKRouter(
+            cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, scoring="sigmoid",
+            renormalize=bool(cfg.norm_topk_prob), n_group=cfg.n_group, topk_group=cfg.topk_group,
+            routed_scaling_factor=cfg.routed_scaling_factor, correction_bias=True, logits_fp32=True, dtype=dtype,
+        )  # fmt: skip

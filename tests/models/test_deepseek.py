@@ -1,12 +1,14 @@
-"""DeepSeek-V2/V3 (multi-head latent attention) against transformers on tiny random models of their real config
-classes: fp32 logits, the engine's greedy tokens and logprobs however a request runs, the KV bytes the engine
-allocates per token against `fulcrum plan`'s figure, every block freed, and what fulcrum refuses."""
+"""DeepSeek-V2/V3 (multi-head latent attention, dense and with their mixture of experts) against transformers on tiny
+random models of their real config classes: fp32 logits, the engine's greedy tokens and logprobs however a request
+runs, the KV bytes the engine allocates per token against `fulcrum plan`'s figure, every block freed, the routers'
+settings, and what fulcrum refuses."""
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from fulcrum.config import ModelConfig
-from fulcrum.errors import InvalidRequestError, ModelLoadError
+from fulcrum.errors import InvalidRequestError
 from fulcrum.layers.mla import MLAAttention
 from fulcrum.models.loader import load_model
 from fulcrum.plan.model_spec import kv_bytes_per_token, load_model_spec
@@ -63,10 +65,11 @@ def test_bfloat16_logits_close_to_transformers(model_dir):
     assert diff <= 0.03 * max(x.abs().max().item() for x in ref32)
 
 
-@pytest.mark.parametrize("family", ["deepseek-v2", "deepseek-v3"])
+@pytest.mark.parametrize("family", ["deepseek-v2", "deepseek-v3", "deepseek-v3-moe"])
 def test_int8_weights_match_transformers_with_the_same_rounded_weights(family, model_dir):
     """Online int8 quantizes kv_b_proj too: W_UK and W_UV are read back from the quantized layer, so the logits
-    equal transformers' with every linear weight rounded as int8 rounds it."""
+    equal transformers' with every linear weight rounded as int8 rounds it (the routed experts and the router are
+    not linear layers on either side, and stay in full precision)."""
     folder = model_dir(family)
     theirs = hf_model(folder)
     with torch.no_grad():
@@ -108,16 +111,18 @@ def test_the_rope_layout_shows_in_the_logits(family, model_dir, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_cache_holds_the_latent_and_rope_key_only_as_plan_counts(family, model_dir):
     """KV bytes per token the engine allocates = `fulcrum plan`'s MLA figure for the same config.json:
-    (kv_lora_rank + qk_rope_head_dim) values per layer, 40 x 4 bytes x 2 layers here (a GQA cache would be
-    2 x heads x head_dim per layer); the allocated tensor is exactly num_blocks of them."""
+    (kv_lora_rank + qk_rope_head_dim) values per layer, 40 x 4 bytes here (a GQA cache would hold 2 x heads x
+    head_dim per layer); the allocated tensor is exactly num_blocks of them."""
     folder = model_dir(family)
     llm = make_llm(folder)
     runner = llm.core.runner
     per_token = kv_bytes_per_token(load_model_spec(folder), "fp32")
-    assert runner.bytes_per_block == runner.block_size * per_token == runner.block_size * 2 * (32 + 8) * 4
+    assert runner.bytes_per_block == runner.block_size * per_token
     assert all(isinstance(a, MLAAttention) for a in runner.attn_layers)
+    layers = runner.model.config.num_hidden_layers
+    assert runner.bytes_per_block == runner.block_size * layers * (32 + 8) * 4
     cache = runner.kv_cache
-    assert cache.shape == (2, runner.num_blocks, runner.block_size, 40)
+    assert cache.shape == (layers, runner.num_blocks, runner.block_size, 40)
     assert cache.numel() * cache.element_size() == runner.num_blocks * runner.bytes_per_block
     assert runner.kv_scales is None
 
@@ -185,8 +190,54 @@ def test_a_quantized_kv_cache_is_refused_by_name(kv_cache_dtype, model_dir):
     assert e.value.param == "kv_cache_dtype"
 
 
-def test_a_mixture_of_experts_layer_is_refused_by_name(tmp_path):
-    folder = save_tiny_model("deepseek-v3", tmp_path / "m", first_k_dense_replace=1, n_routed_experts=8,
-                             num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32)  # fmt: skip
-    with pytest.raises(ModelLoadError, match="layer 1 is a mixture of experts"):
-        _load(folder)
+def _hf_routers(model):
+    return [m for m in model.modules() if type(m).__name__ in ("DeepseekV2TopkRouter", "DeepseekV3TopkRouter")]
+
+
+@pytest.mark.parametrize("family", ["deepseek-v2-moe", "deepseek-v3-moe"])
+def test_the_router_settings_show_in_the_logits(family, model_dir):
+    """Lifting the group limit (every group kept) and, for V3, zeroing the score-correction bias each move
+    transformers' logits far past the parity tolerance, so the parity tests' agreement is grouped top-k and the
+    bias honoured."""
+    folder = model_dir(family)
+    batch = prompts(2048, lens=LENS[1:])
+    ref = hf_logits(hf_model(folder), batch)
+    ungrouped = hf_model(folder)
+    for router in _hf_routers(ungrouped):
+        router.topk_group = router.num_group
+    assert max_diff(hf_logits(ungrouped, batch), ref) > 1e-2
+    if family == "deepseek-v3-moe":
+        unbiased = hf_model(folder)
+        for router in _hf_routers(unbiased):
+            router.e_score_correction_bias.zero_()
+        assert max_diff(hf_logits(unbiased, batch), ref) > 1e-2
+
+
+def test_v2_greedy_routing_matches_transformers(tmp_path):
+    """DeepSeek-V2-Lite's router: the top-k of all experts, no groups."""
+    folder = save_tiny_model("deepseek-v2-moe", tmp_path / "m", topk_method="greedy")
+    batch = prompts(2048, lens=LENS)
+    assert max_diff(our_logits(_load(folder), batch), hf_logits(hf_model(folder), batch)) <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["deepseek-v2-moe", "deepseek-v3-moe"])
+def test_experts_shared_experts_and_router_load_as_the_checkpoint_has_them(family, model_dir):
+    """Each expert's gate/up/down stacked in order, the shared experts as one MLP of their summed width, the
+    router's weight (and V3's correction bias) in float32, the first layer dense."""
+    folder = model_dir(family)
+    tensors = load_file(folder / "model.safetensors")
+    ours = _load(folder)
+    assert not hasattr(ours.model.layers[0].mlp, "experts")
+    moe = ours.model.layers[1].mlp
+    for e in range(8):
+        gate, up = (tensors[f"model.layers.1.mlp.experts.{e}.{p}.weight"] for p in ("gate_proj", "up_proj"))
+        assert torch.equal(moe.experts.gate_up_proj.weight[e], torch.cat([gate, up]))
+        assert torch.equal(moe.experts.down_proj.weight[e], tensors[f"model.layers.1.mlp.experts.{e}.down_proj.weight"])
+    shared = tensors["model.layers.1.mlp.shared_experts.down_proj.weight"]
+    assert torch.equal(moe.shared_experts.down_proj.weight, shared)
+    assert shared.shape[1] == 32 * ours.config.n_shared_experts
+    assert moe.gate.weight.dtype == torch.float32
+    assert torch.equal(moe.gate.weight, tensors["model.layers.1.mlp.gate.weight"])
+    if family == "deepseek-v3-moe":
+        bias = tensors["model.layers.1.mlp.gate.e_score_correction_bias"]
+        assert bias.abs().max() > 0.1 and torch.equal(moe.gate.e_score_correction_bias, bias)
