@@ -62,7 +62,10 @@ class StructuredOutputsParams:
         for name in ("json", "structural_tag"):
             v = getattr(self, name)
             if isinstance(v, dict):
-                setattr(self, name, json.dumps(v, ensure_ascii=False))
+                try:
+                    setattr(self, name, json.dumps(v, ensure_ascii=False))
+                except RecursionError:
+                    raise InvalidRequestError(f"structured_outputs.{name} is nested too deeply", name) from None
             elif v is not None and not isinstance(v, str):
                 raise InvalidRequestError(f"structured_outputs.{name} must be a JSON object or its text", name)
         if isinstance(self.choice, tuple):

@@ -242,6 +242,17 @@ def test_bad_specs_are_refused_with_the_reason(spec, message):
         validate(StructuredOutputsParams(**spec))
 
 
+def test_a_deeply_nested_schema_is_refused_not_a_crash():
+    schema = {"type": "integer"}
+    for _ in range(600):
+        schema = {"type": "object", "properties": {"a": schema}}
+    with pytest.raises(InvalidRequestError, match="nested too deeply"):
+        validate(StructuredOutputsParams(json=schema))
+    text = '{"type": "object", "properties": {"a": ' * 600 + '{"type": "integer"}' + "}}" * 600
+    with pytest.raises(InvalidRequestError, match="nested too deeply"):
+        validate(StructuredOutputsParams(json=text))
+
+
 def test_spec_shape_errors():
     with pytest.raises(InvalidRequestError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["a"])

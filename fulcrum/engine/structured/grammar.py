@@ -103,6 +103,8 @@ def validate(spec: StructuredOutputsParams) -> None:
             xgr.Grammar.from_structural_tag(spec.structural_tag)
     except InvalidRequestError:
         raise
+    except RecursionError:
+        raise InvalidRequestError(f"the {kind} spec is nested too deeply for structured output", kind) from None
     except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own types with a readable message
         what = {"json": "JSON schema", "grammar": "EBNF grammar", "structural_tag": "structural tag"}.get(kind, kind)
         raise InvalidRequestError(f"the {what} cannot be used for structured output: {_first_line(e)}", kind) from None
@@ -145,8 +147,9 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._compiler: xgr.GrammarCompiler | None = None
-        # one worker: compiles queue behind each other instead of taking the cores the steps run on
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fulcrum-grammar")
+        # Compiles release the GIL, so steps go on meanwhile; two workers, so that one slow grammar (a 20,000-value
+        # enum took 10 s here) does not hold every other request with a grammar behind it
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fulcrum-grammar")
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads) if threads > 1 else None
         self.compile_seconds: list[float] = []  # per compile, for the log and the closing figures
 
