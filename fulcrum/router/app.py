@@ -235,14 +235,22 @@ class Router:
             await asyncio.sleep(5)
 
 
-def build_app(router: Router) -> FastAPI:
+def build_app(router: Router, autoscaler=None) -> FastAPI:
+    """`autoscaler` (fulcrum/router/autoscaler.py) runs beside the router and owns the pool's replicas."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await router.start()
-        task = asyncio.get_running_loop().create_task(router.discover()) if router.cfg.discover else None
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(router.discover())] if router.cfg.discover else []
+        if autoscaler is not None:
+            tasks.append(loop.create_task(autoscaler.run()))
         yield
-        if task:
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if autoscaler is not None:
+            await asyncio.to_thread(autoscaler.close)
         await router.stop()
 
     app = FastAPI(title="fulcrum router", lifespan=lifespan)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 
 from fulcrum.router.policies import POLICIES
 
@@ -67,6 +68,123 @@ def add_router_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def add_scaling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("autoscaling")
+    g.add_argument("--min", dest="min_replicas", type=int, default=1)
+    g.add_argument("--max", dest="max_replicas", type=int, default=4)
+    g.add_argument("--slo", default="", help="latency targets, e.g. ttft=500ms,itl=0.1 (seconds unless ms)")
+    g.add_argument("--percentile", type=float, default=0.9, help="the SLO holds at this quantile (0-1)")
+    g.add_argument("--target-concurrency", type=float, default=4.0, help="requests in flight per replica")
+    g.add_argument("--stable-window", type=float, default=60.0, help="seconds of concurrency averaged to size the pool")
+    g.add_argument("--panic-window", type=float, default=6.0, help="seconds averaged to react to a burst")
+    g.add_argument("--panic-threshold", type=float, default=2.0, help="panic at this many times the current pool")
+    g.add_argument("--tick", type=float, default=1.0, help="seconds between decisions")
+    g.add_argument("--drain-timeout", type=float, default=60.0, help="seconds a scale-down waits for in-flight work")
+
+
+def scaler_config(args):
+    from fulcrum.router.autoscaler import ScalerConfig, parse_slo
+
+    try:
+        slo = parse_slo(args.slo, args.percentile)
+    except ValueError as e:
+        raise SystemExit(f"fulcrum autoscale: {e}") from None
+    return ScalerConfig(
+        min_replicas=args.min_replicas, max_replicas=args.max_replicas, target_concurrency=args.target_concurrency,
+        stable_window=args.stable_window, panic_window=args.panic_window, panic_threshold=args.panic_threshold,
+        tick=args.tick, drain_timeout=args.drain_timeout, slo=slo,
+    )  # fmt: skip
+
+
+def make_backend(args):
+    serve_args = [a for arg in args.serve_arg for a in shlex.split(arg)]
+    if args.backend == "ray":
+        from fulcrum.router.ray_backend import RayBackend
+
+        return RayBackend(args.model_pos, serve_args, address=args.ray_address, num_cpus=args.ray_num_cpus)
+    from fulcrum.router.backends import LocalBackend
+
+    return LocalBackend(args.model_pos, serve_args, log_dir=args.log_dir, drain_timeout=args.drain_timeout)
+
+
+def _autoscale(args) -> int:
+    import uvicorn
+
+    from fulcrum.router.app import Router, build_app
+    from fulcrum.router.autoscaler import Autoscaler
+    from fulcrum.router.pool import Pool
+
+    cfg = scaler_config(args)
+    pool = Pool([], interval=args.scrape_interval, stale_after=args.stale_after)
+    if args.model is None and args.policy in ("prefix", "weighted"):
+        args.model = args.model_pos
+    router = Router(pool, router_config(args))
+    autoscaler = Autoscaler(pool, make_backend(args), cfg)
+    uvicorn.run(build_app(router, autoscaler), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def add_autoscale_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("autoscale", help="the router over a pool of replicas it starts and stops to hold an SLO")
+    p.add_argument("model_pos", nargs="?", metavar="MODEL", help="model folder the replicas serve (default: bundled)")
+    p.add_argument("--backend", choices=["local", "ray"], default="local")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARGS",
+                   help="arguments for each `fulcrum serve` (repeatable, shell-split)")  # fmt: skip
+    p.add_argument("--log-dir", default=None, help="local backend: write each replica's log here")
+    p.add_argument("--ray-address", default=None, help="ray backend: the cluster (default: start or join a local one)")
+    p.add_argument("--ray-num-cpus", type=float, default=1.0, help="ray backend: CPUs each replica actor reserves")
+    add_routing_args(p)
+    add_scaling_args(p)
+    p.set_defaults(func=_autoscale)
+    return p
+
+
+def _deploy_k8s(args) -> int:
+    from fulcrum.router.k8s import K8sConfig, render, to_yaml
+
+    cfg = K8sConfig(
+        name=args.name, namespace=args.namespace, image=args.image, model=args.model,
+        serve_args=[a for arg in args.serve_arg for a in shlex.split(arg)], replicas=args.replicas,
+        min_replicas=args.min_replicas, max_replicas=args.max_replicas, policy=args.policy, scaler=args.scaler,
+        target_waiting=args.target_waiting, prometheus=args.prometheus, cpu=args.cpu, memory=args.memory,
+        gpus=args.gpus, drain_timeout=args.drain_timeout,
+    )  # fmt: skip
+    text = to_yaml(render(cfg))
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    else:
+        print(text, end="")
+    return 0
+
+
+def add_deploy_parser(sub) -> argparse.ArgumentParser:
+    d = sub.add_parser("deploy", help="render the fleet (replicas, router, autoscaling) for a cluster")
+    verbs = d.add_subparsers(dest="deploy_verb", required=True)
+    k = verbs.add_parser("k8s", help="Kubernetes manifests: replica Deployment + Service, router, HPA or KEDA")
+    k.add_argument("--name", default="fulcrum")
+    k.add_argument("--namespace", default=None)
+    k.add_argument("--image", default="fulcrum:latest", help="an image with fulcrum installed")
+    k.add_argument("--model", default="/models/model", help="the model as the container sees it")
+    k.add_argument("--serve-arg", action="append", default=[], metavar="ARGS", help="for each `fulcrum serve`")
+    k.add_argument("--replicas", type=int, default=1)
+    k.add_argument("--min", dest="min_replicas", type=int, default=1)
+    k.add_argument("--max", dest="max_replicas", type=int, default=4)
+    k.add_argument("--policy", choices=sorted(POLICIES), default="prefix")
+    k.add_argument("--scaler", choices=["hpa", "keda", "none"], default="hpa")
+    k.add_argument("--target-waiting", type=float, default=4.0, help="waiting requests per replica to scale on")
+    k.add_argument("--prometheus", default="http://prometheus.monitoring:9090", help="KEDA's Prometheus")
+    k.add_argument("--cpu", default="4")
+    k.add_argument("--memory", default="16Gi")
+    k.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu per replica")
+    k.add_argument("--drain-timeout", type=int, default=30)
+    k.add_argument("-o", "--output", default=None, help="write here (default: stdout)")
+    k.set_defaults(func=_deploy_k8s)
+    return d
+
+
 def add_router_parsers(sub) -> None:
     """Every verb of this package: router, autoscale, deploy."""
     add_router_parser(sub)
+    add_autoscale_parser(sub)
+    add_deploy_parser(sub)

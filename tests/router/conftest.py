@@ -50,8 +50,8 @@ def replicas(tmp_path_factory):
 
 
 class RunningRouter:
-    def __init__(self, router: Router, port: int):
-        self.router, self.port = router, port
+    def __init__(self, router: Router, port: int, app=None):
+        self.router, self.port, self.app = router, port, app
 
     @property
     def url(self) -> str:
@@ -78,12 +78,14 @@ class RunningRouter:
 
 
 @contextlib.contextmanager
-def run_router(urls, pool_kw=None, **cfg):
+def run_router(urls, pool_kw=None, autoscaler=None, pool=None, **cfg):
+    """`autoscaler`: a callable pool -> Autoscaler, run beside the router."""
     cfg.setdefault("model", MODEL)
-    pool = Pool(list(urls), **(pool_kw or {}))
+    pool = pool or Pool(list(urls), **(pool_kw or {}))
     router = Router(pool, RouterConfig(**cfg))
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(router), host="127.0.0.1", port=port, log_level="warning"))
+    app = build_app(router, autoscaler(pool) if autoscaler else None)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
     deadline = time.time() + 30
@@ -91,7 +93,7 @@ def run_router(urls, pool_kw=None, **cfg):
         assert time.time() < deadline, "the router did not start"
         time.sleep(0.05)
     try:
-        yield RunningRouter(router, port)
+        yield RunningRouter(router, port, app)
     finally:
         server.should_exit = True
         thread.join(30)

@@ -1,0 +1,138 @@
+"""The autoscaler: its decisions on a driven clock, and (slow) a step of load over real local replicas: one
+added under the step, one drained and removed after, no request dropped."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import openai
+import pytest
+
+from fulcrum.router.autoscaler import Autoscaler, Decider, ScalerConfig, parse_slo
+from fulcrum.router.backends import LocalBackend
+from fulcrum.router.pool import Pool
+from fulcrum.router.scrape import Histogram
+from tests.router.conftest import run_router
+from tests.servers import MODEL
+
+
+def test_parse_slo():
+    slo = parse_slo("ttft=500ms,itl=0.1", 0.95)
+    assert (slo.ttft, slo.itl, slo.percentile) == (0.5, 0.1, 0.95)
+    with pytest.raises(ValueError):
+        parse_slo("tpot=1")
+
+
+def drive(decider, start, seconds, concurrency, current, step=1.0):
+    t, n = start, current
+    while t < start + seconds:
+        decider.observe(t, concurrency)
+        n, _ = decider.desired(t, current)
+        t += step
+    return t, n
+
+
+def test_stable_window_sizes_the_pool_and_n_minus_1_guards_the_way_down():
+    d = Decider(ScalerConfig(min_replicas=1, max_replicas=5, target_concurrency=4, stable_window=10, panic_window=2))
+    t, n = drive(d, 0, 20, concurrency=7, current=2)
+    assert n == 2  # ceil(7 / 4)
+    t, n = drive(d, t, 20, concurrency=4.5, current=2)
+    assert n == 2  # 4.5 on one replica exceeds its target: N-1 would not hold it
+    t, n = drive(d, t, 20, concurrency=3, current=2)
+    assert n == 1
+    _, n = drive(d, t, 20, concurrency=0, current=1)
+    assert n == 1  # never below --min
+
+
+def test_panic_window_reacts_to_a_burst_and_holds_while_it_lasts():
+    d = Decider(ScalerConfig(max_replicas=10, target_concurrency=2, stable_window=30, panic_window=3))
+    t, _ = drive(d, 0, 30, concurrency=1, current=1)
+    for dt in range(3):
+        d.observe(t + dt, 12)
+    n, reason = d.desired(t + 2, 1)
+    assert n == 6 and reason.startswith("panic")
+    # the burst is over but the panic lasts a stable window: no scale-down yet
+    t2, n = drive(d, t + 3, 10, concurrency=0, current=6)
+    assert n == 6
+    _, n = drive(d, t2, 40, concurrency=0, current=6)
+    assert n == 5  # then down one at a time
+
+
+def test_an_slo_breach_adds_a_replica():
+    cfg = ScalerConfig(max_replicas=3, target_concurrency=8, stable_window=10, slo=parse_slo("ttft=0.2"))
+    d = Decider(cfg)
+    slow = Histogram({0.1: 1.0, 0.5: 2.0, 1.0: 10.0, float("inf"): 10.0}, 10.0)
+    d.observe(0, 2, ttft=slow)
+    n, reason = d.desired(0, 1)
+    assert n == 2 and "ttft" in reason
+
+
+SERVE_ARGS = ["--kv-cache-memory", "0.05", "--served-model-name", "shakespeare"]
+
+
+def replica_pythonpath(monkeypatch):
+    """FULCRUM_REPLICA_PYTHONPATH (see conftest.py) goes first on the replicas' path."""
+    paths = [p for p in (os.environ.get("FULCRUM_REPLICA_PYTHONPATH"), os.environ.get("PYTHONPATH")) if p]
+    if paths:
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+
+
+@pytest.mark.slow
+def test_local_backend_scales_up_under_a_step_and_down_after(tmp_path, monkeypatch):
+    replica_pythonpath(monkeypatch)
+    step_load(LocalBackend(str(MODEL), SERVE_ARGS, log_dir=tmp_path, drain_timeout=30))
+
+
+def step_load(backend):
+    cfg = ScalerConfig(min_replicas=1, max_replicas=2, target_concurrency=1, stable_window=6, panic_window=2, tick=0.5)
+    made = {}
+
+    def autoscaler(pool):
+        made["a"] = Autoscaler(pool, backend, cfg)
+        return made["a"]
+
+    pool = Pool([])
+    with run_router([], pool=pool, autoscaler=autoscaler, policy="least-load") as r:
+        scaler = made["a"]
+        deadline = time.time() + 120
+        while not pool.available():
+            assert time.time() < deadline, "the first replica never came up"
+            time.sleep(0.2)
+        client = r.client()
+        results, stop_heavy, stop_all = [], threading.Event(), threading.Event()
+
+        def user(stop):
+            while not stop.is_set():
+                try:
+                    s = client.completions.create(model="shakespeare", prompt="KING:", max_tokens=24, stream=True)
+                    results.append("".join(c.choices[0].text for c in s if c.choices) is not None)
+                except openai.APIError as e:
+                    results.append(e)
+
+        heavy = [threading.Thread(target=user, args=(stop_heavy,)) for _ in range(3)]
+        light = threading.Thread(target=user, args=(stop_all,))
+        for t in [*heavy, light]:
+            t.start()
+        try:
+            deadline = time.time() + 180
+            while len(pool.available()) < 2:
+                assert time.time() < deadline, f"no scale-up: {scaler.events}"
+                time.sleep(0.5)
+            time.sleep(3)  # the new replica takes some of the step
+            stop_heavy.set()
+            deadline = time.time() + 120
+            while not any(e.kind == "down" for e in scaler.events):
+                assert time.time() < deadline, f"no scale-down: {scaler.events} {list(scaler.decider.samples)[-10:]}"
+                time.sleep(0.5)
+            time.sleep(1)
+        finally:
+            stop_heavy.set()
+            stop_all.set()
+            for t in [*heavy, light]:
+                t.join(60)
+        assert [e.kind for e in scaler.events] == ["up", "up", "down"]  # --min, the step, after it
+        assert len(pool.available()) == 1
+        failures = [x for x in results if x is not True]
+        assert results and not failures, failures
