@@ -1,0 +1,53 @@
+"""`fulcrum deploy k8s`: the manifests validate against Kubernetes' own schemas (kubernetes-validate), and the
+router finds the replicas through the headless Service."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from fulcrum.cli import main
+from fulcrum.router.k8s import K8sConfig, render, to_yaml
+
+kv = pytest.importorskip("kubernetes_validate")
+K8S_VERSION = "1.30.0"
+
+
+@pytest.mark.parametrize("scaler", ["hpa", "keda", "none"])
+def test_manifests_validate(scaler):
+    docs = list(yaml.safe_load_all(to_yaml(render(K8sConfig(namespace="llm", scaler=scaler, gpus=1)))))
+    kinds = [d["kind"] for d in docs]
+    assert kinds[:4] == ["Deployment", "Service", "Deployment", "Service"]
+    for d in docs:
+        if d["apiVersion"].startswith("keda.sh"):
+            continue  # a CRD: not in Kubernetes' schemas
+        kv.validate(d, K8S_VERSION, strict=True)
+    if scaler == "hpa":
+        hpa = docs[-1]
+        assert hpa["kind"] == "HorizontalPodAutoscaler"
+        assert hpa["spec"]["scaleTargetRef"]["name"] == "fulcrum-replica"
+        assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 4)
+    if scaler == "keda":
+        assert docs[-1]["kind"] == "ScaledObject"
+        assert "fulcrum:num_requests_waiting" in docs[-1]["spec"]["triggers"][0]["metadata"]["query"]
+    replica_svc, router = docs[1], docs[2]
+    assert replica_svc["spec"]["clusterIP"] == "None"
+    command = router["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--discover") + 1] == "fulcrum-replica:8000"
+
+
+def test_a_broken_manifest_is_caught():
+    docs = render(K8sConfig())
+    docs[0]["spec"]["replicas"] = "two"
+    with pytest.raises(kv.ValidationError):
+        kv.validate(docs[0], K8S_VERSION, strict=True)
+
+
+def test_cli_writes_the_manifests(tmp_path):
+    out = tmp_path / "fleet.yaml"
+    assert main(["deploy", "k8s", "--image", "me/fulcrum:1", "--max", "8", "--serve-arg", "--block-size 32",
+                 "-o", str(out)]) == 0  # fmt: skip
+    docs = list(yaml.safe_load_all(out.read_text()))
+    serve = docs[0]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert serve[:2] == ["fulcrum", "serve"] and serve[-2:] == ["--block-size", "32"]
+    assert docs[-1]["spec"]["maxReplicas"] == 8
