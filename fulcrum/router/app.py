@@ -225,7 +225,7 @@ class Router:
         while True:
             try:
                 infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-                urls = {f"http://{info[4][0]}:{port}" for info in infos}
+                urls = {f"http://[{a}]:{port}" if ":" in a else f"http://{a}:{port}" for a in (i[4][0] for i in infos)}
                 for url in urls - set(self.pool.replicas):
                     self.pool.add(url)
                 for url in set(self.pool.replicas) - urls:

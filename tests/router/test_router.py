@@ -3,9 +3,15 @@ streamed and not."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import httpx
 
+from fulcrum.server.process import free_port
 from tests.router.conftest import run_router
+from tests.servers import MODEL
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?"
 
@@ -104,3 +110,41 @@ def test_sticky_user(replicas):
         for _ in range(3):
             complete(client, user="alice")
         assert sorted(r.requests_by_replica().values()) == [3]
+
+
+def test_discover_finds_replicas_by_dns(replicas):
+    port = replicas[0].port
+    with run_router([], discover=f"localhost:{port}") as r:
+        deadline = time.time() + 10
+        while not r.router.pool.available():
+            assert time.time() < deadline, r.router.pool.replicas
+            time.sleep(0.1)
+        assert f"http://127.0.0.1:{port}" in {x.url for x in r.router.pool.available()}
+        assert complete(r.client())
+
+
+def test_the_cli_runs_the_router(replicas, tmp_path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "fulcrum.cli", "router", "--port", str(port), "--policy", "prefix", "--model",
+           str(MODEL), *[a for s in replicas for a in ("--replica", s.url)]]  # fmt: skip
+    with open(tmp_path / "router.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "router.log").read_text()
+            assert time.time() < deadline, "the router did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        import openai
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        assert complete(client, stream=True)
+        assert "fulcrum_router:decisions_total" in httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    finally:
+        proc.terminate()
+        proc.wait(30)
