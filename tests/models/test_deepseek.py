@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fulcrum import LLM
 from fulcrum.config import ModelConfig
 from fulcrum.errors import InvalidRequestError
 from fulcrum.layers.mla import MLAAttention
@@ -108,19 +109,20 @@ def test_the_rope_layout_shows_in_the_logits(family, model_dir, tmp_path):
     assert max_diff(hf_logits(hf_model(folder), batch), hf_logits(hf_model(other), batch)) > 1e-2
 
 
+@pytest.mark.parametrize("dtype, plan_dtype", [("float32", "fp32"), ("bfloat16", "bf16")])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_cache_holds_the_latent_and_rope_key_only_as_plan_counts(family, model_dir):
+def test_the_cache_holds_the_latent_and_rope_key_only_as_plan_counts(family, dtype, plan_dtype, model_dir):
     """KV bytes per token the engine allocates = `fulcrum plan`'s MLA figure for the same config.json:
-    (kv_lora_rank + qk_rope_head_dim) values per layer, 40 x 4 bytes here (a GQA cache would hold 2 x heads x
-    head_dim per layer); the allocated tensor is exactly num_blocks of them."""
+    (kv_lora_rank + qk_rope_head_dim) values per layer, 40 here (a GQA cache would hold 2 x heads x head_dim per
+    layer); the allocated tensor is exactly num_blocks of them."""
     folder = model_dir(family)
-    llm = make_llm(folder)
+    llm = LLM(model=str(folder), dtype=dtype, seed=0, kv_cache_memory=16 << 20)
     runner = llm.core.runner
-    per_token = kv_bytes_per_token(load_model_spec(folder), "fp32")
+    per_token = kv_bytes_per_token(load_model_spec(folder), plan_dtype)
     assert runner.bytes_per_block == runner.block_size * per_token
     assert all(isinstance(a, MLAAttention) for a in runner.attn_layers)
-    layers = runner.model.config.num_hidden_layers
-    assert runner.bytes_per_block == runner.block_size * layers * (32 + 8) * 4
+    layers, size = runner.model.config.num_hidden_layers, getattr(torch, dtype).itemsize
+    assert runner.bytes_per_block == runner.block_size * layers * (32 + 8) * size
     cache = runner.kv_cache
     assert cache.shape == (layers, runner.num_blocks, runner.block_size, 40)
     assert cache.numel() * cache.element_size() == runner.num_blocks * runner.bytes_per_block
