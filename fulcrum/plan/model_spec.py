@@ -37,6 +37,7 @@ class MoE:
     dense_layers: int = 0  # leading layers with a dense MLP (DeepSeek's first_k_dense_replace)
     biases: bool = False  # gpt-oss: biases on the experts' projections
     router_bias: bool = False  # gpt-oss's router bias, DeepSeek-V3's score-correction bias
+    shared_gate: bool = False  # Qwen2-MoE: a sigmoid gate (hidden -> 1) on the shared expert
 
 
 @dataclass(frozen=True)
@@ -136,9 +137,10 @@ def from_config(cfg: dict, name: str = "model") -> ModelSpec:
             experts_per_token=cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 1,
             expert_intermediate=expert_i,
             shared_intermediate=shared,
-            dense_layers=cfg.get("first_k_dense_replace", 0),
+            dense_layers=_dense_moe_layers(cfg),
             biases=cfg.get("model_type") == "gpt_oss",
             router_bias=cfg.get("model_type") in ("gpt_oss", "deepseek_v3"),
+            shared_gate=cfg.get("model_type") == "qwen2_moe" and bool(cfg.get("shared_expert_intermediate_size")),
         )
     model_type = cfg.get("model_type", "")
     stated = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").removeprefix("torch.")
@@ -166,6 +168,16 @@ def from_config(cfg: dict, name: str = "model") -> ModelSpec:
         weight_format=weight_format,
         norms_per_layer=4 if model_type in ("gemma2", "gemma3", "gemma3_text") else 2,
     )
+
+
+def _dense_moe_layers(cfg: dict) -> int:
+    """Layers of a MoE model with a dense MLP: DeepSeek's first_k_dense_replace leading ones; Qwen-MoE's
+    mlp_only_layers and the layers off its decoder_sparse_step (a layer i is sparse when (i + 1) % step == 0)."""
+    if cfg.get("model_type") in ("qwen2_moe", "qwen3_moe"):
+        step = cfg.get("decoder_sparse_step") or 1
+        only = set(cfg.get("mlp_only_layers") or [])
+        return sum(1 for i in range(cfg["num_hidden_layers"]) if i in only or (i + 1) % step != 0)
+    return cfg.get("first_k_dense_replace", 0)
 
 
 def load_presets() -> dict[str, dict]:
@@ -228,7 +240,7 @@ def mlp_params(s: ModelSpec) -> tuple[int, int]:
     dense = m.dense_layers * _mlp(s.hidden, s.intermediate)
     router = s.hidden * m.num_experts + m.num_experts * m.router_bias
     expert = _mlp(s.hidden, m.expert_intermediate, m.biases)
-    shared = _mlp(s.hidden, m.shared_intermediate) if m.shared_intermediate else 0
+    shared = _mlp(s.hidden, m.shared_intermediate) + s.hidden * m.shared_gate if m.shared_intermediate else 0
     sparse = s.num_layers - m.dense_layers
     total = dense + sparse * (router + m.num_experts * expert + shared)
     active = dense + sparse * (router + m.experts_per_token * expert + shared)

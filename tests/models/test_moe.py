@@ -171,9 +171,7 @@ def test_bfloat16_logits_as_close_to_float32_as_transformers_bfloat16(family, tm
     [
         "mixtral",
         "qwen3-moe",
-        # plan counts neither the shared expert's gate (hidden values per sparse layer) nor the dense layers
-        # mlp_only_layers / decoder_sparse_step make (it knows first_k_dense_replace only)
-        pytest.param("qwen2-moe", marks=pytest.mark.xfail(strict=True, reason="fulcrum plan: Qwen2-MoE's layout")),
+        "qwen2-moe",  # the shared expert's gate, and the dense layers of mlp_only_layers / decoder_sparse_step
     ],
 )
 def test_plan_counts_the_parameters_fulcrum_loads(family, tmp_path):
