@@ -31,7 +31,7 @@ VARIANTS = {
 
 
 def run_variant(folder, args, flags, env, concurrency: int, out: Path) -> float:
-    from fulcrum.server.process import start
+    from fulcrum.utils.serve_process import start
 
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the server process inherits them; restored before the client starts

@@ -106,7 +106,7 @@ def model_folder(args: argparse.Namespace) -> Path:
 @contextlib.contextmanager
 def fulcrum_server(folder: Path, *flags: str, log_path: Path | None = None):
     """`fulcrum serve` on a free loopback port, healthy before it is yielded (its base URL), stopped after."""
-    from fulcrum.server.process import start
+    from fulcrum.utils.serve_process import start
 
     with start(folder, "--log-level", "warning", *flags, log_path=log_path) as server:
         yield server.url

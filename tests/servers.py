@@ -6,7 +6,7 @@ import os
 import subprocess
 
 from fulcrum.config import DEFAULT_MODEL
-from fulcrum.server.process import ServerProcess, free_port, start
+from fulcrum.utils.serve_process import ServerProcess, free_port, start
 
 MODEL = os.environ.get("FULCRUM_TEST_MODEL", str(DEFAULT_MODEL))
 

@@ -15,7 +15,7 @@ import uvicorn
 
 from fulcrum.router.app import Router, RouterConfig, build_app
 from fulcrum.router.pool import Pool
-from fulcrum.server.process import free_port
+from fulcrum.utils.serve_process import free_port
 from tests.servers import MODEL, start_server
 
 

@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from fulcrum.server.process import free_port
+from fulcrum.utils.serve_process import free_port
 from tests.router.conftest import run_router
 from tests.servers import MODEL
 

@@ -51,10 +51,12 @@ def test_two_cores_split_a_batch_and_answer_as_one(pair):
         m[0]: float(m[1]) for m in re.findall(r'fulcrum:engine_requests_total\{engine="(\d)"[^}]*\} (\S+)', metrics)
     }
     assert set(served) == {"0", "1"} and all(v >= 2 for v in served.values()), served
+
     # the cache of both cores together
-    capacity = lambda url: float(
-        re.search(r"fulcrum:kv_cache_capacity_tokens\{[^}]*\} (\S+)", httpx.get(f"{url}/metrics").text)[1]
-    )  # noqa: E731
+    def capacity(url):
+        text = httpx.get(f"{url}/metrics").text
+        return float(re.search(r"fulcrum:kv_cache_capacity_tokens\{[^}]*\} (\S+)", text)[1])
+
     assert capacity(two.url) == 2 * capacity(one.url)
 
 

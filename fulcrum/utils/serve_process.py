@@ -1,6 +1,6 @@
-"""`fulcrum serve` in a child process on a free loopback port: for tests, benchmarks and scripts that need a
-real server. `start` returns once /health answers 200, and raises with the server's log if it exits or never
-becomes healthy."""
+"""`fulcrum serve` in a child process on a free port: for tests, benchmarks, scripts and the router's replica
+backends (local processes, Ray actors). `start` returns once /health answers 200, and raises with the server's log
+if it exits or never becomes healthy. Standard library only, and no import of the server: any layer may use it."""
 
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -39,10 +39,11 @@ class ServerProcess:
     proc: subprocess.Popen
     port: int
     log_path: str | None  # None: the server writes to this process's stdout
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def log(self) -> str:
         if self.log_path is None:
@@ -68,22 +69,25 @@ class ServerProcess:
 
 
 def start(
-    model: str | Path,
+    model: str | Path | None,
     *flags: str,
     log_path: str | Path | None = None,
     timeout: float = 300,
     module: str = "fulcrum.cli",
+    host: str = "127.0.0.1",
 ) -> ServerProcess:
-    """`module` is run with -m and must take fulcrum's CLI arguments (tests wrap the CLI to inject faults)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", module, "serve", str(model), "--port", str(port), *flags]
+    """`model` None: the bundled one. `module` is run with -m and must take fulcrum's CLI arguments (tests wrap the
+    CLI to inject faults)."""
+    port = free_port(host)
+    where = ["--port", str(port)] + (["--host", host] if host != "127.0.0.1" else [])
+    cmd = [sys.executable, "-m", module, "serve", *([str(model)] if model is not None else []), *where, *flags]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if log_path is None:
         proc = subprocess.Popen(cmd, env=env)
     else:
         with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(proc, port, None if log_path is None else str(log_path))
+    server = ServerProcess(proc, port, None if log_path is None else str(log_path), host)
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
