@@ -159,8 +159,11 @@ def test_engine_preemption_recomputes_to_the_same_tokens(family, device, more_mo
     cfg = ModelConfig.from_path(folder).hf_config
     block_bytes = 8 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim(cfg) * 4  # fp32 k, v: 8 tokens
     prompts = _prompts(family, 6, 20, 40, seed=5)
-    # 20 blocks: room for about three sequences at a time, so the rest wait or get preempted mid-decode
-    llm = make_llm(folder, device, block_size=8, kv_cache_memory=20 * block_bytes, max_model_len=160)
+    # 20 blocks: room for about three sequences at a time, so the rest wait or get preempted mid-decode. A model
+    # whose every layer slides (phi3, window 8) releases the blocks behind its window and needs fewer: 12
+    windowed = getattr(cfg, "sliding_window", None) and not getattr(cfg, "layer_types", None)
+    blocks, max_len = (12, 96) if windowed else (20, 160)
+    llm = make_llm(folder, device, block_size=8, kv_cache_memory=blocks * block_bytes, max_model_len=max_len)
     outs = llm.generate(prompts, greedy(max_tokens=40), use_tqdm=False)
     assert llm.stats()["num_preemptions"] > 0
     for p, o in zip(prompts, outs):
