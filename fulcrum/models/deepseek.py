@@ -204,6 +204,15 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    def skip_weight(self, name: str) -> bool:
+        """V3 checkpoints carry num_nextn_predict_layers multi-token-prediction layers after the last one
+        (model.layers.61.* in DeepSeek-V3), used only to draft for speculative decoding: not loaded, as vLLM's
+        main model does not."""
+        if not name.startswith("model.layers."):
+            return False
+        index = name.split(".")[2]
+        return index.isdigit() and int(index) >= len(self.model.layers)
+
     @staticmethod
     def rope_interleaved(cfg) -> bool:
         return bool(getattr(cfg, "rope_interleave", True))

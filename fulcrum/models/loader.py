@@ -84,8 +84,9 @@ def load_named_weights(model: nn.Module, weights, source: str, label=lambda name
     params = dict(model.named_parameters())
     tied = getattr(model, "tie_word_embeddings", False)
     loaded: dict[str, set] = {}
+    skip = getattr(model, "skip_weight", None)  # a model's tensors that serve no layer of it (DeepSeek-V3's MTP)
     for name, tensor in weights:
-        if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+        if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight") or (skip and skip(name)):
             continue
         param_name, shard = _packed_target(model, name)
         param = params.get(param_name)
