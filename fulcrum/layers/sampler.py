@@ -44,6 +44,19 @@ class SamplerOutput:
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits, raw_logprobs = self.prepare(logits, meta)
+        if meta.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self.sample(logits, meta)
+        out = SamplerOutput(tokens)
+        if raw_logprobs is not None:
+            out.logprobs, out.logprob_token_ids = gather_logprobs(raw_logprobs, tokens, meta.max_num_logprobs)
+        return out
+
+    def prepare(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits every row draws from, before temperature: grammar-masked, penalised, biased, banned tokens
+        at -inf (float32); and the raw logprobs the outputs report (None when no row asks for logprobs)."""
         logits = logits.float()
         if meta.token_bitmask is not None:
             # first, as vLLM does: the logprobs returned are those of the tokens the grammar allows
@@ -54,20 +67,7 @@ class Sampler(nn.Module):
             logits = logits + meta.logit_bias
         if meta.banned is not None:
             logits = logits.masked_fill(meta.banned, float("-inf"))
-        if meta.all_greedy:
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self.sample(logits, meta)
-        out = SamplerOutput(tokens)
-        if raw_logprobs is not None:
-            chosen = raw_logprobs.gather(1, tokens.unsqueeze(1))
-            ids = tokens.unsqueeze(1)
-            if meta.max_num_logprobs > 0:
-                top = raw_logprobs.topk(meta.max_num_logprobs, dim=-1)
-                chosen = torch.cat([chosen, top.values], dim=1)
-                ids = torch.cat([ids, top.indices], dim=1)
-            out.logprobs, out.logprob_token_ids = chosen, ids
-        return out
+        return logits, raw_logprobs
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -86,8 +86,18 @@ class Sampler(nn.Module):
     @staticmethod
     def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         greedy_rows = meta.temperature == 0
-        temp = torch.where(greedy_rows, torch.ones_like(meta.temperature), meta.temperature)
         greedy_tokens = logits.argmax(dim=-1)
+        probs = Sampler.probs(logits, meta)
+        noise = _exponential_noise(probs, meta.generators)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy_rows, greedy_tokens, sampled)
+
+    @staticmethod
+    def probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The distribution each sampled row draws from (`prepare`'s logits, then temperature, min-p, top-k,
+        top-p); greedy rows get their softmax at temperature 1 (their draw is the argmax, not from this)."""
+        greedy_rows = meta.temperature == 0
+        temp = torch.where(greedy_rows, torch.ones_like(meta.temperature), meta.temperature)
         logits = logits / temp.unsqueeze(1)
         if meta.min_p is not None:
             probs = logits.softmax(dim=-1)
@@ -95,10 +105,18 @@ class Sampler(nn.Module):
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         if meta.top_k is not None or meta.top_p is not None:
             logits = _top_k_top_p(logits, meta.top_k, meta.top_p)
-        probs = logits.softmax(dim=-1)
-        noise = _exponential_noise(probs, meta.generators)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy_rows, greedy_tokens, sampled)
+        return logits.softmax(dim=-1)
+
+
+def gather_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, 1 + k] logprobs and their token ids: each row's token first, then its top k."""
+    chosen = raw_logprobs.gather(1, tokens.unsqueeze(1))
+    ids = tokens.unsqueeze(1)
+    if k > 0:
+        top = raw_logprobs.topk(k, dim=-1)
+        chosen = torch.cat([chosen, top.values], dim=1)
+        ids = torch.cat([ids, top.indices], dim=1)
+    return chosen, ids
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
@@ -128,6 +146,11 @@ def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | N
     if generators:
         for row, gen in enumerate(generators):
             if gen is not None:
-                # CPU generator for reproducibility on any device
-                noise[row] = torch.empty(probs.shape[1]).exponential_(generator=gen).to(probs.device)
+                noise[row] = seeded_noise(gen, probs.shape[1]).to(probs.device)
     return noise
+
+
+def seeded_noise(gen: torch.Generator, vocab_size: int) -> torch.Tensor:
+    """One row's Exp(1) noise from a request's own generator (on the CPU, so a seed draws the same on any device):
+    the draw `argmax(p / noise)` that a seeded token is."""
+    return torch.empty(vocab_size).exponential_(generator=gen)
