@@ -51,10 +51,31 @@ def iterate_weights(path: Path):
 
 
 def _packed_target(model: nn.Module, name: str) -> tuple[str, object]:
-    for src, (dst, shard) in getattr(model, "packed_modules_mapping", {}).items():
-        if f".{src}." in name:
-            return name.replace(f".{src}.", f".{dst}."), shard
-    return name, None
+    """The parameter (and shard) a checkpoint tensor loads into: the first packed_modules_mapping entry, in the
+    mapping's order, whose dotted name occurs in the tensor's. Looked up by the name's runs of components, not by
+    trying every entry: a MoE mapping has three per expert (768 for DeepSeek-V3's 256), for each of ~100k tensors."""
+    mapping = getattr(model, "packed_modules_mapping", {})
+    if not mapping:
+        return name, None
+    key = id(mapping)
+    cached = getattr(model, "_packed_lookup", None)
+    if cached is None or cached[0] != key:
+        order = {src: i for i, src in enumerate(mapping)}
+        longest = max(src.count(".") + 1 for src in mapping)
+        cached = (key, order, longest)
+        object.__setattr__(model, "_packed_lookup", cached)
+    _, order, longest = cached
+    parts = name.split(".")
+    best = None
+    for i in range(1, len(parts) - 1):  # a run with a component before and after it, as f".{src}." needs
+        for n in range(1, min(longest, len(parts) - 1 - i) + 1):
+            src = ".".join(parts[i : i + n])
+            if src in order and (best is None or order[src] < order[best]):
+                best = src
+    if best is None:
+        return name, None
+    dst, shard = mapping[best]
+    return name.replace(f".{best}.", f".{dst}.", 1), shard
 
 
 def _expected_shards(model: nn.Module) -> dict[str, set]:
