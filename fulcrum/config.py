@@ -182,8 +182,17 @@ class EngineConfig:
     # data parallel: this many engine cores behind one server frontend, each with its own KV cache and a share of
     # the CPU cores; requests go to the least loaded (engine/async_llm.py)
     data_parallel_size: int = 1
+    # speculative decoding, as vLLM's speculative_config: {"method": "ngram" | "draft_model", "num_speculative_tokens":
+    # k, "model": the draft's folder, "prompt_lookup_min"/"max": n-gram sizes, "disable_by_batch_size"}, or its JSON
+    # text; checked in full by fulcrum.engine.spec.SpeculativeConfig when the engine starts
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, str):
+            try:
+                self.speculative_config = json.loads(self.speculative_config)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"speculative_config is not valid JSON: {e}", "speculative_config") from None
         checks = {
             "max_num_seqs": self.max_num_seqs >= 1,
             "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
@@ -196,6 +205,7 @@ class EngineConfig:
             "quantization_group_size": self.quantization_group_size in INT4_GROUP_SIZES,
             "kv_cache_dtype": self.kv_cache_dtype in KV_CACHE_DTYPES,
             "data_parallel_size": isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
+            "speculative_config": self.speculative_config is None or isinstance(self.speculative_config, dict),
         }
         for name, ok in checks.items():
             if not ok:

@@ -19,7 +19,9 @@ from fulcrum.engine.model_runner import ModelRunner, ModelRunnerOutput
 from fulcrum.engine.outputs import EngineCoreOutput
 from fulcrum.engine.request import Request, RequestStatus
 from fulcrum.engine.scheduler import Scheduler, SchedulerOutput
+from fulcrum.engine.spec import SpecDecodeStats, SpeculativeConfig, make_proposer
 from fulcrum.engine.structured import StructuredOutputs
+from fulcrum.engine.structured.grammar import MAX_ROLLBACK_TOKENS
 from fulcrum.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,14 @@ class EngineCore:
         self.model_config = ModelConfig.from_path(
             config.model, config.dtype, config.max_model_len, config.quantization, config.quantization_group_size
         )
-        self.runner = ModelRunner(config, self.model_config, own_process)
+        # speculative decoding: a draft model loads first, so that the target sizes the cache for both
+        self.spec = SpeculativeConfig.parse(config.speculative_config)
+        self.proposer = make_proposer(self.spec, config, self.model_config) if self.spec else None
+        draft = getattr(self.proposer, "runner", None)
+        self.runner = ModelRunner(config, self.model_config, own_process, draft=draft)
+        if draft is not None:
+            self.proposer.attach(config.enable_prefix_caching)
+        self.spec_stats = SpecDecodeStats()
         # blocks fall out of the window only when they do for every layer (Gemma's global layers keep them all)
         windows = {a.sliding_window for a in self.runner.attn_layers}
         window = None if None in windows else max(windows)
@@ -88,6 +97,7 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         done = self._drop_compiling(request_ids, RequestStatus.FINISHED_ABORTED)
         done += self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self._release_drafts()
         return [self._output(r, []) for r in done]
 
     def finish_requests(self, request_ids: list[str], stop_reason: str | None = None) -> None:
@@ -95,6 +105,7 @@ class EngineCore:
         self._drop_compiling(request_ids, RequestStatus.FINISHED_STOPPED)
         for r in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED):
             r.stop_reason = stop_reason
+        self._release_drafts()
 
     def _drop_compiling(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         done = []
@@ -145,17 +156,91 @@ class EngineCore:
             failed += failed_now
         for rid, entries in result.prompt_logprobs.items():
             self.scheduler.requests[rid].prompt_logprobs.extend(entries)
+        for s in sched.scheduled:
+            if s.spec_token_ids and s.request.request_id in result.sampled:
+                self.spec_stats.observe(len(s.spec_token_ids), len(result.sampled[s.request.request_id]) - 1)
+        before = {s.request.request_id: s.request.num_output_tokens for s in sched.scheduled}
         finished = {r.request_id for r in self.scheduler.update(sched, result.sampled)}
         outputs = failed
         for s in sched.scheduled:
             req = s.request
-            new = result.sampled.get(req.request_id)
-            if not new and req.request_id not in finished:
+            rid = req.request_id
+            if rid not in result.sampled and rid not in finished:
                 continue  # a prefill chunk that did not reach the end of the prompt
+            # the tokens taken: with speculation several, fewer than sampled when a stop came first
+            new = req.output_token_ids[before[rid] :]
             if req.status == RequestStatus.FINISHED_ERROR:
                 new = []  # the token that failed it was not taken
-            outputs.append(self._output(req, new or [], result.logprobs.get(req.request_id)))
+            logprobs = result.logprobs.get(rid)
+            outputs.append(self._output(req, new, logprobs[: len(new)] if logprobs else logprobs))
+        if self.proposer is not None:
+            self._propose(sched, result)
         return outputs
+
+    # -- speculative decoding ----------------------------------------------------------------------
+
+    def _propose(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Proposals for the requests that just sampled a token, for the next step to verify. A step that runs
+        more requests than the policy allows proposes none (spec/config.py: disable_by_batch_size)."""
+        self._release_drafts()
+        if not self.spec.proposes_for(len(self.scheduler.running)):
+            return
+        reqs, ks = [], []
+        for s in sched.scheduled:
+            req = s.request
+            if req.status != RequestStatus.RUNNING or req.request_id not in result.sampled:
+                continue
+            k = self._room(req)
+            if k > 0:
+                reqs.append(req)
+                ks.append(k)
+        if not reqs:
+            return
+        try:
+            drafts, probs = self.proposer.propose(reqs, ks)
+        except Exception as e:  # proposals are optional: a failing draft leaves the step without them
+            if is_fatal(e):
+                raise
+            log.warning("the proposer failed (%s); this step goes on without speculation", e)
+            return
+        for i, req in enumerate(reqs):
+            d, q = drafts[i], probs[i] if probs is not None else None
+            if req.grammar is not None:
+                d, q = self._grammar_checked(req, d, q)
+            req.spec_token_ids, req.spec_token_probs = d, q
+
+    def _room(self, req: Request) -> int:
+        """Proposals worth making: no more than k, than max_tokens leaves after the token the target draws anyway,
+        than the context holds, or than a grammar can roll back."""
+        left = req.sampling_params.max_tokens - req.num_output_tokens - 1
+        k = min(self.spec.num_speculative_tokens, left, self.max_model_len - req.num_tokens)
+        return min(k, MAX_ROLLBACK_TOKENS) if req.grammar is not None else k
+
+    @staticmethod
+    def _grammar_checked(req: Request, drafts: list[int], q):
+        """The grammar checks proposals: those after the first it refuses are dropped. The refused one itself stays
+        when drawn from a draft distribution: its row masks it, so it is rejected there and the target draws from
+        the residual, which is what keeps the output exact (dropping it would draw from p instead)."""
+        ok = 0
+        for tok in drafts:
+            if not req.grammar.accept(tok):
+                break
+            ok += 1
+        if ok:
+            req.grammar.rollback(ok)
+        if ok == len(drafts):
+            return drafts, q
+        if q is None:
+            return drafts[:ok], None
+        return drafts[: ok + 1], q[: ok + 1]
+
+    def _release_drafts(self) -> None:
+        """Free the draft state of every request no longer running (finished, aborted, failed or preempted)."""
+        if self.proposer is None:
+            return
+        live = self.scheduler.requests
+        gone = [rid for rid in self.proposer.tracked() if rid not in live or live[rid].status != RequestStatus.RUNNING]
+        self.proposer.release(gone)
 
     def _execute_one_by_one(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, list[EngineCoreOutput]]:
         """After a failed step, find the request(s) that make it fail: each runs alone, those that still
@@ -215,6 +300,7 @@ class EngineCore:
     def stats(self, step_time: float = 0.0) -> SchedulerStats:
         """What the engine holds now, for the server's gauges and `LLM.stats()` alike."""
         kv = self.kv.stats()
+        draft = self.proposer.stats() if self.proposer is not None else None
         return SchedulerStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -225,4 +311,10 @@ class EngineCore:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             step_time=step_time,
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
+            draft_num_blocks=draft.num_blocks if draft else 0,
+            draft_num_free_blocks=draft.num_blocks - draft.num_used_blocks if draft else 0,
         )

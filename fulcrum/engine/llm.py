@@ -13,6 +13,7 @@ from fulcrum.engine.output_processor import OutputProcessor
 from fulcrum.engine.outputs import RequestOutput
 from fulcrum.engine.prompts import tokenize_prompts
 from fulcrum.engine.request import check_request, fan_out
+from fulcrum.engine.spec.stats import acceptance_rate, mean_accepted_length
 from fulcrum.errors import InvalidRequestError
 from fulcrum.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from fulcrum.utils.tokenizer import chat_prompt_ids, load_tokenizer
@@ -97,5 +98,9 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stats(self) -> dict:
-        """The engine's gauges and counters now (KV blocks, prefix cache, preemptions, queue)."""
-        return msgspec.structs.asdict(self.core.stats())
+        """The engine's gauges and counters now (KV blocks, prefix cache, preemptions, queue; with speculative
+        decoding its counters, their acceptance rate and mean accepted length, and the draft's KV blocks)."""
+        s = msgspec.structs.asdict(self.core.stats())
+        s["spec_acceptance_rate"] = acceptance_rate(s["spec_num_accepted_tokens"], s["spec_num_draft_tokens"])
+        s["spec_mean_accepted_length"] = mean_accepted_length(s["spec_num_accepted_tokens"], s["spec_num_drafts"])
+        return s

@@ -29,6 +29,15 @@ class SchedulerStats(msgspec.Struct):
     prefix_cache_hits: int = 0  # cumulative
     num_preemptions: int = 0  # cumulative
     step_time: float = 0.0  # seconds of the last step
+    # speculative decoding (cumulative; engine/spec/stats.py): request-steps that verified proposals, proposals
+    # verified, of those kept, and kept per position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
+    # the draft model's own KV cache (0 blocks without one)
+    draft_num_blocks: int = 0
+    draft_num_free_blocks: int = 0
 
 
 class CoreReady(msgspec.Struct):

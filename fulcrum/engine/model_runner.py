@@ -1,5 +1,6 @@
 """The model runner: owns the weights and the KV cache, turns a scheduler step into one forward
-over flattened tokens, and samples the next token of every request that reached its end."""
+over flattened tokens, and samples the next token of every request that reached its end (with speculative
+decoding, verifies its proposals and samples one token more)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from dataclasses import dataclass, field
 import torch
 
 from fulcrum.config import EngineConfig, ModelConfig
+from fulcrum.engine.request import Request
 from fulcrum.engine.scheduler import ScheduledRequest, SchedulerOutput
+from fulcrum.engine.spec.rejection import verify
 from fulcrum.engine.structured import StructuredOutputs
 from fulcrum.errors import InvalidRequestError, KVCacheTooSmallError
 from fulcrum.kernels import cpu_threads, huge_page_empty, move_parameters_to_huge_pages, warm_up
@@ -35,7 +38,16 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, own_process: bool = False):
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        model_config: ModelConfig,
+        own_process: bool = False,
+        draft: ModelRunner | None = None,
+        is_draft: bool = False,
+    ):
+        """`draft`: a speculative-decoding draft model's runner (built with is_draft, so without a cache): its cache
+        gets as many blocks as this one's, both in the same memory (kv_cache_memory, or what the GPU has left)."""
         self.config = engine_config
         self.model_config = model_config
         self.device = torch.device(engine_config.device)
@@ -67,23 +79,25 @@ class ModelRunner:
         self.bytes_per_block = self.block_size * sum(
             a.kv_bytes_per_token(model_config.dtype, self.kv_format) for a in self.attn_layers
         )
-        self.num_blocks = self._num_kv_blocks()
+        self.sampler = Sampler()
+        self.structured: StructuredOutputs | None = None  # the engine core's grammars, for the token bitmask
+        # Tokens of one request computed as decode rows, each over its own prefix, when it has context: a step
+        # verifying k proposals (or a draft catching up a token or two) runs them all in the batched decode
+        # attention, not as a prefill chunk of its own. 1 without speculation: only single-token decodes.
+        spec = engine_config.speculative_config
+        self.decode_rows = 1 + (spec or {}).get("num_speculative_tokens", 0)
+        if is_draft:
+            return  # the target sizes the cache they share (attach_kv_cache); the target's warm-up builds the kernels
+        self.num_blocks = self._num_kv_blocks(draft.bytes_per_block if draft else 0)
         if self.num_blocks * self.block_size < model_config.max_model_len:
             raise KVCacheTooSmallError(
                 f"the KV cache holds {self.num_blocks * self.block_size} tokens, fewer than max_model_len="
                 f"{model_config.max_model_len}; give it more memory (kv_cache_memory / gpu_memory_utilization) "
                 "or lower max_model_len"
             )
-        # On CPU zeroed, faulted in as blocks are first written, on ordinary pages: where THP defrag is "madvise" (a
-        # common default) every huge-page fault of a madvised region compacts memory first, and the first
-        # writes of fresh blocks cost 4.6x as much (16 x 27.5k tokens of the bundled model: 303 against 66 ms;
-        # faulting all 2 GiB up front: 4.3 s), for a decode attention within 4% either way.
-        empty = (lambda shape, dtype: huge_page_empty(shape, dtype, huge=False)) if self.device.type == "cpu" else None
-        self.kv_cache, self.kv_scales = attach_kv_cache(
-            self.attn_layers, self.num_blocks, self.block_size, model_config.dtype, self.kv_format, self.device, empty
-        )
-        self.sampler = Sampler()
-        self.structured: StructuredOutputs | None = None  # the engine core's grammars, for the token bitmask
+        self.attach_kv_cache(self.num_blocks)
+        if draft is not None:
+            draft.attach_kv_cache(self.num_blocks)
         # build or load the CPU kernels now, not in the middle of the first request
         warm_up(self.device, quantized=model_config.quantization is not None, quantized_kv=self.kv_format is not None)
         if self.device.type == "cpu":  # after the builds, which would otherwise inherit the pinning
@@ -95,17 +109,29 @@ class ModelRunner:
                 raise InvalidRequestError(str(e), param="cpu_bind") from e
             log.info("CPU: %s", threads.describe())
 
+    def attach_kv_cache(self, num_blocks: int) -> None:
+        # On CPU zeroed, faulted in as blocks are first written, on ordinary pages: where THP defrag is "madvise" (a
+        # common default) every huge-page fault of a madvised region compacts memory first, and the first
+        # writes of fresh blocks cost 4.6x as much (16 x 27.5k tokens of the bundled model: 303 against 66 ms;
+        # faulting all 2 GiB up front: 4.3 s), for a decode attention within 4% either way.
+        self.num_blocks = num_blocks
+        empty = (lambda shape, dtype: huge_page_empty(shape, dtype, huge=False)) if self.device.type == "cpu" else None
+        self.kv_cache, self.kv_scales = attach_kv_cache(
+            self.attn_layers, num_blocks, self.block_size, self.model_config.dtype, self.kv_format, self.device, empty
+        )
+
     # -- KV cache size ---------------------------------------------------------------------------
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, draft_bytes_per_block: int = 0) -> int:
+        per_block = self.bytes_per_block + draft_bytes_per_block
         if self.config.kv_cache_memory is not None:
-            return self.config.kv_cache_memory // self.bytes_per_block
+            return self.config.kv_cache_memory // per_block
         if self.device.type != "cuda":
-            return DEFAULT_CPU_KV_BYTES // self.bytes_per_block
-        return self._profile_cuda_blocks()
+            return DEFAULT_CPU_KV_BYTES // per_block
+        return self._profile_cuda_blocks(per_block)
 
     @torch.inference_mode()
-    def _profile_cuda_blocks(self) -> int:
+    def _profile_cuda_blocks(self, per_block: int) -> int:
         """Run the largest step the scheduler can produce, then give the KV cache what is left
         of `gpu_memory_utilization` of the card."""
         torch.cuda.empty_cache()
@@ -124,37 +150,45 @@ class ModelRunner:
         non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
         usable = int(total * self.config.gpu_memory_utilization) - peak - max(non_torch, 0)
         log.info("profiled peak %.2f GiB; %.2f GiB left for the KV cache", peak / 2**30, usable / 2**30)
-        return max(usable, 0) // self.bytes_per_block
+        return max(usable, 0) // per_block
 
     # -- one step ----------------------------------------------------------------------------------
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
+        """The step as one flat batch. Returns its input ids, positions and attention metadata, the rows whose
+        logits are sampled (a sampling request's last, or its last 1 + len(proposals) when it verifies some), and
+        every request's last row."""
         bs = self.block_size
         ids, positions, slots = [], [], []
         prefills, prefill_tables = [], []
         decode_idx, decode_tables, decode_ctx = [], [], []
         logits_idx: list[int] = []
+        last_idx: list[int] = []
         query_lens = []
         t = 0
         for s in scheduled:
             req, n, table = s.request, s.num_new_tokens, s.block_table
             start = req.num_computed_tokens
             ctx = start + n
-            ids.extend(req.all_token_ids[start:ctx])
+            known = req.all_token_ids
+            ids.extend(known[start:ctx])
+            if ctx > len(known):  # the proposals after the known tokens
+                ids.extend(s.spec_token_ids[max(start - len(known), 0) : ctx - len(known)])
             pos = range(start, ctx)
             positions.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             query_lens.append(n)
-            if n == 1:
-                decode_idx.append(t)
-                decode_tables.append(table)
-                decode_ctx.append(ctx)
+            if n == 1 or (start > 0 and n <= self.decode_rows):
+                decode_idx.extend(range(t, t + n))
+                decode_tables.extend([table] * n)
+                decode_ctx.extend(range(start + 1, ctx + 1))
             else:
                 prefills.append((t, n, ctx, len(prefill_tables)))
                 prefill_tables.append(table)
             t += n
+            last_idx.append(t - 1)
             if s.samples:
-                logits_idx.append(t - 1)
+                logits_idx.extend(range(t - 1 - len(s.spec_token_ids), t))
 
         dev = self.device
 
@@ -175,11 +209,14 @@ class ModelRunner:
             meta.decode_max_context = max(decode_ctx)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        return input_ids, pos_t, meta, logits_idx
+        return input_ids, pos_t, meta, logits_idx, last_idx
 
-    def _sampling_metadata(self, rows: list[ScheduledRequest]) -> SamplingMetadata:
+    def _sampling_metadata(self, reqs: list[Request], ahead: list[list[int]] | None = None) -> SamplingMetadata:
+        """One row per entry of `reqs`. Verifying proposals, a request has several rows, and `ahead[i]` are the
+        proposals before row i, counted as output already (penalties, min_tokens, the grammar's state)."""
         dev, V = self.device, self.vocab_size
-        params = [s.request.sampling_params for s in rows]
+        params = [r.sampling_params for r in reqs]
+        ahead = ahead or [[] for _ in reqs]
 
         def col(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=dev)
@@ -195,40 +232,74 @@ class ModelRunner:
             meta.min_p = col([p.min_p for p in params])
         need_counts = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params)
         if need_counts:
-            meta.output_counts = self._token_counts([s.request.output_token_ids for s in rows])
+            meta.output_counts = self._token_counts([r.output_token_ids + a for r, a in zip(reqs, ahead)])
             if any(p.presence_penalty for p in params):
                 meta.presence_penalty = col([p.presence_penalty for p in params])
             if any(p.frequency_penalty for p in params):
                 meta.frequency_penalty = col([p.frequency_penalty for p in params])
             if any(p.repetition_penalty != 1 for p in params):
                 meta.repetition_penalty = col([p.repetition_penalty for p in params])
-                meta.prompt_mask = self._token_counts([s.request.prompt_token_ids for s in rows]) > 0
+                meta.prompt_mask = self._token_counts([r.prompt_token_ids for r in reqs]) > 0
         under_min = [
-            i for i, s in enumerate(rows) if s.request.num_output_tokens < s.request.sampling_params.min_tokens
+            i
+            for i, (r, a) in enumerate(zip(reqs, ahead))
+            if r.num_output_tokens + len(a) < r.sampling_params.min_tokens
         ]
         if under_min:
-            banned = torch.zeros(len(rows), V, dtype=torch.bool, device=dev)
+            banned = torch.zeros(len(reqs), V, dtype=torch.bool, device=dev)
             for i in under_min:
-                req = rows[i].request
+                req = reqs[i]
                 stop_ids = list(req.sampling_params.stop_token_ids)
                 if not req.sampling_params.ignore_eos:
                     stop_ids += req.eos_token_ids
                 banned[i, [t for t in stop_ids if 0 <= t < V]] = True
             meta.banned = banned
         if any(p.logit_bias for p in params):
-            bias = torch.zeros(len(rows), V, device=dev)
+            bias = torch.zeros(len(reqs), V, device=dev)
             for i, p in enumerate(params):
                 if p.logit_bias:
                     bias[i, list(p.logit_bias)] = col(list(p.logit_bias.values()))
             meta.logit_bias = bias
-        masks = self.structured.fill_bitmask([s.request.grammar for s in rows]) if self.structured else None
+        if not self.structured:
+            masks = None
+        elif any(ahead):
+            masks = self._bitmask_ahead(reqs, ahead)
+        else:
+            masks = self.structured.fill_bitmask([r.grammar for r in reqs])
         if masks is not None:
             meta.token_bitmask, meta.bitmask_rows = masks
         if any(p.seed is not None for p in params):
-            meta.generators = [s.request.generator for s in rows]
+            meta.generators = [r.generator for r in reqs]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         meta.max_num_logprobs = max(wanted) if wanted else -1
         return meta
+
+    def _bitmask_ahead(self, reqs: list[Request], ahead: list[list[int]]) -> tuple[torch.Tensor, list[int]] | None:
+        """The grammar's bitmask at each verified row: a request's grammar advanced by each proposal in turn, then
+        rolled back (the scheduler advances it by the tokens kept). A proposal the grammar refuses is masked at its
+        own row, so it is rejected there; the rows after it are never used and allow everything."""
+        if all(r.grammar is None for r in reqs):
+            return None
+        bitmask = torch.full((len(reqs), -(-self.vocab_size // 32)), -1, dtype=torch.int32)  # all allowed
+        rows: list[int] = []
+        i = 0
+        while i < len(reqs):
+            req, end = reqs[i], i + 1
+            while end < len(reqs) and reqs[end] is req:
+                end += 1
+            if req.grammar is not None:
+                advanced = 0
+                for r in range(i, end):
+                    if r > i:
+                        if not req.grammar.accept(ahead[r][-1]):
+                            break
+                        advanced += 1
+                    req.grammar.fill_bitmask(bitmask, r)
+                    rows.append(r)
+                if advanced:
+                    req.grammar.rollback(advanced)
+            i = end
+        return bitmask, rows
 
     def _token_counts(self, lists: list[list[int]]) -> torch.Tensor:
         counts = torch.zeros(len(lists), self.vocab_size, device=self.device)
@@ -244,14 +315,17 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if not out.scheduled:
             return result
-        input_ids, positions, meta, logits_idx = self._prepare(out.scheduled)
+        input_ids, positions, meta, logits_idx, _ = self._prepare(out.scheduled)
         hidden = self.model(input_ids, positions, meta)
         self._prompt_logprobs(out.scheduled, hidden, result)
         rows = [s for s in out.scheduled if s.samples]
         if not rows:
             return result
         logits = self.model.compute_logits(hidden[torch.tensor(logits_idx, device=self.device)])
-        sm = self._sampling_metadata(rows)
+        if any(s.spec_token_ids for s in rows):
+            self._verify(rows, logits, result)
+            return result
+        sm = self._sampling_metadata([s.request for s in rows])
         sampled = self.sampler(logits, sm)
         tokens = sampled.token_ids.tolist()
         lp = sampled.logprobs.tolist() if sampled.logprobs is not None else None
@@ -261,11 +335,40 @@ class ModelRunner:
             result.sampled[rid] = [tokens[i]]
             k = s.request.sampling_params.logprobs
             if lp is not None and k is not None:
-                entry = {lp_ids[i][0]: lp[i][0]}
-                for tok, val in zip(lp_ids[i][1 : 1 + k], lp[i][1 : 1 + k]):
-                    entry.setdefault(tok, val)
-                result.logprobs[rid] = [entry]
+                result.logprobs[rid] = [_logprob_entry(lp_ids[i], lp[i], k)]
         return result
+
+    def _verify(self, rows: list[ScheduledRequest], logits: torch.Tensor, result: ModelRunnerOutput) -> None:
+        """A step with proposals: each sampling request has 1 + len(proposals) rows of logits; rejection sampling
+        (engine/spec/rejection.py) keeps a prefix of its proposals and draws one token more."""
+        reqs, ahead = [], []
+        for s in rows:
+            for j in range(len(s.spec_token_ids) + 1):
+                reqs.append(s.request)
+                ahead.append(s.spec_token_ids[:j])
+        v = verify(
+            self.sampler,
+            logits,
+            self._sampling_metadata(reqs, ahead),
+            [s.spec_token_ids for s in rows],
+            [s.spec_token_probs for s in rows],
+            [s.request.generator for s in rows],
+        )
+        for i, s in enumerate(rows):
+            rid = s.request.request_id
+            result.sampled[rid] = v.tokens[i]
+            k = s.request.sampling_params.logprobs
+            if v.logprobs is not None and k is not None:
+                lp, ids = (x.tolist() for x in v.logprobs[i])
+                result.logprobs[rid] = [_logprob_entry(ids[t], lp[t], k) for t in range(len(v.tokens[i]))]
+
+    @torch.inference_mode()
+    def last_logits(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        """One forward over the step; the logits at each request's last token [len(scheduled), V] (a draft model's
+        step: its proposals are drawn by the caller)."""
+        input_ids, positions, meta, _, last_idx = self._prepare(scheduled)
+        hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[torch.tensor(last_idx, device=self.device)])
 
     def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor, result) -> None:
         """Log-softmax (float32, before any sampling transform) at the positions of this step that predict a
@@ -295,3 +398,11 @@ class ModelRunner:
                         entries.append(entry)
                     result.prompt_logprobs[req.request_id] = entries
             t += n
+
+
+def _logprob_entry(ids: list[int], values: list[float], k: int) -> dict[int, float]:
+    """{token: logprob} of the sampled token, then its top k (the sampled one first, even when among them)."""
+    entry = {ids[0]: values[0]}
+    for tok, val in zip(ids[1 : 1 + k], values[1 : 1 + k]):
+        entry.setdefault(tok, val)
+    return entry

@@ -53,6 +53,10 @@ class Request:
     finish_time: float | None = None
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
     grammar: GrammarState | None = None  # with structured output: the tokens its grammar allows next
+    # speculative decoding: tokens proposed after the known ones, for the next step to verify, and the draft
+    # distribution each was drawn from ([len, vocab]; None for deterministic proposals: n-gram, a greedy draft)
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_token_probs: torch.Tensor | None = None
 
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step
 

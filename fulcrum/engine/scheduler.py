@@ -3,8 +3,9 @@
 Running requests are served first (usually one decode token each, or the next chunk of a long
 prompt), then waiting requests are admitted in priority/arrival order with whatever budget is
 left, so a long prompt never stalls the decodes. There is no prefill/decode distinction in the
-data: every request simply has `num_tokens - num_computed_tokens` tokens to compute, which also
-leaves room for several tokens per step (speculative decoding). When the KV cache runs out, the
+data: every request simply has `num_tokens - num_computed_tokens` tokens to compute, plus, with
+speculative decoding, the tokens proposed after them, verified in the same step (they are dropped
+first when the budget or the cache is short). When the KV cache runs out, the
 lowest-priority, latest-arrived running request is preempted: its blocks are freed and it is
 recomputed later.
 """
@@ -24,13 +25,18 @@ from fulcrum.engine.request import Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # known tokens to compute, then the proposals to verify
     block_table: list[int]
+    # speculative decoding: the proposals this step verifies (the last len() of num_new_tokens), and the draft
+    # distribution they were drawn from (a [len, vocab] tensor) or None
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_token_probs: object = None
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the known tokens, so a next token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        known = self.num_new_tokens - len(self.spec_token_ids)
+        return self.request.num_computed_tokens + known == self.request.num_tokens
 
 
 @dataclass
@@ -102,9 +108,17 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            known = req.num_tokens - req.num_computed_tokens
+            # proposals ride along only when every known token fits the budget, and as many as fit
+            spec, probs = req.spec_token_ids, req.spec_token_probs
+            req.spec_token_ids, req.spec_token_probs = [], None
+            n = min(known + len(spec), budget)
+            spec = spec[: max(n - known, 0)]
             self.kv.release_out_of_window(req)
             while not self.kv.allocate_slots(req, n):
+                if spec:  # proposals are optional: they go before anyone is preempted for their slots
+                    n, spec = n - len(spec), []
+                    continue
                 # only requests not yet scheduled in this step may be preempted
                 victim = max(self.running[i:], key=lambda r: (r.priority, r.arrival_time))
                 self._preempt(victim)
@@ -112,7 +126,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append(ScheduledRequest(req, n, []))
+                probs = probs[: len(spec)] if spec and probs is not None else None
+                scheduled.append(ScheduledRequest(req, n, [], spec, probs))
                 budget -= n
                 i += 1
 
@@ -150,19 +165,25 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids, req.spec_token_probs = [], None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(req)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Advance the scheduled requests by what was computed and append the sampled tokens.
-        Returns the requests that finished in this step (their blocks are already freed)."""
+        """Advance the scheduled requests by what was computed and append the sampled tokens (with speculation
+        several: the accepted proposals, then one the target drew). Each is checked for a stop in turn, so a
+        request that stops at the first never takes the rest. Returns the requests that finished in this step
+        (their blocks are already freed)."""
         finished = []
         now = time.time()
         for s in out.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            for tok in sampled.get(req.request_id, []):
+            tokens = sampled.get(req.request_id, [])
+            # The KV of the accepted proposals is valid; that of the rejected ones lies past num_computed_tokens, in
+            # slots the tokens that take their place overwrite (the request keeps those blocks, none leaks).
+            req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids) + max(len(tokens) - 1, 0)
+            for tok in tokens:
                 if req.grammar is not None and not req.grammar.accept(tok):
                     # the sampler masks what the grammar forbids, so this is the engine's fault, not the client's
                     req.error = f"token {tok} broke the request's grammar"
@@ -211,6 +232,7 @@ class Scheduler:
         if not already_removed:
             self.running.remove(req)
         self.kv.free(req)
+        req.spec_token_ids, req.spec_token_probs = [], None
         req.status = status
         req.finish_time = now
         del self.requests[req.request_id]

@@ -1,0 +1,263 @@
+"""Speculative decoding through LLM, as a user sees it: greedy tokens identical to those without speculation (n-gram
+and draft model, several k, alone and batched, the bundled pair and a tiny random pair), with chunked prefill,
+prefix caching, n > 1, stops, max_tokens inside a proposal, logprobs and grammars; seeded requests reproducible;
+every KV block of target and draft back after finished, aborted and preempted requests; the counters in stats()."""
+
+import json
+import re
+
+import pytest
+
+from fulcrum import LLM, SamplingParams
+from fulcrum.config import DEFAULT_MODEL
+from fulcrum.errors import InvalidRequestError, ModelLoadError
+from fulcrum.sampling_params import StructuredOutputsParams
+from tests.engine.test_llm_parity import make_llm, random_prompts
+from tests.tiny_models import save_tiny_model
+
+DRAFT = str(DEFAULT_MODEL.parent / "tiny-shakespeare-draft")
+PASSAGE = (
+    "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n"
+    "And all the clouds that lour'd upon our house\nIn the deep bosom of the ocean buried."
+)
+PROMPTS = [
+    f"Say it again.\n{PASSAGE}\n\n{PASSAGE[:40]}",  # copy-heavy: the n-gram proposer's workload
+    "ROMEO:",
+    "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?",
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.",
+]
+N_NEW = 32
+
+
+def ngram(k: int, **kw) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4, **kw}
+
+
+def draft(k: int, model: str = DRAFT, **kw) -> dict:
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k, **kw}
+
+
+def greedy(max_tokens=N_NEW, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def bundled(spec=None, **kw) -> LLM:
+    kw.setdefault("kv_cache_memory", 32 << 20)
+    return LLM(dtype="float32", speculative_config=spec, **kw)
+
+
+def tokens(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def assert_no_blocks_held(llm):
+    s = llm.stats()
+    assert s["num_free_blocks"] == s["num_blocks"]
+    assert s["draft_num_free_blocks"] == s["draft_num_blocks"]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return bundled()
+
+
+@pytest.fixture(scope="module")
+def expected(plain):
+    return tokens(plain, PROMPTS, greedy())
+
+
+@pytest.mark.parametrize("spec", [ngram(1), ngram(4), ngram(7), draft(1), draft(3), draft(5)], ids=str)
+def test_greedy_tokens_are_those_without_speculation(spec, expected):
+    llm = bundled(spec)
+    assert tokens(llm, PROMPTS[:1], greedy()) == expected[:1]
+    assert tokens(llm, PROMPTS, greedy()) == expected
+    s = llm.stats()
+    assert s["spec_num_drafts"] > 0 and s["spec_num_accepted_tokens"] > 0  # it did speculate, and it paid
+    assert 1 < s["spec_mean_accepted_length"] <= 1 + spec["num_speculative_tokens"]
+    assert_no_blocks_held(llm)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_model_dir, tmp_path_factory):
+    """A tiny random target and a draft of its own random weights (it disagrees: nearly every proposal rejected)."""
+    target = tiny_model_dir("llama")
+    other = save_tiny_model("llama", tmp_path_factory.mktemp("tiny-draft"), seed=1, num_hidden_layers=1)
+    return target, other
+
+
+@pytest.mark.parametrize("k", [2, 5])
+@pytest.mark.parametrize("kind", ["ngram", "other-draft", "self-draft"])
+def test_tiny_random_pair_greedy_tokens_are_those_without_speculation(tiny_pair, kind, k):
+    target, other = tiny_pair
+    # random prompts that repeat themselves, so the n-gram proposer finds matches
+    prompts = [p + p[: len(p) // 2] for p in random_prompts(6, 5, 40, seed=21)]
+    want = tokens(make_llm(target), prompts, greedy(24))
+    spec = {
+        "ngram": ngram(k, prompt_lookup_min=1),
+        "other-draft": draft(k, str(other)),
+        "self-draft": draft(k, str(target)),
+    }
+    llm = make_llm(target, speculative_config=spec[kind], kv_cache_memory=32 << 20)
+    assert tokens(llm, prompts[:1], greedy(24)) == want[:1]
+    assert tokens(llm, prompts, greedy(24)) == want
+    s = llm.stats()
+    assert s["spec_num_drafts"] > 0
+    if kind == "self-draft":  # the target as its own draft: every proposal kept, then the bonus token
+        assert s["spec_acceptance_rate"] == 1.0
+    assert_no_blocks_held(llm)
+
+
+@pytest.mark.parametrize("spec", [ngram(3), draft(3)], ids=["ngram", "draft"])
+def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(spec, plain):
+    # chunks of 32 tokens, a shared prefix found in the cache, and a cache so small that requests are preempted
+    prefix = PROMPTS[0]
+    prompts = [prefix + tail for tail in ["\nROMEO:", "\nJULIET:", "\nKING:", "\nQUEEN:", "\nHAMLET:", "\nLEAR:"]]
+    params = greedy(48)
+    want = tokens(plain, prompts, params)
+    llm = bundled(spec, max_num_batched_tokens=32, block_size=8, kv_cache_memory=2 << 20, max_model_len=192)
+    assert tokens(llm, prompts, params) == want
+    s = llm.stats()
+    assert s["prefix_cache_hits"] > 0 and s["num_preemptions"] > 0 and s["spec_num_accepted_tokens"] > 0
+    assert_no_blocks_held(llm)
+
+
+def test_seeded_samples_with_ngram_are_the_samples_without(plain):
+    """Deterministic proposals leave a seeded request's tokens as they are without speculation (n > 1 included)."""
+    params = SamplingParams(n=3, temperature=0.8, top_p=0.95, max_tokens=40, seed=11, ignore_eos=True)
+    want = [[c.token_ids for c in o.outputs] for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    llm = bundled(ngram(4, disable_by_batch_size=None))  # 12 requests: above the default policy's batch
+    got = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == want
+    assert llm.stats()["spec_num_accepted_tokens"] > 0
+    assert_no_blocks_held(llm)
+
+
+def test_seeded_samples_with_a_draft_are_reproducible_alone_and_batched():
+    llm = bundled(draft(3))
+    sp = SamplingParams(temperature=1.0, max_tokens=30, seed=5, ignore_eos=True)
+    alone = tokens(llm, PROMPTS[1:2], sp)
+    others = SamplingParams(temperature=0.7, max_tokens=30, ignore_eos=True)
+    batched = tokens(llm, PROMPTS, [others, sp, others, others])
+    assert batched[1] == alone[0]
+    assert tokens(bundled(draft(3)), PROMPTS[1:2], sp) == alone
+    assert llm.stats()["spec_num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("spec", [ngram(5), draft(5)], ids=["ngram", "draft"])
+def test_stops_and_max_tokens_inside_a_proposal(spec, plain, expected):
+    llm = bundled(spec)
+    full = expected[0]
+    # max_tokens that end inside proposals: exactly that many tokens, the same ones
+    for n in range(1, 9):
+        assert tokens(llm, PROMPTS[:1], greedy(n)) == [full[:n]]
+    # a stop token among accepted proposals: the output ends there
+    stop_at = full[12]
+    first = full.index(stop_at)
+    out = llm.generate(PROMPTS[:1], greedy(stop_token_ids=[stop_at]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
+    # a stop string: the same text as without speculation
+    text = plain.generate(PROMPTS[:1], greedy(), use_tqdm=False)[0].outputs[0].text
+    stop = text[20:26]
+    stopped = llm.generate(PROMPTS[:1], greedy(stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert stopped.text == text[: text.index(stop)] and stopped.finish_reason == "stop"
+    assert_no_blocks_held(llm)
+
+
+def test_logprobs_are_those_of_the_accepted_tokens(plain):
+    sp = greedy(24, logprobs=3)
+    want = plain.generate(PROMPTS, sp, use_tqdm=False)
+    got = bundled(ngram(4)).generate(PROMPTS, sp, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert len(g.outputs[0].logprobs) == 24
+        for we, ge in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert we.keys() == ge.keys()
+            assert all(abs(we[t] - ge[t]) < 1e-4 for t in we)
+
+
+@pytest.mark.parametrize("spec", [ngram(4), draft(4)], ids=["ngram", "draft"])
+def test_grammars_check_the_proposals(spec, plain):
+    schema = {"type": "object", "properties": {"house": {"enum": ["Montague", "Capulet"]}}, "required": ["house"]}
+    grammars = [
+        StructuredOutputsParams(json=json.dumps(schema), disable_any_whitespace=True),
+        StructuredOutputsParams(regex="(ROMEO|JULIET): [a-z ]{5,30}\\."),
+        StructuredOutputsParams(choice=["Montague", "Capulet"]),
+    ]
+    llm = bundled(spec)
+    # the prompt repeats what the grammar wants, so the n-gram proposer has matches to propose
+    prompts = ['Say it again.\n{"house":"Capulet"}\n{"house":"Montague"}\n', "ROMEO: what light", "JULIET:"]
+    sampled = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=40, structured_outputs=g) for i, g in enumerate(grammars)
+    ]
+    outs = [o.outputs[0].text for o in llm.generate(prompts, sampled, use_tqdm=False)]
+    assert json.loads(outs[0])["house"] in ("Montague", "Capulet")
+    assert re.fullmatch("(ROMEO|JULIET): [a-z ]{5,30}\\.", outs[1]), outs[1]
+    assert outs[2] in ("Montague", "Capulet")
+    # greedy under a grammar: the tokens it gives without speculation
+    free = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=g) for g in grammars]
+    assert tokens(llm, prompts, free) == tokens(plain, prompts, free)
+    assert llm.stats()["spec_num_accepted_tokens"] > 0
+    assert_no_blocks_held(llm)
+
+
+def test_aborted_and_finished_requests_hold_no_blocks():
+    llm = bundled(draft(4))
+    ids = [llm.add_request(p, llm.tokenizer(p)["input_ids"], greedy(200)) for p in PROMPTS]
+    for _ in range(4):
+        llm.step()
+    s = llm.stats()
+    assert s["num_free_blocks"] < s["num_blocks"] and s["draft_num_free_blocks"] < s["draft_num_blocks"]
+    for rid in ids[:2]:
+        llm.abort(rid)
+    while llm.core.has_unfinished_requests():
+        llm.step()
+    assert_no_blocks_held(llm)
+
+
+def test_large_batches_do_not_speculate(expected):
+    """Above disable_by_batch_size running requests a step proposes nothing; the tokens are the same."""
+    llm = bundled(ngram(4, disable_by_batch_size=3))
+    assert tokens(llm, PROMPTS, greedy()) == expected
+    assert llm.stats()["spec_num_drafts"] == 0
+    assert tokens(llm, PROMPTS[:3], greedy()) == expected[:3]
+    assert llm.stats()["spec_num_drafts"] > 0
+
+
+def test_stats_report_acceptance():
+    llm = bundled(ngram(4))
+    tokens(llm, PROMPTS[:1], greedy())
+    s = llm.stats()
+    assert s["spec_num_draft_tokens"] >= s["spec_num_accepted_tokens"] == sum(s["spec_accepted_per_pos"])
+    assert s["spec_acceptance_rate"] == s["spec_num_accepted_tokens"] / s["spec_num_draft_tokens"]
+    assert s["spec_mean_accepted_length"] == 1 + s["spec_num_accepted_tokens"] / s["spec_num_drafts"]
+    # acceptance falls with the position: the k-th proposal is kept only after the k - 1 before it
+    per_pos = s["spec_accepted_per_pos"]
+    assert per_pos == sorted(per_pos, reverse=True) and per_pos[0] > 0
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram, draft_model"),
+        ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "<="),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "draft_tensor_parallel"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_bad_speculative_configs_name_the_problem(spec, message):
+    with pytest.raises(InvalidRequestError, match=message) as err:
+        bundled(spec)
+    assert err.value.param == "speculative_config"
+
+
+def test_a_draft_of_another_tokenizer_is_refused(tmp_path):
+    other = save_tiny_model("llama", tmp_path / "other")
+    tok = json.loads((other / "tokenizer.json").read_text())
+    tok["model"]["vocab"] = {f"x{t}": i for t, i in tok["model"]["vocab"].items()}
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ModelLoadError, match="another tokenizer"):
+        bundled(draft(2, str(other)))
