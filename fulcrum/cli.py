@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -41,6 +42,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="KV cache storage: auto (the model's dtype), or fp8 (e4m3) / int8 with a scale per token and head, "
         "about twice the tokens of a 16-bit cache in the same memory",
     )
+    g.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", "model": DRAFT_FOLDER, '
+        '"num_speculative_tokens": 4}; "disable_by_batch_size": N stops proposing above N running requests',
+    )
     g.add_argument("--cpu-threads", type=int, default=None, help="CPU compute threads (default: one per core)")
     g.add_argument(
         "--cpu-bind",
@@ -48,6 +57,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="where CPU compute threads run: auto (thread i on the i-th allowed core), none (the OS decides), "
         "or cores such as 0-3,6",
     )
+
+
+def _speculative_config(text: str) -> dict:
+    """--speculative-config's JSON, checked here so that a typo is a usage error, not a failed engine start."""
+    from fulcrum.engine.spec.config import SpeculativeConfig
+    from fulcrum.errors import InvalidRequestError
+
+    try:
+        value = json.loads(text)
+        SpeculativeConfig.parse(value)
+    except (json.JSONDecodeError, InvalidRequestError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -69,6 +91,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         quantization_group_size=args.quantization_group_size,
         kv_cache_dtype=args.kv_cache_dtype,
         cpu_bind=args.cpu_bind,
+        speculative_config=args.speculative_config,
     )
 
 

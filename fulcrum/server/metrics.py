@@ -6,6 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from fulcrum.engine.messages import CoreOutputs, CoreReady
+from fulcrum.engine.spec.stats import acceptance_rate, mean_accepted_length
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
@@ -28,6 +29,10 @@ VLLM_NAMES = {
     "time_per_output_token_seconds": "vllm:time_per_output_token_seconds",
     "e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
     "request_queue_time_seconds": "vllm:request_queue_time_seconds",
+    "spec_decode_num_drafts": "vllm:spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
 }
 
 
@@ -94,7 +99,22 @@ class ServerMetrics:
             "fulcrum:cache_config_info", "KV cache configuration", ["model_name", "block_size", "num_blocks",
             "cache_dtype"], registry=r,
         )  # fmt: skip
-        self._last = {"q": 0, "h": 0, "p": 0}
+        # speculative decoding, as vLLM counts it (engine/spec/stats.py); the ratios as gauges of our own
+        self.spec_drafts = _Family(Counter, "spec_decode_num_drafts", "Request-steps that verified proposals", r, m, c)
+        self.spec_draft_tokens = _Family(Counter, "spec_decode_num_draft_tokens", "Proposals verified", r, m, c)
+        self.spec_accepted = _Family(Counter, "spec_decode_num_accepted_tokens", "Proposals accepted", r, m, c)
+        self.spec_accepted_per_pos = _Family(
+            Counter, "spec_decode_num_accepted_tokens_per_pos", "Proposals accepted at each position", r, m, c,
+            labels=("position",),
+        )  # fmt: skip
+        self.spec_acceptance_rate = _Family(
+            Gauge, "spec_decode_acceptance_rate", "Accepted over proposed tokens, since start", r, m, False
+        )
+        self.spec_mean_accepted_length = _Family(
+            Gauge, "spec_decode_mean_accepted_length", "Tokens per speculating request-step, since start", r, m, False
+        )
+        self._last = {"q": 0, "h": 0, "p": 0, "sd": 0, "st": 0, "sa": 0}
+        self._last_per_pos: list[int] = []
         self._last_token_time: dict[str, float] = {}
 
     def record_engines(self, given: list[int], running: list[int]) -> None:
@@ -121,7 +141,20 @@ class ServerMetrics:
         self.prefix_queries.inc(s.prefix_cache_queries - self._last["q"])
         self.prefix_hits.inc(s.prefix_cache_hits - self._last["h"])
         self.preemptions.inc(s.num_preemptions - self._last["p"])
-        self._last = {"q": s.prefix_cache_queries, "h": s.prefix_cache_hits, "p": s.num_preemptions}
+        self.spec_drafts.inc(s.spec_num_drafts - self._last["sd"])
+        self.spec_draft_tokens.inc(s.spec_num_draft_tokens - self._last["st"])
+        self.spec_accepted.inc(s.spec_num_accepted_tokens - self._last["sa"])
+        for pos, n in enumerate(s.spec_accepted_per_pos):
+            seen = self._last_per_pos[pos] if pos < len(self._last_per_pos) else 0
+            self.spec_accepted_per_pos.inc(n - seen, position=str(pos))
+        self._last_per_pos = list(s.spec_accepted_per_pos)
+        if s.spec_num_drafts:
+            self.spec_acceptance_rate.set(acceptance_rate(s.spec_num_accepted_tokens, s.spec_num_draft_tokens))
+            self.spec_mean_accepted_length.set(mean_accepted_length(s.spec_num_accepted_tokens, s.spec_num_drafts))
+        self._last = {
+            "q": s.prefix_cache_queries, "h": s.prefix_cache_hits, "p": s.num_preemptions,
+            "sd": s.spec_num_drafts, "st": s.spec_num_draft_tokens, "sa": s.spec_num_accepted_tokens,
+        }  # fmt: skip
         for o in msg.outputs:
             rid = o.request_id
             self.generation_tokens.inc(len(o.new_token_ids))

@@ -1,0 +1,65 @@
+"""`fulcrum serve --speculative-config`: greedy text as without speculation, streamed with several tokens in some
+chunks, and speculative decoding's counters in /metrics under our names and, with --metrics-compat vllm, vLLM's."""
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+
+from tests.engine.test_spec_decode import PASSAGE, ngram
+
+PROMPT = f"Say it again.\n{PASSAGE}\n\n{PASSAGE[:40]}"
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    from tests.servers import start_server
+
+    root = tmp_path_factory.mktemp("spec-srv")
+    plain = start_server(root)
+    spec = start_server(root, "--speculative-config", json.dumps(ngram(4)), "--metrics-compat", "vllm")
+    yield plain, spec
+    plain.stop()
+    spec.stop()
+
+
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+
+def test_streamed_greedy_text_is_the_text_without_speculation(servers):
+    plain, spec = servers
+    kw = dict(model="shakespeare", prompt=PROMPT, max_tokens=48, temperature=0)
+    want = client(plain).completions.create(**kw).choices[0].text
+    chunks = list(client(spec).completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    pieces = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(pieces) == want
+    assert chunks[-1].usage.completion_tokens == 48
+    # accepted proposals arrive together: fewer chunks than tokens
+    assert len(pieces) < 48
+    assert client(spec).completions.create(**kw).choices[0].text == want
+
+
+def metric(text: str, name: str, **labels) -> float:
+    want = "".join(f'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
+    m = re.search(rf"^{re.escape(name)}\{{{want}[^}}]*\}} (\S+)$", text, re.M)
+    assert m, f"{name} {labels} missing from /metrics"
+    return float(m[1])
+
+
+def test_metrics_count_proposals_under_both_names(servers):
+    _, spec = servers
+    client(spec).completions.create(model="shakespeare", prompt=PROMPT, max_tokens=32, temperature=0)
+    text = httpx.get(f"{spec.url}/metrics").text
+    for prefix in ("fulcrum", "vllm"):
+        drafts = metric(text, f"{prefix}:spec_decode_num_drafts_total")
+        proposed = metric(text, f"{prefix}:spec_decode_num_draft_tokens_total")
+        accepted = metric(text, f"{prefix}:spec_decode_num_accepted_tokens_total")
+        assert drafts > 0 and proposed >= accepted > 0
+        first = metric(text, f"{prefix}:spec_decode_num_accepted_tokens_per_pos_total", position="0")
+        assert 0 < first <= drafts
+    rate = metric(text, "fulcrum:spec_decode_acceptance_rate")
+    assert rate == pytest.approx(accepted / proposed, rel=1e-6)
+    assert metric(text, "fulcrum:spec_decode_mean_accepted_length") == pytest.approx(1 + accepted / drafts, rel=1e-6)
