@@ -48,7 +48,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", "model": DRAFT_FOLDER, '
-        '"num_speculative_tokens": 4}; "disable_by_batch_size": N stops proposing above N running requests',
+        '"num_speculative_tokens": 4}; "disable_by_batch_size": N stops proposing above N running requests '
+        "(default on CPU 2, the crossover measured there; null: never)",
     )
     g.add_argument("--cpu-threads", type=int, default=None, help="CPU compute threads (default: one per core)")
     g.add_argument(

@@ -45,7 +45,7 @@ class EngineCore:
             config.model, config.dtype, config.max_model_len, config.quantization, config.quantization_group_size
         )
         # speculative decoding: a draft model loads first, so that the target sizes the cache for both
-        self.spec = SpeculativeConfig.parse(config.speculative_config)
+        self.spec = SpeculativeConfig.parse(config.speculative_config, config.device)
         self.proposer = make_proposer(self.spec, config, self.model_config) if self.spec else None
         draft = getattr(self.proposer, "runner", None)
         self.runner = ModelRunner(config, self.model_config, own_process, draft=draft)

@@ -10,6 +10,7 @@ import pytest
 
 from fulcrum import LLM, SamplingParams
 from fulcrum.config import DEFAULT_MODEL
+from fulcrum.engine.spec import SpeculativeConfig
 from fulcrum.errors import InvalidRequestError, ModelLoadError
 from fulcrum.sampling_params import StructuredOutputsParams
 from tests.engine.test_llm_parity import make_llm, random_prompts
@@ -29,12 +30,23 @@ PROMPTS = [
 N_NEW = 32
 
 
+# speculation at every batch size (the default policy stops it above 2 running requests on a CPU)
+ALWAYS = {"disable_by_batch_size": None}
+
+
 def ngram(k: int, **kw) -> dict:
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4, **kw}
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": k,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
+        **ALWAYS,
+        **kw,
+    }
 
 
 def draft(k: int, model: str = DRAFT, **kw) -> dict:
-    return {"method": "draft_model", "model": model, "num_speculative_tokens": k, **kw}
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k, **ALWAYS, **kw}
 
 
 def greedy(max_tokens=N_NEW, **kw) -> SamplingParams:
@@ -125,7 +137,7 @@ def test_seeded_samples_with_ngram_are_the_samples_without(plain):
     """Deterministic proposals leave a seeded request's tokens as they are without speculation (n > 1 included)."""
     params = SamplingParams(n=3, temperature=0.8, top_p=0.95, max_tokens=40, seed=11, ignore_eos=True)
     want = [[c.token_ids for c in o.outputs] for o in plain.generate(PROMPTS, params, use_tqdm=False)]
-    llm = bundled(ngram(4, disable_by_batch_size=None))  # 12 requests: above the default policy's batch
+    llm = bundled(ngram(4))
     got = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert got == want
     assert llm.stats()["spec_num_accepted_tokens"] > 0
@@ -220,6 +232,15 @@ def test_large_batches_do_not_speculate(expected):
     assert tokens(llm, PROMPTS, greedy()) == expected
     assert llm.stats()["spec_num_drafts"] == 0
     assert tokens(llm, PROMPTS[:3], greedy()) == expected[:3]
+    assert llm.stats()["spec_num_drafts"] > 0
+    # left out, the policy is this CPU's measured crossover: 2 running requests
+    default = {k: v for k, v in ngram(4).items() if k != "disable_by_batch_size"}
+    assert SpeculativeConfig.parse(default, "cpu").disable_by_batch_size == 2
+    assert SpeculativeConfig.parse(default, "cuda").disable_by_batch_size is None
+    llm = bundled(default)
+    tokens(llm, PROMPTS[:3], greedy())
+    assert llm.stats()["spec_num_drafts"] == 0
+    tokens(llm, PROMPTS[:2], greedy())
     assert llm.stats()["spec_num_drafts"] > 0
 
 

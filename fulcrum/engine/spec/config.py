@@ -13,10 +13,12 @@ from pathlib import Path
 from fulcrum.errors import InvalidRequestError
 
 METHODS = ("ngram", "draft_model")
-# Past this many running requests a step stops proposing (vLLM's disable_by_batch_size): verifying k extra tokens per
-# request costs more than it saves once a step's forward is no longer dominated by its fixed overhead. The crossover
-# of the bundled pair on this project's CPU is measured by benchmarks/bench_spec_decode.py.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# Past this many running requests a step stops proposing (vLLM's disable_by_batch_size; null: never). Left out, it
+# is the crossover measured for the device (benchmarks/bench_spec_decode.py, benchmarks/results/cpu-spec-decode.log):
+# on this project's 2-core CPU, n-gram speculation on the bundled target paid at batch 1 (1.13x), broke even at 2 and
+# lost from 4 on, since every verified token costs the CPU real FLOPs (a row of the tiny target ~0.4 ms on one core);
+# the draft model paid at no batch size. On CUDA, unmeasured here, the default never turns it off.
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"cpu": 2, "cuda": None}
 _KEYS = {
     "method",
     "num_speculative_tokens",
@@ -35,11 +37,12 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 5  # n-gram: the shortest suffix matched
     prompt_lookup_max: int = 5  # n-gram: the longest suffix tried first
     # no proposals in a step that runs more requests than this (None: always propose)
-    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    disable_by_batch_size: int | None = None
 
     @classmethod
-    def parse(cls, value: dict | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
-        """A dict, its JSON text, or None (no speculation). Raises InvalidRequestError naming the key at fault."""
+    def parse(cls, value: dict | str | SpeculativeConfig | None, device: str = "cpu") -> SpeculativeConfig | None:
+        """A dict, its JSON text, or None (no speculation), for an engine on `device` (the policy's default).
+        Raises InvalidRequestError naming the key at fault."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
@@ -75,7 +78,7 @@ class SpeculativeConfig:
             if not isinstance(model, str | Path) or not str(model):
                 raise _bad("method draft_model needs 'model': the draft model's folder")
             lo = hi = 5
-        limit = value.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+        limit = value.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE.get(str(device).split(":")[0]))
         if limit is not None and not _is_count(limit, 1):
             raise _bad(f"disable_by_batch_size must be an integer >= 1 or null, got {limit!r}")
         return cls(method, k, str(model) if model else None, lo, hi, limit)
