@@ -282,3 +282,43 @@ def test_a_draft_of_another_tokenizer_is_refused(tmp_path):
     (other / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ModelLoadError, match="another tokenizer"):
         bundled(draft(2, str(other)))
+
+
+def test_a_request_failing_in_a_verifying_step_ends_alone(tiny_pair, monkeypatch):
+    """The failed-step retry (one request at a time) with proposals in the step: the others keep their tokens."""
+    target, _ = tiny_pair
+    prompts = [p + p[: len(p) // 2] for p in random_prompts(4, 10, 30, seed=23)]
+    want = tokens(make_llm(target), prompts, greedy(24))
+    llm = make_llm(target, speculative_config=draft(3, str(target)), kv_cache_memory=32 << 20)
+    bad = [4, *prompts[1][1:]]
+    real = llm.core.runner.execute
+
+    def execute(sched):
+        if any(s.request.prompt_token_ids == bad and s.spec_token_ids for s in sched.scheduled):
+            raise RuntimeError("a bad input in a verifying step")
+        return real(sched)
+
+    monkeypatch.setattr(llm.core.runner, "execute", execute)
+    outs = llm.generate([prompts[0], bad, *prompts[2:]], greedy(24), use_tqdm=False)
+    assert outs[1].outputs[0].finish_reason == "error" and "verifying step" in outs[1].outputs[0].error
+    assert [o.outputs[0].token_ids for i, o in enumerate(outs) if i != 1] == [want[0], *want[2:]]
+    assert_no_blocks_held(llm)
+
+
+def test_a_failing_draft_leaves_the_step_without_proposals(tiny_pair, monkeypatch):
+    target, _ = tiny_pair
+    prompts = random_prompts(3, 10, 30, seed=24)
+    want = tokens(make_llm(target), prompts, greedy(16))
+    llm = make_llm(target, speculative_config=draft(3, str(target)), kv_cache_memory=32 << 20)
+    real, calls = llm.core.proposer.runner.last_logits, []
+
+    def last_logits(steps):
+        calls.append(len(steps))
+        if len(calls) % 3 == 2:  # every third draft forward fails
+            raise RuntimeError("the draft failed")
+        return real(steps)
+
+    monkeypatch.setattr(llm.core.proposer.runner, "last_logits", last_logits)
+    assert tokens(llm, prompts, greedy(16)) == want
+    assert llm.stats()["spec_num_accepted_tokens"] > 0
+    assert_no_blocks_held(llm)
