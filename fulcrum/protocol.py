@@ -552,7 +552,7 @@ class ResponseToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
-    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+    tool_calls: list[ResponseToolCall] | None = None  # only when the model called tools, as OpenAI answers
 
 
 class ChatChoice(BaseModel):

@@ -99,7 +99,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         message, finish = ChatResponseMessage(content=out.text), out.finish_reason
         if tools is not None:
             extracted = tools.parser().extract(out.text)
-            message = ChatResponseMessage(content=extracted.content, tool_calls=response_calls(extracted))
+            message = ChatResponseMessage(content=extracted.content, tool_calls=response_calls(extracted) or None)
             finish = tools.finish_reason(len(extracted.tool_calls), finish)
         choices.append(
             ChatChoice(
