@@ -24,18 +24,6 @@ LENS = [1, 5, 17, 40, 130]  # 130 is past YaRN's original context (128)
 FAMILIES = list(MLA_FAMILIES)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            cache[family] = save_tiny_model(family, tmp_path_factory.mktemp(family))
-        return cache[family]
-
-    return get
-
-
 def _load(folder, dtype="float32"):
     return load_model(ModelConfig.from_path(folder, dtype=dtype))
 
@@ -50,16 +38,16 @@ def assert_all_blocks_free(llm) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_float32_logits_match_transformers(family, model_dir):
-    folder = model_dir(family)
+def test_float32_logits_match_transformers(family, tiny_model_dir):
+    folder = tiny_model_dir(family)
     batch = prompts(2048, lens=LENS)
     assert max_diff(our_logits(_load(folder), batch), hf_logits(hf_model(folder), batch)) <= 1e-4
 
 
-def test_bfloat16_logits_close_to_transformers(model_dir):
+def test_bfloat16_logits_close_to_transformers(tiny_model_dir):
     """bf16 rounds each side's activations in its own order (the latent up-projection batched per head here, one
     GEMM there): within 3% of the largest logit, the bound the dense families' bf16 test takes."""
-    folder = model_dir("deepseek-v3")
+    folder = tiny_model_dir("deepseek-v3")
     batch = prompts(2048, lens=LENS)
     ref32 = hf_logits(hf_model(folder), batch)
     diff = max_diff(our_logits(_load(folder, "bfloat16"), batch), hf_logits(hf_model(folder, torch.bfloat16), batch))
@@ -67,11 +55,11 @@ def test_bfloat16_logits_close_to_transformers(model_dir):
 
 
 @pytest.mark.parametrize("family", ["deepseek-v2", "deepseek-v3", "deepseek-v3-moe"])
-def test_int8_weights_match_transformers_with_the_same_rounded_weights(family, model_dir):
+def test_int8_weights_match_transformers_with_the_same_rounded_weights(family, tiny_model_dir):
     """Online int8 quantizes kv_b_proj too: W_UK and W_UV are read back from the quantized layer, so the logits
     equal transformers' with every linear weight rounded as int8 rounds it (the routed experts and the router are
     not linear layers on either side, and stay in full precision)."""
-    folder = model_dir(family)
+    folder = tiny_model_dir(family)
     theirs = hf_model(folder)
     with torch.no_grad():
         for module in theirs.modules():
@@ -83,10 +71,10 @@ def test_int8_weights_match_transformers_with_the_same_rounded_weights(family, m
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_softmax_scale_and_rope_are_transformers(family, model_dir):
+def test_softmax_scale_and_rope_are_transformers(family, tiny_model_dir):
     """YaRN's mscale on the softmax scale (1.30x for V3's mscale_all_dim 1.0 at factor 4), the rope table of the
     qk_rope_head_dim part with YaRN's attention factor on cos and sin, and each family's RoPE layout."""
-    folder = model_dir(family)
+    folder = tiny_model_dir(family)
     ours, theirs = _load(folder), hf_model(folder)
     attn = ours.model.layers[0].self_attn
     assert attn.attn.scale == pytest.approx(theirs.model.layers[0].self_attn.scaling, rel=1e-12)
@@ -98,10 +86,10 @@ def test_softmax_scale_and_rope_are_transformers(family, model_dir):
 
 
 @pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v3-rotate-half"])
-def test_the_rope_layout_shows_in_the_logits(family, model_dir, tmp_path):
+def test_the_rope_layout_shows_in_the_logits(family, tiny_model_dir, tmp_path):
     """The same weights read with V3's other RoPE layout move transformers' logits far past the parity tolerance,
     so the parity test's agreement is the layout honoured (V2 has one layout, complex pairs)."""
-    folder = model_dir(family)
+    folder = tiny_model_dir(family)
     other = save_tiny_model(
         family, tmp_path / "other", rope_interleave=not MLA_FAMILIES[family][1].get("rope_interleave", True)
     )
@@ -111,11 +99,11 @@ def test_the_rope_layout_shows_in_the_logits(family, model_dir, tmp_path):
 
 @pytest.mark.parametrize("dtype, plan_dtype", [("float32", "fp32"), ("bfloat16", "bf16")])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_cache_holds_the_latent_and_rope_key_only_as_plan_counts(family, dtype, plan_dtype, model_dir):
+def test_the_cache_holds_the_latent_and_rope_key_only_as_plan_counts(family, dtype, plan_dtype, tiny_model_dir):
     """KV bytes per token the engine allocates = `fulcrum plan`'s MLA figure for the same config.json:
     (kv_lora_rank + qk_rope_head_dim) values per layer, 40 here (a GQA cache would hold 2 x heads x head_dim per
     layer); the allocated tensor is exactly num_blocks of them."""
-    folder = model_dir(family)
+    folder = tiny_model_dir(family)
     llm = LLM(model=str(folder), dtype=dtype, seed=0, kv_cache_memory=16 << 20)
     runner = llm.core.runner
     per_token = kv_bytes_per_token(load_model_spec(folder), plan_dtype)
@@ -131,8 +119,8 @@ def test_the_cache_holds_the_latent_and_rope_key_only_as_plan_counts(family, dty
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_engine_alone_and_batched_match_transformers(family, device, model_dir):
-    folder = model_dir(family)
+def test_engine_alone_and_batched_match_transformers(family, device, tiny_model_dir):
+    folder = tiny_model_dir(family)
     batch_prompts = random_prompts(24, 3, 60, seed=1)
     llm = make_llm(folder, device)
     alone = llm.generate([batch_prompts[0]], greedy(), use_tqdm=False)[0].outputs[0].token_ids
@@ -145,9 +133,9 @@ def test_engine_alone_and_batched_match_transformers(family, device, model_dir):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_engine_chunked_prefill_matches(family, device, model_dir):
+def test_engine_chunked_prefill_matches(family, device, tiny_model_dir):
     """Chunks of 16 tokens in blocks of 8: every chunk after the first expands its context from the cached rows."""
-    folder = model_dir(family)
+    folder = tiny_model_dir(family)
     llm = make_llm(folder, device, max_num_batched_tokens=16, block_size=8)
     batch_prompts = random_prompts(4, 40, 140, seed=2)
     for p, o in zip(batch_prompts, llm.generate(batch_prompts, greedy(logprobs=1), use_tqdm=False)):
@@ -157,8 +145,8 @@ def test_engine_chunked_prefill_matches(family, device, model_dir):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_engine_after_a_prefix_cache_hit(family, device, model_dir):
-    folder = model_dir(family)
+def test_engine_after_a_prefix_cache_hit(family, device, tiny_model_dir):
+    folder = tiny_model_dir(family)
     prefix = random_prompts(1, 64, 64, seed=3)[0]
     batch_prompts = [prefix + tail for tail in random_prompts(3, 5, 20, seed=4)]
     llm = make_llm(folder, device, block_size=16)
@@ -171,8 +159,8 @@ def test_engine_after_a_prefix_cache_hit(family, device, model_dir):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_engine_preemption_recomputes_to_the_same_tokens(family, device, model_dir):
-    folder = model_dir(family)
+def test_engine_preemption_recomputes_to_the_same_tokens(family, device, tiny_model_dir):
+    folder = tiny_model_dir(family)
     block_bytes = 8 * int(kv_bytes_per_token(load_model_spec(folder), "fp32"))  # blocks of 8 tokens
     batch_prompts = random_prompts(6, 20, 40, seed=5)
     # 20 blocks: room for about three sequences at a time, so the rest wait or get preempted mid-decode
@@ -186,9 +174,9 @@ def test_engine_preemption_recomputes_to_the_same_tokens(family, device, model_d
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
-def test_a_quantized_kv_cache_is_refused_by_name(kv_cache_dtype, model_dir):
+def test_a_quantized_kv_cache_is_refused_by_name(kv_cache_dtype, tiny_model_dir):
     with pytest.raises(InvalidRequestError, match=f"--kv-cache-dtype {kv_cache_dtype}.*latent") as e:
-        make_llm(model_dir("deepseek-v3"), kv_cache_dtype=kv_cache_dtype)
+        make_llm(tiny_model_dir("deepseek-v3"), kv_cache_dtype=kv_cache_dtype)
     assert e.value.param == "kv_cache_dtype"
 
 
@@ -197,11 +185,11 @@ def _hf_routers(model):
 
 
 @pytest.mark.parametrize("family", ["deepseek-v2-moe", "deepseek-v3-moe"])
-def test_the_router_settings_show_in_the_logits(family, model_dir):
+def test_the_router_settings_show_in_the_logits(family, tiny_model_dir):
     """Lifting the group limit (every group kept) and, for V3, zeroing the score-correction bias each move
     transformers' logits far past the parity tolerance, so the parity tests' agreement is grouped top-k and the
     bias honoured."""
-    folder = model_dir(family)
+    folder = tiny_model_dir(family)
     batch = prompts(2048, lens=LENS[1:])
     ref = hf_logits(hf_model(folder), batch)
     ungrouped = hf_model(folder)
@@ -223,10 +211,10 @@ def test_v2_greedy_routing_matches_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["deepseek-v2-moe", "deepseek-v3-moe"])
-def test_experts_shared_experts_and_router_load_as_the_checkpoint_has_them(family, model_dir):
+def test_experts_shared_experts_and_router_load_as_the_checkpoint_has_them(family, tiny_model_dir):
     """Each expert's gate/up/down stacked in order, the shared experts as one MLP of their summed width, the
     router's weight (and V3's correction bias) in float32, the first layer dense."""
-    folder = model_dir(family)
+    folder = tiny_model_dir(family)
     tensors = load_file(folder / "model.safetensors")
     ours = _load(folder)
     assert not hasattr(ours.model.layers[0].mlp, "experts")

@@ -87,18 +87,6 @@ def test_bundled_model_matches_transformers():
 # --- the families beyond the dense ones through the engine, as tests/engine/test_llm_parity runs the dense ones
 
 
-@pytest.fixture(scope="module")
-def more_model_dir(tmp_path_factory):
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            cache[family] = save_tiny_model(family, tmp_path_factory.mktemp(family))
-        return cache[family]
-
-    return get
-
-
 def _prompts(family: str, count: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     lo = max(lo, PROMPT_MIN_LEN.get(family, 0))
     return random_prompts(count, lo, max(lo, hi), seed)
@@ -114,8 +102,8 @@ def assert_same_as_transformers(folder, prompt: list[int], out, device: str) -> 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", MORE_FAMILIES)
-def test_engine_alone_and_batched_match_transformers(family, device, more_model_dir):
-    folder = more_model_dir(family)
+def test_engine_alone_and_batched_match_transformers(family, device, tiny_model_dir):
+    folder = tiny_model_dir(family)
     prompts = _prompts(family, 24, 3, 60, seed=1)
     llm = make_llm(folder, device)
     alone = llm.generate([prompts[0]], greedy(), use_tqdm=False)[0].outputs[0].token_ids
@@ -128,9 +116,9 @@ def test_engine_alone_and_batched_match_transformers(family, device, more_model_
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", MORE_FAMILIES)
-def test_engine_chunked_prefill_matches(family, device, more_model_dir):
+def test_engine_chunked_prefill_matches(family, device, tiny_model_dir):
     """Chunks of 16 tokens in blocks of 8: every sliding window (8) straddles a chunk or a block boundary."""
-    folder = more_model_dir(family)
+    folder = tiny_model_dir(family)
     prompts = _prompts(family, 4, 40, 120, seed=2)
     llm = make_llm(folder, device, max_num_batched_tokens=16, block_size=8)
     for p, o in zip(prompts, llm.generate(prompts, greedy(logprobs=1), use_tqdm=False)):
@@ -140,8 +128,8 @@ def test_engine_chunked_prefill_matches(family, device, more_model_dir):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", MORE_FAMILIES)
-def test_engine_after_a_prefix_cache_hit(family, device, more_model_dir):
-    folder = more_model_dir(family)
+def test_engine_after_a_prefix_cache_hit(family, device, tiny_model_dir):
+    folder = tiny_model_dir(family)
     prefix = random_prompts(1, 64, 64, seed=3)[0]
     prompts = [prefix + tail for tail in random_prompts(3, 5, 20, seed=4)]
     llm = make_llm(folder, device, block_size=16)
@@ -154,8 +142,8 @@ def test_engine_after_a_prefix_cache_hit(family, device, more_model_dir):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", MORE_FAMILIES)
-def test_engine_preemption_recomputes_to_the_same_tokens(family, device, more_model_dir):
-    folder = more_model_dir(family)
+def test_engine_preemption_recomputes_to_the_same_tokens(family, device, tiny_model_dir):
+    folder = tiny_model_dir(family)
     cfg = ModelConfig.from_path(folder).hf_config
     block_bytes = 8 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim(cfg) * 4  # fp32 k, v: 8 tokens
     prompts = _prompts(family, 6, 20, 40, seed=5)
