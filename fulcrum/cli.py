@@ -51,6 +51,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         '"num_speculative_tokens": 4}; "disable_by_batch_size": N stops proposing above N running requests '
         "(default on CPU 2, the crossover measured there; null: never)",
     )
+    g.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="ranks that split each layer (heads, MLP, vocabulary), one process each",
+    )  # fmt: skip
+    g.add_argument(
+        "--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages the layers are split into"
+    )
+    g.add_argument(
+        "--pp-layer-partition", default=None, help="layers per pipeline stage, such as 8,8,7 (default: even split)"
+    )
+    g.add_argument(
+        "--enable-expert-parallel", action="store_true",
+        help="MoE models: whole experts per tensor-parallel rank instead of a slice of each",
+    )  # fmt: skip
+    g.add_argument(
+        "--distributed-executor-backend", choices=("mp", "ray"), default=None,
+        help="where the ranks run: mp (processes on this machine, the default) or ray (actors on a Ray cluster: "
+        "`ray start --head` on one machine, `ray start --address` on the others)",
+    )  # fmt: skip
     g.add_argument("--cpu-threads", type=int, default=None, help="CPU compute threads (default: one per core)")
     g.add_argument(
         "--cpu-bind",
@@ -93,6 +112,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_dtype=args.kv_cache_dtype,
         cpu_bind=args.cpu_bind,
         speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        pp_layer_partition=args.pp_layer_partition,
+        enable_expert_parallel=args.enable_expert_parallel,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
 
 

@@ -153,6 +153,14 @@ def _is_cpu_bind(value: str) -> bool:
     return all(lo.isdigit() and (not sep or hi.isdigit()) for lo, sep, hi in parts)
 
 
+def _is_partition(value) -> bool:
+    """None, a list of layer counts, or its text 8,8,7"""
+    if value is None:
+        return True
+    parts = value.split(",") if isinstance(value, str) else value
+    return all(str(p).strip().isdigit() for p in parts)
+
+
 @dataclass
 class EngineConfig:
     """Engine settings, named as in vLLM."""
@@ -182,6 +190,15 @@ class EngineConfig:
     # data parallel: this many engine cores behind one server frontend, each with its own KV cache and a share of
     # the CPU cores; requests go to the least loaded (engine/async_llm.py)
     data_parallel_size: int = 1
+    # one model over several ranks (fulcrum.engine.executor): each rank a process (gloo on CPU, NCCL on CUDA) spawned
+    # by the engine, or a Ray actor with distributed_executor_backend "ray" (which spans machines). Tensor parallel
+    # splits heads, MLP and vocabulary; pipeline parallel splits the layers into stages (evenly, or as
+    # pp_layer_partition "8,7,..." says); expert parallel holds whole experts per tensor-parallel rank.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    distributed_executor_backend: str | None = None  # "mp" (default when more than one rank) or "ray"
+    pp_layer_partition: str | list[int] | None = None
     # speculative decoding, as vLLM's speculative_config: {"method": "ngram" | "draft_model", "num_speculative_tokens":
     # k, "model": the draft's folder, "prompt_lookup_min"/"max": n-gram sizes, "disable_by_batch_size"}, or its JSON
     # text; checked in full by fulcrum.engine.spec.SpeculativeConfig when the engine starts
@@ -206,6 +223,10 @@ class EngineConfig:
             "kv_cache_dtype": self.kv_cache_dtype in KV_CACHE_DTYPES,
             "data_parallel_size": isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
             "speculative_config": self.speculative_config is None or isinstance(self.speculative_config, dict),
+            "tensor_parallel_size": isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+            "pipeline_parallel_size": isinstance(self.pipeline_parallel_size, int) and self.pipeline_parallel_size >= 1,
+            "distributed_executor_backend": self.distributed_executor_backend in (None, "mp", "ray"),
+            "pp_layer_partition": _is_partition(self.pp_layer_partition),
         }
         for name, ok in checks.items():
             if not ok:
@@ -213,7 +234,18 @@ class EngineConfig:
                     "quantization": f" (supported: {', '.join(QUANTIZATIONS)})",
                     "quantization_group_size": f" (supported: {', '.join(map(str, INT4_GROUP_SIZES))})",
                     "kv_cache_dtype": f" (supported: {', '.join(KV_CACHE_DTYPES)})",
+                    "distributed_executor_backend": " (supported: mp, ray)",
+                    "pp_layer_partition": " (layers per stage, such as 8,8,7)",
                 }.get(name, "")
                 raise InvalidRequestError(f"{name} has an invalid value: {getattr(self, name)!r}{hint}", param=name)
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if isinstance(self.pp_layer_partition, str):
+            self.pp_layer_partition = [int(p) for p in self.pp_layer_partition.split(",")]
+        if self.world_size > 1 and self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "mp"
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine (data parallel engines are separate worlds)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size

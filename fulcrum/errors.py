@@ -33,6 +33,10 @@ class EngineDeadError(FulcrumError):
     """The engine-core process has died; in-flight requests cannot complete (HTTP 500)."""
 
 
+class WorkerDiedError(EngineDeadError):
+    """A rank of a parallel engine died: the model is incomplete, so the engine cannot go on."""
+
+
 class EngineOverloadedError(FulcrumError):
     """The waiting queue is over its bound; the client should retry later (HTTP 503)."""
 

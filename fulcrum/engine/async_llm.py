@@ -80,8 +80,9 @@ class AsyncLLM:
             out = self._ctx.socket(zmq.PULL)
             out.bind(out_addr)
             name = "fulcrum-engine-core" + (f"-{i}" if len(configs) > 1 else "")
+            # daemonic unless it starts workers of its own (a parallel engine's ranks), which a daemon may not
             proc = mp.get_context("spawn").Process(
-                target=run_engine_core, args=(cfg, in_addr, out_addr), name=name, daemon=True
+                target=run_engine_core, args=(cfg, in_addr, out_addr), name=name, daemon=cfg.world_size == 1
             )
             proc.start()
             self.cores.append(_Core(i, proc, inp, out))

@@ -13,6 +13,7 @@ from traceback import format_exception_only
 import torch
 
 from fulcrum.config import EngineConfig, ModelConfig
+from fulcrum.engine.executor import Workers
 from fulcrum.engine.kv_cache import KVCacheManager
 from fulcrum.engine.messages import SchedulerStats
 from fulcrum.engine.model_runner import ModelRunner, ModelRunnerOutput
@@ -22,7 +23,9 @@ from fulcrum.engine.scheduler import Scheduler, SchedulerOutput
 from fulcrum.engine.spec import SpecDecodeStats, SpeculativeConfig, make_proposer
 from fulcrum.engine.structured import StructuredOutputs
 from fulcrum.engine.structured.grammar import MAX_ROLLBACK_TOKENS
+from fulcrum.errors import WorkerDiedError
 from fulcrum.sampling_params import SamplingParams
+from fulcrum.utils.hf_config import layer_sliding_windows
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +34,8 @@ def is_fatal(e: BaseException) -> bool:
     """Failures that may have corrupted state shared by every request: the process must end.
     A CUDA error poisons the device context (and the KV cache on it); anything else raised inside
     a forward or the sampler belongs to the requests of that step."""
-    if not isinstance(e, Exception):
-        return True  # KeyboardInterrupt, SystemExit
+    if not isinstance(e, Exception) or isinstance(e, WorkerDiedError):
+        return True  # KeyboardInterrupt, SystemExit; a parallel engine's rank gone
     return "CUDA error" in str(e) or type(e).__name__ == "AcceleratorError"
 
 
@@ -48,12 +51,23 @@ class EngineCore:
         self.spec = SpeculativeConfig.parse(config.speculative_config, config.device)
         self.proposer = make_proposer(self.spec, config, self.model_config) if self.spec else None
         draft = getattr(self.proposer, "runner", None)
-        self.runner = ModelRunner(config, self.model_config, own_process, draft=draft)
+        # a parallel engine: this process is rank 0 (scheduler, sampler, last pipeline stage), the workers the rest
+        self.workers = Workers(config, self.model_config) if config.world_size > 1 else None
+        try:
+            agree = self.workers.agree_blocks if self.workers else None
+            self.runner = ModelRunner(config, self.model_config, own_process, draft=draft, agree_blocks=agree)
+        except BaseException:
+            self.shutdown()
+            raise
+        if self.workers is not None:
+            self.workers.exit_on_death = own_process
         if draft is not None:
             self.proposer.attach(config.enable_prefix_caching)
         self.spec_stats = SpecDecodeStats()
         # blocks fall out of the window only when they do for every layer (Gemma's global layers keep them all)
         windows = {a.sliding_window for a in self.runner.attn_layers}
+        if self.workers is not None:  # this rank holds one pipeline stage's layers; the window is every layer's
+            windows = set(layer_sliding_windows(self.model_config.hf_config))
         window = None if None in windows else max(windows)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, window)
         self.scheduler = Scheduler(config, self.model_config.max_model_len, self.kv)
@@ -68,6 +82,11 @@ class EngineCore:
             self.kv.num_blocks * config.block_size,
             self.runner.kv_cache_dtype_name,
         )
+
+    def shutdown(self) -> None:
+        """Stop a parallel engine's workers (a single-process engine holds nothing to stop)."""
+        if getattr(self, "workers", None) is not None:
+            self.workers.shutdown()
 
     @property
     def max_model_len(self) -> int:
@@ -146,8 +165,13 @@ class EngineCore:
             return failed
         generators = self._generator_states(sched)
         try:
+            if self.workers is not None:
+                self.workers.check()
             result = self.runner.execute(sched)
         except Exception as e:
+            if self.workers is not None:  # the ranks may disagree on where they are: none can go on
+                self.workers.check()
+                raise WorkerDiedError(f"a rank of the parallel engine failed: {type(e).__name__}: {e}") from e
             if is_fatal(e):
                 raise
             log.warning("a step of %d requests failed (%s); running them one by one", len(sched.scheduled), e)

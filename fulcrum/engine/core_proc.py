@@ -58,6 +58,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
         log.error("engine core failed:\n%s", traceback.format_exc())
         raise
     finally:
+        core.shutdown()
         pull.close(0)
         push.close()
         ctx.term()

@@ -27,6 +27,10 @@ class LLM:
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop a parallel engine's worker processes now (they stop at exit otherwise)."""
+        self.core.shutdown()
+
     # -- request intake ---------------------------------------------------------------------------
 
     def add_request(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> str:

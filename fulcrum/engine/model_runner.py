@@ -5,14 +5,19 @@ decoding, verifies its proposals and samples one token more)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from fulcrum.config import EngineConfig, ModelConfig
+from fulcrum.distributed import parallel_state
+from fulcrum.distributed.parallel_state import pp_recv_prev, pp_send_next
+from fulcrum.engine import step_inputs
 from fulcrum.engine.request import Request
 from fulcrum.engine.scheduler import ScheduledRequest, SchedulerOutput
 from fulcrum.engine.spec.rejection import verify
+from fulcrum.engine.step_inputs import StepInputs
 from fulcrum.engine.structured import StructuredOutputs
 from fulcrum.errors import InvalidRequestError, KVCacheTooSmallError
 from fulcrum.kernels import cpu_threads, huge_page_empty, move_parameters_to_huge_pages, warm_up
@@ -45,9 +50,16 @@ class ModelRunner:
         own_process: bool = False,
         draft: ModelRunner | None = None,
         is_draft: bool = False,
+        agree_blocks: Callable[[int], int] | None = None,
     ):
         """`draft`: a speculative-decoding draft model's runner (built with is_draft, so without a cache): its cache
-        gets as many blocks as this one's, both in the same memory (kv_cache_memory, or what the GPU has left)."""
+        gets as many blocks as this one's, both in the same memory (kv_cache_memory, or what the GPU has left).
+        `agree_blocks`: in a parallel engine, turns this rank's KV block count into the one every rank holds (the
+        smallest); this rank's part of the model is what parallel_state says."""
+        ps = parallel_state.state()
+        self.world_size, self.pp_size, self.rank = ps.world_size, ps.pp_size, ps.rank
+        # micro-batches per stage in flight in one step: more overlap the stages better, fewer keep batches large
+        self.microbatches_per_stage = 1
         self.config = engine_config
         self.model_config = model_config
         self.device = torch.device(engine_config.device)
@@ -67,6 +79,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             move_parameters_to_huge_pages(self.model)  # a decode step streams them all: fewer TLB misses
         self.vocab_size = model_config.hf_config.vocab_size
+        self.hidden_size = model_config.hf_config.hidden_size
         self.block_size = engine_config.block_size
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_format = kv_quant.kv_format(engine_config.kv_cache_dtype)
@@ -89,6 +102,8 @@ class ModelRunner:
         if is_draft:
             return  # the target sizes the cache they share (attach_kv_cache); the target's warm-up builds the kernels
         self.num_blocks = self._num_kv_blocks(draft.bytes_per_block if draft else 0)
+        if agree_blocks is not None:
+            self.num_blocks = agree_blocks(self.num_blocks)
         if self.num_blocks * self.block_size < model_config.max_model_len:
             raise KVCacheTooSmallError(
                 f"the KV cache holds {self.num_blocks * self.block_size} tokens, fewer than max_model_len="
@@ -102,9 +117,12 @@ class ModelRunner:
         warm_up(self.device, quantized=model_config.quantization is not None, quantized_kv=self.kv_format is not None)
         if self.device.type == "cpu":  # after the builds, which would otherwise inherit the pinning
             try:
-                threads = cpu_threads.apply(
-                    cpu_threads.plan(engine_config.cpu_threads, engine_config.cpu_bind, own_process)
-                )
+                cfg = engine_config
+                if self.world_size > 1:
+                    plan = cpu_threads.rank_plan(cfg.cpu_threads, cfg.cpu_bind, own_process, ps.rank, ps.world_size)
+                else:
+                    plan = cpu_threads.plan(cfg.cpu_threads, cfg.cpu_bind, own_process)
+                threads = cpu_threads.apply(plan)
             except ValueError as e:
                 raise InvalidRequestError(str(e), param="cpu_bind") from e
             log.info("CPU: %s", threads.describe())
@@ -141,9 +159,12 @@ class ModelRunner:
             n = min(self.config.max_num_batched_tokens, n)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
-        hidden = self.model(ids, pos, AttentionMetadata.for_prompts([n]))
+        ps = parallel_state.state()
+        before = None if ps.is_first_stage else torch.zeros(n, self.hidden_size, dtype=self.model_config.dtype)
+        hidden = self.model(ids, pos, AttentionMetadata.for_prompts([n]), before)
         rows = min(self.config.max_num_seqs, n)
-        self.model.compute_logits(hidden[:rows]).float().softmax(-1)
+        if ps.is_last_stage:
+            self.model.compute_logits(hidden[:rows]).float().softmax(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
@@ -153,63 +174,6 @@ class ModelRunner:
         return max(usable, 0) // per_block
 
     # -- one step ----------------------------------------------------------------------------------
-
-    def _prepare(self, scheduled: list[ScheduledRequest]):
-        """The step as one flat batch. Returns its input ids, positions and attention metadata, the rows whose
-        logits are sampled (a sampling request's last, or its last 1 + len(proposals) when it verifies some), and
-        every request's last row."""
-        bs = self.block_size
-        ids, positions, slots = [], [], []
-        prefills, prefill_tables = [], []
-        decode_idx, decode_tables, decode_ctx = [], [], []
-        logits_idx: list[int] = []
-        last_idx: list[int] = []
-        query_lens = []
-        t = 0
-        for s in scheduled:
-            req, n, table = s.request, s.num_new_tokens, s.block_table
-            start = req.num_computed_tokens
-            ctx = start + n
-            known = req.all_token_ids
-            ids.extend(known[start:ctx])
-            if ctx > len(known):  # the proposals after the known tokens
-                ids.extend(s.spec_token_ids[max(start - len(known), 0) : ctx - len(known)])
-            pos = range(start, ctx)
-            positions.extend(pos)
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            query_lens.append(n)
-            if n == 1 or (start > 0 and n <= self.decode_rows):
-                decode_idx.extend(range(t, t + n))
-                decode_tables.extend([table] * n)
-                decode_ctx.extend(range(start + 1, ctx + 1))
-            else:
-                prefills.append((t, n, ctx, len(prefill_tables)))
-                prefill_tables.append(table)
-            t += n
-            last_idx.append(t - 1)
-            if s.samples:
-                logits_idx.extend(range(t - 1 - len(s.spec_token_ids), t))
-
-        dev = self.device
-
-        def table_tensor(tables):
-            width = max(len(x) for x in tables)
-            return torch.tensor([x + [0] * (width - len(x)) for x in tables], dtype=torch.long, device=dev)
-
-        meta = AttentionMetadata(
-            query_lens=query_lens,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            prefills=prefills,
-            block_tables=table_tensor(prefill_tables) if prefill_tables else None,
-        )
-        if decode_idx:
-            meta.decode_token_idx = torch.tensor(decode_idx, dtype=torch.long, device=dev)
-            meta.decode_block_tables = table_tensor(decode_tables)
-            meta.decode_context_lens = torch.tensor(decode_ctx, dtype=torch.long, device=dev)
-            meta.decode_max_context = max(decode_ctx)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        return input_ids, pos_t, meta, logits_idx, last_idx
 
     def _sampling_metadata(self, reqs: list[Request], ahead: list[list[int]] | None = None) -> SamplingMetadata:
         """One row per entry of `reqs`. Verifying proposals, a request has several rows, and `ahead[i]` are the
@@ -310,18 +274,60 @@ class ModelRunner:
             counts.scatter_add_(1, ids, ones)
         return counts
 
+    # -- the forward, on every rank ----------------------------------------------------------------
+
+    def forward_logits(self, steps: list[StepInputs]) -> list[torch.Tensor | None]:
+        """Run the step's micro-batches through this rank's layers; the logits of each one's `logits_rows` on the
+        last pipeline stage (None elsewhere, and for a micro-batch without such rows). Every rank of the engine runs
+        this with the same inputs (rank 0 broadcasts them): tensor-parallel ranks meet in their all-reduces, a stage
+        takes each micro-batch's hidden states from the one before and hands them on without waiting, so that the
+        stages overlap over the micro-batches."""
+        ps = parallel_state.state()
+        out, sends = [], []
+        for si in steps:
+            input_ids, positions, meta = step_inputs.to_tensors(si, self.device)
+            hidden = None
+            if not ps.is_first_stage:
+                hidden = pp_recv_prev((len(si.ids), self.hidden_size), self.model_config.dtype, self.device)
+            h = self.model(input_ids, positions, meta, hidden)
+            if not ps.is_last_stage:
+                sends.append((pp_send_next(h), h))  # h lives until its send is done
+                out.append(None)
+            elif si.logits_rows:
+                out.append(self.model.compute_logits(h[torch.tensor(si.logits_rows, device=self.device)]))
+            else:
+                out.append(None)
+        for work, _ in sends:
+            work.wait()
+        return out
+
+    def _run(self, scheduled: list[ScheduledRequest]) -> tuple[list[StepInputs], list[torch.Tensor | None]]:
+        """Rank 0's part: the step's inputs (split into micro-batches under pipeline parallelism), sent to the other
+        ranks, then its own forward."""
+        parts = self.pp_size * self.microbatches_per_stage if self.pp_size > 1 else 1
+        steps = [step_inputs.build(g, self.block_size, self.decode_rows) for g in step_inputs.split(scheduled, parts)]
+        if self.world_size > 1:
+            parallel_state.broadcast_control(("step", [si.for_other_ranks() for si in steps]))
+        return steps, self.forward_logits(steps)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
         if not out.scheduled:
             return result
-        input_ids, positions, meta, logits_idx, _ = self._prepare(out.scheduled)
-        hidden = self.model(input_ids, positions, meta)
-        self._prompt_logprobs(out.scheduled, hidden, result)
+        steps, logits = self._run(out.scheduled)
+        sample_logits = []
+        for si, lg in zip(steps, logits):
+            if lg is None:
+                continue
+            if si.spans:
+                requests = {s.request.request_id: s.request for s in out.scheduled}
+                self._prompt_logprobs(si, lg[: si.num_prompt_rows], requests, result)
+            sample_logits.append(lg[si.num_prompt_rows :])
         rows = [s for s in out.scheduled if s.samples]
         if not rows:
             return result
-        logits = self.model.compute_logits(hidden[torch.tensor(logits_idx, device=self.device)])
+        logits = torch.cat(sample_logits) if len(sample_logits) > 1 else sample_logits[0]
         if any(s.spec_token_ids for s in rows):
             self._verify(rows, logits, result)
             return result
@@ -366,38 +372,29 @@ class ModelRunner:
     def last_logits(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         """One forward over the step; the logits at each request's last token [len(scheduled), V] (a draft model's
         step: its proposals are drawn by the caller)."""
-        input_ids, positions, meta, _, last_idx = self._prepare(scheduled)
-        hidden = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden[torch.tensor(last_idx, device=self.device)])
+        si = step_inputs.build(scheduled, self.block_size, self.decode_rows)
+        si.logits_rows, si.num_prompt_rows = si.last_idx, 0
+        return self.forward_logits([si])[0]
 
-    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor, result) -> None:
+    def _prompt_logprobs(self, si: StepInputs, logits: torch.Tensor, requests: dict, result: ModelRunnerOutput) -> None:
         """Log-softmax (float32, before any sampling transform) at the positions of this step that predict a
         prompt token not yet scored: a chunked prompt is scored chunk by chunk, a recomputed one not twice."""
-        t = 0
-        for s in scheduled:
-            req, n = s.request, s.num_new_tokens
-            start = req.num_computed_tokens
-            if req.wants_prompt_logprobs:
-                # position p predicts token p + 1; the scored prompt tokens so far are 1 .. len(prompt_logprobs)
-                lo = max(start, len(req.prompt_logprobs))
-                hi = min(start + n, req.num_prompt_tokens - 1)
-                if lo < hi:
-                    rows = hidden[t + lo - start : t + hi - start]
-                    logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
-                    targets = torch.tensor(req.all_token_ids[lo + 1 : hi + 1], device=self.device)
-                    chosen = logprobs.gather(1, targets.unsqueeze(1))
-                    ranks = (logprobs > chosen).sum(dim=1) + 1
-                    k = req.sampling_params.prompt_logprobs
-                    top = logprobs.topk(k, dim=-1) if k else None
-                    entries = []
-                    for i, (tok, lp, rank) in enumerate(zip(targets.tolist(), chosen[:, 0].tolist(), ranks.tolist())):
-                        entry = {tok: (lp, rank)}
-                        if top is not None:
-                            for r, (tid, v) in enumerate(zip(top.indices[i].tolist(), top.values[i].tolist())):
-                                entry.setdefault(tid, (v, r + 1))
-                        entries.append(entry)
-                    result.prompt_logprobs[req.request_id] = entries
-            t += n
+        for span in si.spans:
+            req = requests[span.request_id]
+            logprobs = torch.log_softmax(logits[span.row : span.row + span.hi - span.lo].float(), dim=-1)
+            targets = torch.tensor(req.all_token_ids[span.lo + 1 : span.hi + 1], device=self.device)
+            chosen = logprobs.gather(1, targets.unsqueeze(1))
+            ranks = (logprobs > chosen).sum(dim=1) + 1
+            k = req.sampling_params.prompt_logprobs
+            top = logprobs.topk(k, dim=-1) if k else None
+            entries = []
+            for i, (tok, lp, rank) in enumerate(zip(targets.tolist(), chosen[:, 0].tolist(), ranks.tolist())):
+                entry = {tok: (lp, rank)}
+                if top is not None:
+                    for r, (tid, v) in enumerate(zip(top.indices[i].tolist(), top.values[i].tolist())):
+                        entry.setdefault(tid, (v, r + 1))
+                entries.append(entry)
+            result.prompt_logprobs[req.request_id] = entries
 
 
 def _logprob_entry(ids: list[int], values: list[float], k: int) -> dict[int, float]:

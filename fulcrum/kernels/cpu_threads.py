@@ -122,6 +122,24 @@ def plan(threads: int | None, bind: str, own_process: bool = False) -> ThreadPla
     return ThreadPlan(n, tuple(cpus[:n]))
 
 
+def rank_plan(threads: int | None, bind: str, own_process: bool, rank: int, world: int) -> ThreadPlan:
+    """Rank `rank` of a parallel engine of `world` ranks, each a process computing at the same time: its share of
+    the cores (the bound list, or those allowed, less the frontend's where the engine serves and cores are left over),
+    dealt out round robin, one thread per core of the share unless `threads` says. Pinned, except with `none` and
+    for rank 0 inside a user's process (LLM(...)), whose pinning would reach the caller's thread."""
+    check_bind(bind)
+    cores = parse_cpus(bind) if bind not in ("auto", "none") else allowed_cpus()
+    if own_process and bind == "auto" and len(cores) > world:
+        cores = cores[1:]
+    share = cores[rank::world] or [cores[rank % len(cores)]]
+    n = threads or len(share)
+    if bind == "none" or (bind == "auto" and rank == 0 and not own_process):
+        return ThreadPlan(n, None)
+    if n > len(share):
+        raise ValueError(f"--cpu-threads {n} per rank is more than the {len(share)} cores of rank {rank}'s share")
+    return ThreadPlan(n, tuple(share[:n]))
+
+
 @functools.cache
 def _lib():
     lib = cpu_ext.load("fulcrum_cpu_threads", _SOURCE, "none")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fulcrum.distributed.parallel_state import tp_all_reduce, tp_rank, tp_size
+from fulcrum.distributed.parallel_state import expert_parallel, tp_all_reduce, tp_rank, tp_size
 from fulcrum.errors import WeightLoadError, WeightShapeError
 from fulcrum.kernels import cpu_gemv
 from fulcrum.layers.activation import SiluAndMul
@@ -95,16 +95,24 @@ class TopKRouter(nn.Module):
 class StackedExpertWeight(nn.Module):
     """One projection of every expert, stacked: weight [num_experts, sum(output_sizes), input_size], filled from the
     checkpoint's per-expert tensors (loader shard id (expert, part): part indexes output_sizes, gate 0 and up 1).
-    `tp_dim` 0 splits each part's rows across tensor-parallel ranks (gate/up), 1 the input columns (down)."""
+    `tp_dim` 0 splits each part's rows across tensor-parallel ranks (gate/up), 1 the input columns (down). Under
+    expert parallelism (`experts`, this rank's [first, last) of them) each rank holds its experts whole instead."""
 
-    def __init__(self, num_experts: int, input_size: int, output_sizes: list[int], tp_dim: int, dtype):
+    def __init__(
+        self, num_experts: int, input_size: int, output_sizes: list[int], tp_dim: int, dtype,
+        experts: tuple[int, int] | None = None,
+    ):  # fmt: skip
         super().__init__()
         self.tp_dim, self.tp_rank, self.tp_size = tp_dim, tp_rank(), tp_size()
+        self.experts = experts or (0, num_experts)
+        split = 1 if experts is not None else self.tp_size  # whole experts, or a slice of every one
+        self.split = split
         self.full_shapes = [(size, input_size) for size in output_sizes]  # one expert's checkpoint tensor per part
-        self.output_sizes = [divide(s, self.tp_size) for s in output_sizes] if tp_dim == 0 else list(output_sizes)
-        local_input = divide(input_size, self.tp_size) if tp_dim == 1 else input_size
+        self.output_sizes = [divide(s, split) for s in output_sizes] if tp_dim == 0 else list(output_sizes)
+        local_input = divide(input_size, split) if tp_dim == 1 else input_size
+        local_experts = self.experts[1] - self.experts[0]
         self.weight = nn.Parameter(
-            torch.empty(num_experts, sum(self.output_sizes), local_input, dtype=dtype), requires_grad=False
+            torch.empty(local_experts, sum(self.output_sizes), local_input, dtype=dtype), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader
 
@@ -117,24 +125,39 @@ class StackedExpertWeight(nn.Module):
         expert, part = shard
         if tuple(loaded.shape) != self.full_shapes[part]:  # checked whole, before a rank's slice hides the size
             raise WeightShapeError(self.full_shapes[part], tuple(loaded.shape))
-        if self.tp_size > 1:
-            loaded = loaded.chunk(self.tp_size, self.tp_dim)[self.tp_rank]
+        first, last = self.experts
+        if not first <= expert < last:
+            return  # another expert-parallel rank's
+        if self.split > 1:
+            loaded = loaded.chunk(self.split, self.tp_dim)[self.tp_rank]
         offset = sum(self.output_sizes[:part])
-        param.data[expert].narrow(0, offset, self.output_sizes[part]).copy_(loaded)
+        param.data[expert - first].narrow(0, offset, self.output_sizes[part]).copy_(loaded)
 
 
 class FusedExperts(nn.Module):
     """Every routed expert's SwiGLU MLP, stacked: gate_up_proj.weight [E, 2 * I, H] and down_proj.weight [E, H, I]
-    (transformers' own names for its stacked experts, each holding one module's weight here)."""
+    (transformers' own names for its stacked experts, each holding one module's weight here).
+
+    Under tensor parallelism each rank holds a slice of every expert's intermediate dimension; with expert parallelism
+    (`--enable-expert-parallel`) it holds num_experts / tp experts whole and computes only the slots routed to them.
+    Every rank has every token (attention's all-reduce left them replicated), so no dispatch is needed: each computes
+    its experts' share and the block's all-reduce sums the shares, as it sums the slices under plain TP."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype=None):
         super().__init__()
         dtype = dtype or torch.get_default_dtype()
         self.num_experts = num_experts
+        self.local = None  # expert parallel: this rank's experts [first, last)
+        if expert_parallel():
+            if num_experts < tp_size():
+                raise ValueError(f"expert parallelism over {tp_size()} ranks needs as many experts, not {num_experts}")
+            base, extra = divmod(num_experts, tp_size())
+            first = tp_rank() * base + min(tp_rank(), extra)
+            self.local = (first, first + base + (tp_rank() < extra))
         self.gate_up_proj = StackedExpertWeight(
-            num_experts, hidden_size, [intermediate_size, intermediate_size], 0, dtype
+            num_experts, hidden_size, [intermediate_size, intermediate_size], 0, dtype, self.local
         )
-        self.down_proj = StackedExpertWeight(num_experts, intermediate_size, [hidden_size], 1, dtype)
+        self.down_proj = StackedExpertWeight(num_experts, intermediate_size, [hidden_size], 1, dtype, self.local)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -146,14 +169,18 @@ class FusedExperts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync: the GEMM sizes
         xs = x[order // k]  # each sorted slot's token
         slot_weights = topk_weights.flatten()[order, None]
-        ys = torch.empty_like(xs)
+        first, last = self.local or (0, self.num_experts)
+        ys = torch.empty_like(xs) if self.local is None else torch.zeros_like(xs)  # others' slots add nothing here
         w13, w2 = self.gate_up_proj.weight, self.down_proj.weight
         start = 0
         for expert, n in enumerate(counts):
             if not n:
                 continue
             end = start + n
-            h = cpu_gemv.linear(self.act(cpu_gemv.linear(xs[start:end], w13[expert])), w2[expert])
+            if not first <= expert < last:
+                start = end
+                continue
+            h = cpu_gemv.linear(self.act(cpu_gemv.linear(xs[start:end], w13[expert - first])), w2[expert - first])
             ys[start:end] = h * slot_weights[start:end]  # the float32 weight, rounded with the product
             start = end
         # back to (token, choice) order; a token's k contributions summed in float32 and rounded once. (Not

@@ -20,7 +20,6 @@ from transformers import PretrainedConfig
 from fulcrum.config import rope_parameters
 from fulcrum.errors import ModelLoadError
 from fulcrum.layers.attention import AttentionMetadata
-from fulcrum.layers.embedding import VocabParallelEmbedding
 from fulcrum.layers.layernorm import RMSNorm
 from fulcrum.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from fulcrum.layers.mla import MLAAttention
@@ -149,29 +148,15 @@ class DeepseekDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DeepseekModel(nn.Module):
-    def __init__(self, cfg: PretrainedConfig, family: type[DeepseekV2ForCausalLM], dtype, quant):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(cfg, i, family, dtype, quant) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        # the table covers the RoPE part of a head only
-        self.rotary_emb = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
-
-    def forward(self, input_ids, positions, meta):
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions, x.dtype)  # one lookup for all layers
-        for layer in self.layers:
-            x = layer(rope, x, meta)
-        return self.norm(x)
-
-
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     # the MLP's gate and up stack as Llama's; the attention's projections load under their own names
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-    base_model_class = DeepseekModel
+    decoder_layer = DeepseekDecoderLayer
+
+    @staticmethod
+    def rotary(cfg) -> nn.Module:
+        # the table covers the RoPE part of a head only
+        return RotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
 
     @staticmethod
     def rope_interleaved(cfg) -> bool:
@@ -199,7 +184,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     def after_loading(self) -> None:
         super().after_loading()
-        for layer in self.model.layers:
+        for layer in self.model.local_layers():
             layer.self_attn.after_loading()
 
 
@@ -208,6 +193,8 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
         """V3 checkpoints carry num_nextn_predict_layers multi-token-prediction layers after the last one
         (model.layers.61.* in DeepSeek-V3), used only to draft for speculative decoding: not loaded, as vLLM's
         main model does not."""
+        if super().skip_weight(name):
+            return True  # another pipeline stage's
         if not name.startswith("model.layers."):
             return False
         index = name.split(".")[2]

@@ -15,10 +15,9 @@ from transformers.activations import ACT2FN
 
 from fulcrum.config import rope_parameters
 from fulcrum.errors import ModelLoadError
-from fulcrum.layers.embedding import VocabParallelEmbedding
 from fulcrum.layers.layernorm import GemmaRMSNorm
 from fulcrum.layers.rotary import RotaryEmbedding
-from fulcrum.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from fulcrum.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 from fulcrum.utils.hf_config import head_dim as config_head_dim
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -64,44 +63,50 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
-    def forward(self, rope, x, meta):
+    def forward(self, ropes, x, meta):
+        rope = ropes[self.layer_type]
         x = x + self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(x), meta))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class GemmaModel(nn.Module):
+class GemmaModel(LlamaModel):
+    """Llama's stack with the embedding scaled by sqrt(hidden) and a second rope table for the sliding layers when
+    their settings differ (each layer picks its table by type)."""
+
     def __init__(self, cfg: PretrainedConfig, family: type[Gemma2ForCausalLM], dtype, quant):
-        super().__init__()
         if getattr(cfg, "use_bidirectional_attention", False):
             raise ModelLoadError("use_bidirectional_attention (an embedding model's attention) is not supported")
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        super().__init__(cfg, family, dtype, quant)
         # transformers rounds sqrt(hidden) to the model's dtype (55.4256 becomes 55.5 in bf16 for 3072)
         self.normalizer = cfg.hidden_size**0.5
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(cfg, i, family, dtype, quant) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        hd, n = config_head_dim(cfg), cfg.max_position_embeddings
         # `rotary_emb` (the name every family uses) serves the global layers, and the sliding ones unless they differ
-        self.rotary_emb = RotaryEmbedding(hd, n, layer_rope_parameters(cfg, FULL))
         local = layer_rope_parameters(cfg, SLIDING)
         self.rotary_emb_local = None
         if SLIDING in cfg.layer_types and local != layer_rope_parameters(cfg, FULL):
-            self.rotary_emb_local = RotaryEmbedding(hd, n, local)
+            self.rotary_emb_local = RotaryEmbedding(config_head_dim(cfg), cfg.max_position_embeddings, local)
 
-    def forward(self, input_ids, positions, meta):
+    def embed(self, input_ids):
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.normalizer, dtype=x.dtype, device=x.device)
-        ropes = {FULL: self.rotary_emb(positions, x.dtype)}  # one lookup per table for all layers
+        return x * torch.tensor(self.normalizer, dtype=x.dtype, device=x.device)
+
+    def ropes(self, positions, dtype):
+        ropes = {FULL: self.rotary_emb(positions, dtype)}  # one lookup per table for all layers
         local = self.rotary_emb_local
-        ropes[SLIDING] = ropes[FULL] if local is None else local(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(ropes[layer.layer_type], x, meta)
-        return self.norm(x)
+        ropes[SLIDING] = ropes[FULL] if local is None else local(positions, dtype)
+        return ropes
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
     base_model_class = GemmaModel
+    decoder_layer = GemmaDecoderLayer
+
+    @staticmethod
+    def final_norm(cfg, dtype) -> nn.Module:
+        return GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @staticmethod
+    def rotary(cfg) -> nn.Module:
+        return RotaryEmbedding(config_head_dim(cfg), cfg.max_position_embeddings, layer_rope_parameters(cfg, FULL))
 
     @staticmethod
     def attn_logit_softcap(cfg) -> float | None:

@@ -11,6 +11,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from fulcrum.config import rope_parameters
+from fulcrum.distributed import parallel_state
+from fulcrum.distributed.parallel_state import layer_range
 from fulcrum.layers.activation import SiluAndMul
 from fulcrum.layers.attention import Attention, AttentionMetadata
 from fulcrum.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -97,22 +99,49 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer another pipeline stage holds: no weights here, and never run."""
+
+
 class LlamaModel(nn.Module):
+    """The decoder stack: embedding, `family.decoder_layer`s, final norm, one rope table for all layers. Under
+    pipeline parallelism it builds only its stage's layers (the others are MissingLayer, so the checkpoint's layer
+    numbers still name them), the embedding on the first stage (and on the last when the LM head is tied to it),
+    the final norm on the last. A family changes `embed` (Gemma scales it) or `ropes` (Gemma has two tables)."""
+
     def __init__(self, cfg: PretrainedConfig, family: type[LlamaForCausalLM], dtype, quant):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        n = cfg.num_hidden_layers
+        self.start, self.end = layer_range(n)
+        ps = parallel_state.state()
+        tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.embed_tokens = None
+        if ps.is_first_stage or (tied and ps.is_last_stage):
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, family, dtype, quant) for i in range(cfg.num_hidden_layers)
+            family.decoder_layer(cfg, i, family, dtype, quant) if self.start <= i < self.end else MissingLayer()
+            for i in range(n)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.rotary_emb = RotaryEmbedding(config_head_dim(cfg), cfg.max_position_embeddings, rope_parameters(cfg))
+        self.norm = family.final_norm(cfg, dtype) if ps.is_last_stage else None
+        self.rotary_emb = family.rotary(cfg)
+        self.first_stage = ps.is_first_stage
 
-    def forward(self, input_ids, positions, meta):
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions, x.dtype)  # one lookup for all layers
-        for layer in self.layers:
+    def local_layers(self) -> list[nn.Module]:
+        return list(self.layers[self.start : self.end])
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def ropes(self, positions: torch.Tensor, dtype: torch.dtype):
+        return self.rotary_emb(positions, dtype)  # one lookup for all layers
+
+    def forward(self, input_ids, positions, meta, hidden: torch.Tensor | None = None):
+        """`hidden`: the previous pipeline stage's output, in place of the embedding after the first stage."""
+        x = self.embed(input_ids) if self.first_stage else hidden
+        rope = self.ropes(positions, x.dtype)
+        for layer in self.layers[self.start : self.end]:
             x = layer(rope, x, meta)
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -125,7 +154,16 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     qk_norm = False
-    base_model_class: type[nn.Module] = LlamaModel  # the decoder stack under the LM head (Gemma has its own)
+    base_model_class: type[nn.Module] = LlamaModel  # the decoder stack under the LM head
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer
+
+    @staticmethod
+    def final_norm(cfg, dtype) -> nn.Module:
+        return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    @staticmethod
+    def rotary(cfg) -> nn.Module:
+        return RotaryEmbedding(config_head_dim(cfg), cfg.max_position_embeddings, rope_parameters(cfg))
 
     @staticmethod
     def qkv_bias(cfg) -> bool:
@@ -142,19 +180,40 @@ class LlamaForCausalLM(nn.Module):
         quant = quant or (lambda prefix: None)
         self.config = cfg
         self.model = self.base_model_class(cfg, type(self), dtype, quant)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, quant_method=quant("lm_head"))
+        self.lm_head = None  # on the last pipeline stage only
+        if parallel_state.state().is_last_stage:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, quant_method=quant("lm_head"))
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def skip_weight(self, name: str) -> bool:
+        """Checkpoint tensors of what another pipeline stage holds: its layers, the embedding, norm or LM head."""
+        if name.startswith("model.layers."):
+            index = name.split(".")[2]
+            return (
+                index.isdigit()
+                and int(index) < len(self.model.layers)
+                and not (self.model.start <= int(index) < self.model.end)
+            )
+        held = {
+            "model.embed_tokens.": self.model.embed_tokens,
+            "model.norm.": self.model.norm,
+            "lm_head.": self.lm_head,
+        }
+        return any(name.startswith(prefix) and module is None for prefix, module in held.items())
 
     def after_loading(self) -> None:
         """Once the weights are loaded (and quantized): a tied embedding reads the quantized LM head's table."""
-        if self.tie_word_embeddings and not hasattr(self.lm_head, "weight"):
+        if self.tie_word_embeddings and self.lm_head is not None and not hasattr(self.lm_head, "weight"):
             self.model.embed_tokens.share_quantized_table(self.lm_head)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Final hidden states for every token: [T, hidden]."""
-        return self.model(input_ids, positions, meta)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, hidden=None
+    ) -> torch.Tensor:
+        """Final hidden states for every token: [T, hidden] (before the last pipeline stage, that stage's output;
+        after the first, `hidden` is the previous stage's)."""
+        return self.model(input_ids, positions, meta, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

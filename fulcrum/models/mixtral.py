@@ -2,7 +2,8 @@
 sparse mixture-of-experts feed-forward in every layer, `block_sparse_moe`: a softmax router whose top-k weights are
 renormalised to sum to 1, over num_local_experts SwiGLU experts (w1 gate, w3 up, w2 down), computed grouped.
 
-MoeModel, Llama's decoder stack with the family's own decoder layer, serves the Qwen MoE families too.
+Llama's decoder stack (LlamaModel) with the family's own decoder layer serves the Qwen MoE families too, so that no
+dense MLP of config.intermediate_size is ever allocated for a layer whose feed-forward is sparse.
 """
 
 from __future__ import annotations
@@ -11,14 +12,10 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from fulcrum.config import rope_parameters
 from fulcrum.errors import ModelLoadError
-from fulcrum.layers.embedding import VocabParallelEmbedding
 from fulcrum.layers.layernorm import RMSNorm
 from fulcrum.layers.moe import FusedExperts, SparseMoeBlock, TopKRouter, expert_params_mapping
-from fulcrum.layers.rotary import RotaryEmbedding
-from fulcrum.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
-from fulcrum.utils.hf_config import head_dim as config_head_dim
+from fulcrum.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 def check_silu(cfg: PretrainedConfig) -> None:
@@ -45,24 +42,7 @@ class MixtralDecoderLayer(nn.Module):
         return x + self.block_sparse_moe(self.post_attention_layernorm(x))
 
 
-class MoeModel(nn.Module):
-    """Llama's stack (embedding, layers, final norm, one rope) built from `family.decoder_layer`, so that no dense
-    MLP of config.intermediate_size is ever allocated for a layer whose feed-forward is sparse."""
-
-    def __init__(self, cfg: PretrainedConfig, family: type[LlamaForCausalLM], dtype, quant):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(
-            family.decoder_layer(cfg, i, family, dtype, quant) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.rotary_emb = RotaryEmbedding(config_head_dim(cfg), cfg.max_position_embeddings, rope_parameters(cfg))
-
-    forward = LlamaModel.forward  # the same walk over the same attribute names
-
-
 class MixtralForCausalLM(LlamaForCausalLM):
-    base_model_class = MoeModel
     decoder_layer: type[nn.Module] = MixtralDecoderLayer
     expert_names = ("w1", "w3", "w2")  # the checkpoint's gate, up and down projections of each expert
 

@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 from fulcrum.layers.layernorm import RMSNorm
 from fulcrum.layers.moe import FusedExperts, SparseMoeBlock, TopKRouter
 from fulcrum.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from fulcrum.models.mixtral import MixtralForCausalLM, MoeModel, check_silu
+from fulcrum.models.mixtral import MixtralForCausalLM, check_silu
 
 
 def is_sparse_layer(cfg: PretrainedConfig, layer_idx: int) -> bool:
@@ -69,7 +69,6 @@ class QwenMoeDecoderLayer(nn.Module):
 
 
 class Qwen2MoeForCausalLM(MixtralForCausalLM):
-    base_model_class = MoeModel
     decoder_layer = QwenMoeDecoderLayer
     expert_names = ("gate_proj", "up_proj", "down_proj")
 

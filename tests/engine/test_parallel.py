@@ -1,0 +1,116 @@
+"""Tensor, pipeline and expert parallel (engine/executor.py): one model over 2-4 processes on this machine gives
+the greedy tokens of one process, alone and batched, with chunked prefill and a prefix-cache hit; each rank holds
+its share of the weights and of the KV cache; sizes that cannot split the model fail before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from fulcrum.config import DEFAULT_MODEL
+from fulcrum.engine.llm import LLM
+from fulcrum.errors import ModelLoadError
+from fulcrum.sampling_params import SamplingParams
+
+SPEECH = (
+    "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer The slings and arrows of "
+    "outrageous fortune, Or to take arms against a sea of troubles And by opposing end them. To die, to sleep, No "
+    "more; and by a sleep to say we end The heart-ache and the thousand natural shocks That flesh is heir to."
+)
+PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed any further, hear me speak.", SPEECH]
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+# a budget below the speech's length, so that it is prefilled in chunks mixed with the others' decodes
+ENGINE = dict(kv_cache_memory=32 << 20, max_num_batched_tokens=40, cpu_threads=1, enable_prefix_caching=True)
+
+
+def run(llm: LLM) -> dict:
+    """What a user sees: tokens of a batch, of one prompt alone, and of the speech again (a prefix-cache hit)."""
+    batch = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    alone = llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)
+    again = llm.generate([SPEECH], GREEDY, use_tqdm=False)[0]
+    return {
+        "batch": [o.outputs[0].token_ids for o in batch],
+        "alone": alone[0].outputs[0].token_ids,
+        "again": again.outputs[0].token_ids,
+        "cached": again.metrics.num_cached_tokens,
+        "weight_bytes": llm.core.runner.weight_bytes,
+        "bytes_per_block": llm.core.runner.bytes_per_block,
+        "num_blocks": llm.core.kv.num_blocks,
+        "free_blocks": llm.core.kv.num_free_blocks(),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    out = {}
+    for name, model in (("dense", str(DEFAULT_MODEL)), ("moe", str(tiny_model_dir("mixtral")))):
+        llm = LLM(model, **ENGINE)
+        out[name] = run(llm)
+    return out
+
+
+CASES = [
+    ("dense", 2, 1, False),
+    ("dense", 1, 2, False),
+    ("dense", 2, 2, False),
+    ("moe", 2, 1, True),
+    ("moe", 1, 2, False),
+    ("moe", 2, 2, True),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "tp", "pp", "ep"), CASES, ids=[f"{k}-tp{t}-pp{p}{'-ep' if e else ''}" for k, t, p, e in CASES]
+)
+def test_parallel_engine_gives_the_tokens_of_one_process(reference, tiny_model_dir, kind, tp, pp, ep):
+    model = str(DEFAULT_MODEL) if kind == "dense" else str(tiny_model_dir("mixtral"))
+    llm = LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_expert_parallel=ep, **ENGINE)
+    try:
+        got = run(llm)
+    finally:
+        llm.shutdown()
+    ref = reference[kind]
+    assert got["batch"] == ref["batch"]
+    assert got["alone"] == ref["alone"] == ref["batch"][1]
+    assert got["again"] == ref["again"] and got["cached"] >= 16  # the speech's blocks were found in the cache
+    # rank 0 holds its heads of its stage's layers: a KV block costs it 1/(tp * pp) of one process's
+    assert got["bytes_per_block"] * tp * pp == ref["bytes_per_block"]
+    assert got["weight_bytes"] < ref["weight_bytes"] * (0.6 if tp * pp == 2 else 0.4)
+    assert got["free_blocks"] == got["num_blocks"]  # every block back after the requests
+
+
+def test_expert_parallel_holds_whole_experts(tiny_model_dir):
+    """Under EP each rank holds 4 of the 8 experts whole; under plain TP a half of each of the 8."""
+    from fulcrum.layers.moe import FusedExperts
+
+    for ep in (False, True):
+        llm = LLM(str(tiny_model_dir("mixtral")), tensor_parallel_size=2, enable_expert_parallel=ep, **ENGINE)
+        try:
+            experts = next(m for m in llm.core.runner.model.modules() if isinstance(m, FusedExperts))
+            assert experts.gate_up_proj.weight.shape[0] == (4 if ep else 8)
+            assert experts.gate_up_proj.weight.shape[1] == (2 * 128 if ep else 128)  # intermediate 128
+            llm.generate(["ROMEO:"], GREEDY, use_tqdm=False)
+        finally:
+            llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (dict(tensor_parallel_size=3), "num_attention_heads=8 is not divisible by tensor_parallel_size=3"),
+        (dict(pipeline_parallel_size=9), "pipeline_parallel_size 9 is more than the model's 8 layers"),
+        (dict(pipeline_parallel_size=2, pp_layer_partition="4,3"), "add up to the model's 8 layers"),
+    ],
+)
+def test_sizes_that_cannot_split_the_model_fail_at_startup(sizes, message):
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(**sizes, **ENGINE)
+
+
+def test_layer_partition_places_the_layers(tmp_path):
+    llm = LLM(pipeline_parallel_size=2, pp_layer_partition="6,2", **ENGINE)
+    try:
+        model = llm.core.runner.model.model  # rank 0: the last stage
+        assert (model.start, model.end) == (6, 8)
+        assert llm.generate(["ROMEO:"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
