@@ -52,6 +52,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "(default on CPU 2, the crossover measured there; null: never)",
     )
     g.add_argument(
+        "--data-parallel-size", "-dp", type=int, default=1,
+        help="engine cores, each with its own KV cache and a share of the CPU cores; requests go to the least loaded",
+    )  # fmt: skip
+    g.add_argument(
         "--tensor-parallel-size", "-tp", type=int, default=1,
         help="ranks that split each layer (heads, MLP, vocabulary), one process each",
     )  # fmt: skip
@@ -112,6 +116,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_dtype=args.kv_cache_dtype,
         cpu_bind=args.cpu_bind,
         speculative_config=args.speculative_config,
+        data_parallel_size=args.data_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         pp_layer_partition=args.pp_layer_partition,
@@ -197,7 +202,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.model_pos:
         args.model = args.model_pos
-    config = EngineConfig(**engine_kwargs(args), data_parallel_size=args.data_parallel_size)
+    config = EngineConfig(**engine_kwargs(args))
     return serve(
         config,
         host=args.host,
@@ -240,12 +245,6 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(TOOL_PARSERS),
         default=None,
         help="how the model writes tool calls (tool_choice auto needs it; required and named work without it)",
-    )
-    s.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        help="engine cores behind this server, each with its own KV cache and a share of the CPU cores",
     )
     s.add_argument(
         "--enable-auto-tool-choice",

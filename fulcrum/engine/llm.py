@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from fulcrum.config import EngineConfig
 from fulcrum.engine.core import EngineCore
+from fulcrum.engine.dp_cores import DataParallelCores
 from fulcrum.engine.output_processor import OutputProcessor
 from fulcrum.engine.outputs import RequestOutput
 from fulcrum.engine.prompts import tokenize_prompts
@@ -22,7 +23,8 @@ from fulcrum.utils.tokenizer import chat_prompt_ids, load_tokenizer
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs):
         self.config = EngineConfig(model=model, **engine_kwargs)
-        self.core = EngineCore(self.config)
+        # data parallel: that many engine cores, each in a process of its own, behind EngineCore's interface
+        self.core = DataParallelCores(self.config) if self.config.data_parallel_size > 1 else EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.core.model_config.path)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

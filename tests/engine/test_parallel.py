@@ -114,3 +114,20 @@ def test_layer_partition_places_the_layers(tmp_path):
         assert llm.generate(["ROMEO:"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     finally:
         llm.shutdown()
+
+
+def test_data_parallel_llm_splits_a_batch_between_two_cores():
+    """LLM(data_parallel_size=2): two engine-core processes, each its own KV cache; a batch is split between them
+    and the answers are those of one engine."""
+    ref = run_batch(LLM(**ENGINE))
+    llm = LLM(data_parallel_size=2, **ENGINE)
+    try:
+        assert run_batch(llm) == ref
+        assert all(n >= 1 for n in llm.core.given), llm.core.given  # both cores took requests
+        assert llm.stats()["num_blocks"] == 2 * LLM(**ENGINE).stats()["num_blocks"]  # two caches
+    finally:
+        llm.shutdown()
+
+
+def run_batch(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 2, GREEDY, use_tqdm=False)]
