@@ -113,15 +113,25 @@ def communication(hidden: int) -> dict[str, float]:
 
 CONFIGS = {
     "TP=1 (2 threads)": dict(cpu_threads=2),
+    "TP=1 (1 thread)": dict(cpu_threads=1),
     "TP=2 (1 thread per rank)": dict(tensor_parallel_size=2, cpu_threads=1),
     "PP=2 (1 thread per rank)": dict(pipeline_parallel_size=2, cpu_threads=1),
     "DP=2 (1 thread per engine)": dict(data_parallel_size=2, cpu_threads=1),
 }
 
 
-def measure(name: str, kwargs: dict, reqs, vocab: int) -> tuple[float, float]:
+MOE_CONFIGS = {
+    "TP=1 (2 threads)": dict(cpu_threads=2),
+    "TP=1 (1 thread)": dict(cpu_threads=1),
+    "TP=1 (1 thread)": dict(cpu_threads=1),
+    "TP=2, experts sliced": dict(tensor_parallel_size=2, cpu_threads=1),
+    "TP=2, EP (whole experts)": dict(tensor_parallel_size=2, enable_expert_parallel=True, cpu_threads=1),
+}
+
+
+def measure(model: Path, kwargs: dict, reqs) -> tuple[float, float]:
     """(throughput tok/s over the batch, batch-1 decode tok/s) of one configuration."""
-    llm = LLM(str(MODEL), dtype="float32", kv_cache_memory=512 << 20, max_model_len=2048, **kwargs)
+    llm = LLM(str(model), dtype="float32", kv_cache_memory=512 << 20, max_model_len=2048, **kwargs)
     try:
         prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
         params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in reqs]
@@ -141,11 +151,34 @@ def measure(name: str, kwargs: dict, reqs, vocab: int) -> tuple[float, float]:
     return throughput, decode
 
 
+def compare(model: Path, configs: dict, reqs, rounds: int, title: str) -> None:
+    results: dict[str, list[tuple[float, float]]] = {k: [] for k in configs}
+    for r in range(rounds):
+        for name, kwargs in configs.items():
+            results[name].append(measure(model, kwargs, reqs))
+            print(f"  round {r} {name}: {results[name][-1][0]:.1f} tok/s, batch-1 {results[name][-1][1]:.1f} tok/s "
+                  f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+    first = next(iter(results))
+    ref_t, ref_d = max(t for t, _ in results[first]), max(d for _, d in results[first])
+    table = []
+    for name, runs in results.items():
+        t, d = max(x for x, _ in runs), max(y for _, y in runs)
+        spread_t = f"{min(x for x, _ in runs):.1f}-{t:.1f}"
+        spread_d = f"{min(y for _, y in runs):.1f}-{d:.1f}"
+        table.append((name, spread_t, f"{t / ref_t:.2f}x", spread_d, f"{d / ref_d:.2f}x"))
+    print_table(
+        f"{title} (prompts 64-128, 32 tokens out) and batch-1 decode (32 tokens after 64), 2 cores in all, "
+        f"best of {rounds} rounds (range)",
+        table, ("config", "throughput tok/s", f"x {first}", "batch-1 tok/s", f"x {first}"),
+    )  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--skip-moe", action="store_true")
     args = ap.parse_args()
     print(f"machine: {machine()}, torch {torch.__version__}")
     qwen05_model(MODEL)
@@ -177,25 +210,19 @@ def main() -> None:
     if args.skip_throughput:
         return
     reqs = workload(args.requests, mc.hf_config.vocab_size, prompt=(64, 128), output=(32, 32))
-    results: dict[str, list[tuple[float, float]]] = {k: [] for k in CONFIGS}
-    for r in range(args.rounds):
-        for name, kwargs in CONFIGS.items():
-            results[name].append(measure(name, kwargs, reqs, mc.hf_config.vocab_size))
-            print(f"  round {r} {name}: {results[name][-1][0]:.1f} tok/s, batch-1 {results[name][-1][1]:.1f} tok/s "
-                  f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
-    ref_t = max(t for t, _ in results["TP=1 (2 threads)"])
-    ref_d = max(d for _, d in results["TP=1 (2 threads)"])
-    table = []
-    for name, runs in results.items():
-        t, d = max(x for x, _ in runs), max(y for _, y in runs)
-        spread_t = f"{min(x for x, _ in runs):.1f}-{t:.1f}"
-        spread_d = f"{min(y for _, y in runs):.1f}-{d:.1f}"
-        table.append((name, spread_t, f"{t / ref_t:.2f}x", spread_d, f"{d / ref_d:.2f}x"))
-    print_table(
-        f"Qwen2.5-0.5B shape fp32, {args.requests} requests (prompts 64-128, 32 tokens out) and batch-1 decode "
-        f"(32 tokens after 64), 2 cores in all, best of {args.rounds} rounds (range)",
-        table, ("config", "throughput tok/s", "x TP=1", "batch-1 tok/s", "x TP=1"),
-    )  # fmt: skip
+    compare(MODEL, CONFIGS, reqs, args.rounds, f"Qwen2.5-0.5B shape fp32, {args.requests} requests")
+    if not args.skip_moe:
+        from benchmarks.bench_moe import mixtral_200m
+
+        moe = mixtral_200m(MODEL.parent / "mixtral-200m", torch.bfloat16)
+        reqs = workload(args.requests, 2048, prompt=(64, 128), output=(32, 32))
+        compare(
+            moe,
+            MOE_CONFIGS,
+            reqs,
+            args.rounds,
+            f"Mixtral shape of 208M (8 experts, top-2) fp32, {args.requests} requests",
+        )
     print(f"machine after: {machine()}")
 
 
