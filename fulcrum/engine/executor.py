@@ -62,8 +62,6 @@ def check_parallel(config: EngineConfig, model_config: ModelConfig) -> None:
         parallel_state.stage_sizes(layers, pp, config.pp_layer_partition)
     except ValueError as e:
         problems.append(str(e))
-    if config.speculative_config and config.world_size > 1:
-        problems.append("speculative decoding with tensor or pipeline parallelism is not supported yet")
     if config.device == "cuda" and torch.cuda.is_available() and config.world_size > torch.cuda.device_count():
         problems.append(f"{config.world_size} ranks need as many GPUs; this machine has {torch.cuda.device_count()}")
     if problems:

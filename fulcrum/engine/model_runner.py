@@ -58,6 +58,8 @@ class ModelRunner:
         smallest); this rank's part of the model is what parallel_state says."""
         ps = parallel_state.state()
         self.world_size, self.pp_size, self.rank = ps.world_size, ps.pp_size, ps.rank
+        # this runner's own place: a draft built before the target's ranks joined is a whole model, first and last
+        self.first_stage, self.last_stage = ps.is_first_stage, ps.is_last_stage
         # micro-batches per stage in flight in one step: more overlap the stages better, fewer keep batches large
         self.microbatches_per_stage = 1
         self.config = engine_config
@@ -282,15 +284,14 @@ class ModelRunner:
         this with the same inputs (rank 0 broadcasts them): tensor-parallel ranks meet in their all-reduces, a stage
         takes each micro-batch's hidden states from the one before and hands them on without waiting, so that the
         stages overlap over the micro-batches."""
-        ps = parallel_state.state()
         out, sends = [], []
         for si in steps:
             input_ids, positions, meta = step_inputs.to_tensors(si, self.device)
             hidden = None
-            if not ps.is_first_stage:
+            if not self.first_stage:
                 hidden = pp_recv_prev((len(si.ids), self.hidden_size), self.model_config.dtype, self.device)
             h = self.model(input_ids, positions, meta, hidden)
-            if not ps.is_last_stage:
+            if not self.last_stage:
                 sends.append((pp_send_next(h), h))  # h lives until its send is done
                 out.append(None)
             elif si.logits_rows:

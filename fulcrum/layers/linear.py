@@ -73,7 +73,7 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x):
         y = super().forward(x)
-        return tp_all_gather(y) if self.gather_output else y
+        return tp_all_gather(y) if self.gather_output and self.tp_size > 1 else y
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -132,4 +132,7 @@ class RowParallelLinear(LinearBase):
         return super().weight_loader(param, loaded)
 
     def forward(self, x):
-        return tp_all_reduce(super().forward(x))
+        # the layer's own size, not the process's: a model built unsplit (a draft beside a parallel target) never
+        # meets the other ranks
+        y = super().forward(x)
+        return tp_all_reduce(y) if self.tp_size > 1 else y

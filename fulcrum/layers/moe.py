@@ -211,6 +211,7 @@ class SparseMoeBlock(nn.Module):
         shared_expert_name: str = "shared_expert", shared_expert_gate: bool = False, dtype=None,
     ):  # fmt: skip
         super().__init__()
+        self.tp_size = tp_size()
         self.gate, self.experts = gate, experts
         self.shared_expert_name = shared_expert_name if shared_expert is not None else None
         if shared_expert is not None:
@@ -224,7 +225,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = tp_all_reduce(self.experts(x, weights, ids))
+        out = self.experts(x, weights, ids)
+        if self.tp_size > 1:  # the shares of the ranks (the block's own size: see RowParallelLinear.forward)
+            out = tp_all_reduce(out)
         if self.shared_expert_name is not None:
             shared = getattr(self, self.shared_expert_name)(x)  # its down projection all-reduces on its own
             if self.shared_expert_gate is not None:

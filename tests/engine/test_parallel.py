@@ -12,6 +12,7 @@ from fulcrum.errors import ModelLoadError
 from fulcrum.layers.moe import FusedExperts
 from fulcrum.sampling_params import SamplingParams
 
+DRAFT = DEFAULT_MODEL.parent / "tiny-shakespeare-draft"
 SPEECH = (
     "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer The slings and arrows of "
     "outrageous fortune, Or to take arms against a sea of troubles And by opposing end them. To die, to sleep, No "
@@ -88,6 +89,27 @@ def test_parallel_engine_gives_the_tokens_of_one_process(reference, tiny_model_d
         assert (stack.start, stack.end) == (5, 8)
     for e in experts:  # gate and up of intermediate 128: EP holds 4 of the 8 experts whole, TP a half of each of the 8
         assert tuple(e.gate_up_proj.weight.shape[:2]) == ((4, 256) if ep else (8, 256 // tp))
+
+
+@pytest.mark.parametrize(
+    ("sizes", "spec"),
+    [
+        (dict(tensor_parallel_size=2), {"method": "draft_model", "model": str(DRAFT), "num_speculative_tokens": 3}),
+        (dict(pipeline_parallel_size=2), {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
+    ],
+    ids=["tp2-draft", "pp2-ngram"],
+)
+def test_speculative_decoding_on_a_parallel_engine_keeps_the_greedy_tokens(reference, sizes, spec):
+    """The draft model runs whole beside rank 0; the target verifies its proposals across the ranks."""
+    spec = {**spec, "disable_by_batch_size": None}
+    llm = LLM(speculative_config=spec, **sizes, **ENGINE)
+    try:
+        got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in got] == reference["dense"]["batch"]
+    assert stats["spec_num_draft_tokens"] > 0  # it did speculate
 
 
 @pytest.mark.parametrize(
