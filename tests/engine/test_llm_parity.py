@@ -27,7 +27,11 @@ def make_llm(folder, device="cpu", **kw):
     return LLM(model=str(folder), dtype="float32", device=device, seed=0, **kw)
 
 
-def assert_all_blocks_free(llm):
+def assert_all_blocks_free(llm) -> None:
+    """From the KV cache manager itself: no request holds a block, and every block is back in the free queue."""
+    kv = llm.core.kv
+    assert not kv.req_blocks
+    assert kv.num_free_blocks() == kv.num_blocks
     s = llm.stats()
     assert s["num_free_blocks"] == s["num_blocks"]
 

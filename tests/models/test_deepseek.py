@@ -1,6 +1,6 @@
 """DeepSeek-V2/V3 (multi-head latent attention, dense and with their mixture of experts) against transformers on tiny
 random models of their real config classes: fp32 logits, the engine's greedy tokens and logprobs however a request
-runs, the KV bytes the engine allocates per token against `fulcrum plan`'s figure, every block freed, the routers'
+runs (in tests/models/test_parity.py with the other families), the KV bytes the engine allocates per token against `fulcrum plan`'s figure, every block freed, the routers'
 settings, and what fulcrum refuses."""
 
 import pytest
@@ -14,10 +14,8 @@ from fulcrum.layers.mla import MLAAttention
 from fulcrum.models.loader import load_model
 from fulcrum.plan.model_spec import kv_bytes_per_token, load_model_spec
 from fulcrum.quant import formats
-from tests.engine.conftest import DEVICES
-from tests.engine.hf_reference import hf_greedy
-from tests.engine.test_llm_parity import N_NEW, greedy, make_llm, random_prompts
-from tests.models.test_parity import assert_same_as_transformers, hf_logits, max_diff, our_logits, prompts
+from tests.engine.test_llm_parity import make_llm
+from tests.models.test_parity import hf_logits, max_diff, our_logits, prompts
 from tests.tiny_models import MLA_FAMILIES, hf_model, save_tiny_model
 
 LENS = [1, 5, 17, 40, 130]  # 130 is past YaRN's original context (128)
@@ -26,15 +24,6 @@ FAMILIES = list(MLA_FAMILIES)
 
 def _load(folder, dtype="float32"):
     return load_model(ModelConfig.from_path(folder, dtype=dtype))
-
-
-def assert_all_blocks_free(llm) -> None:
-    """From the KV cache manager itself: no request holds a block, and every block is back in the free queue."""
-    kv = llm.core.kv
-    assert not kv.req_blocks
-    assert kv.num_free_blocks() == kv.num_blocks
-    s = llm.stats()
-    assert s["num_free_blocks"] == s["num_blocks"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -115,62 +104,6 @@ def test_the_cache_holds_the_latent_and_rope_key_only_as_plan_counts(family, dty
     assert cache.shape == (layers, runner.num_blocks, runner.block_size, 40)
     assert cache.numel() * cache.element_size() == runner.num_blocks * runner.bytes_per_block
     assert runner.kv_scales is None
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_engine_alone_and_batched_match_transformers(family, device, tiny_model_dir):
-    folder = tiny_model_dir(family)
-    batch_prompts = random_prompts(24, 3, 60, seed=1)
-    llm = make_llm(folder, device)
-    alone = llm.generate([batch_prompts[0]], greedy(), use_tqdm=False)[0].outputs[0].token_ids
-    batch = llm.generate(batch_prompts, greedy(), use_tqdm=False)
-    for i in [0, 1, 17, 23]:
-        assert batch[i].outputs[0].token_ids == hf_greedy(folder, batch_prompts[i], N_NEW, device)[0], f"prompt {i}"
-    assert alone == batch[0].outputs[0].token_ids
-    assert_all_blocks_free(llm)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_engine_chunked_prefill_matches(family, device, tiny_model_dir):
-    """Chunks of 16 tokens in blocks of 8: every chunk after the first expands its context from the cached rows."""
-    folder = tiny_model_dir(family)
-    llm = make_llm(folder, device, max_num_batched_tokens=16, block_size=8)
-    batch_prompts = random_prompts(4, 40, 140, seed=2)
-    for p, o in zip(batch_prompts, llm.generate(batch_prompts, greedy(logprobs=1), use_tqdm=False)):
-        assert_same_as_transformers(folder, p, o.outputs[0], device)
-    assert_all_blocks_free(llm)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_engine_after_a_prefix_cache_hit(family, device, tiny_model_dir):
-    folder = tiny_model_dir(family)
-    prefix = random_prompts(1, 64, 64, seed=3)[0]
-    batch_prompts = [prefix + tail for tail in random_prompts(3, 5, 20, seed=4)]
-    llm = make_llm(folder, device, block_size=16)
-    llm.generate(batch_prompts[:1], greedy(), use_tqdm=False)
-    for p, o in zip(batch_prompts[1:], llm.generate(batch_prompts[1:], greedy(logprobs=1), use_tqdm=False)):
-        assert o.metrics.num_cached_tokens == 64
-        assert_same_as_transformers(folder, p, o.outputs[0], device)
-    assert_all_blocks_free(llm)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_engine_preemption_recomputes_to_the_same_tokens(family, device, tiny_model_dir):
-    folder = tiny_model_dir(family)
-    block_bytes = 8 * int(kv_bytes_per_token(load_model_spec(folder), "fp32"))  # blocks of 8 tokens
-    batch_prompts = random_prompts(6, 20, 40, seed=5)
-    # 20 blocks: room for about three sequences at a time, so the rest wait or get preempted mid-decode
-    llm = make_llm(folder, device, block_size=8, kv_cache_memory=20 * block_bytes, max_model_len=160)
-    assert llm.core.runner.num_blocks == 20
-    outs = llm.generate(batch_prompts, greedy(max_tokens=40), use_tqdm=False)
-    assert llm.stats()["num_preemptions"] > 0
-    for p, o in zip(batch_prompts, outs):
-        assert o.outputs[0].token_ids == hf_greedy(folder, p, 40, device)[0]
-    assert_all_blocks_free(llm)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])

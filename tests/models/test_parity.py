@@ -7,11 +7,12 @@ import torch
 from fulcrum.config import DEFAULT_MODEL, ModelConfig
 from fulcrum.layers.attention import AttentionMetadata
 from fulcrum.models.loader import load_model
+from fulcrum.plan.model_spec import kv_bytes_per_token, load_model_spec
 from fulcrum.utils.hf_config import head_dim
 from tests.engine.conftest import DEVICES
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_llm_parity import N_NEW, assert_all_blocks_free, greedy, make_llm, random_prompts
-from tests.tiny_models import FAMILIES, MORE_FAMILIES, PROMPT_MIN_LEN, hf_model, save_tiny_model
+from tests.tiny_models import FAMILIES, MLA_FAMILIES, MORE_FAMILIES, PROMPT_MIN_LEN, hf_model, save_tiny_model
 
 PROMPT_LENS = [1, 5, 17, 40]
 
@@ -84,7 +85,9 @@ def test_bundled_model_matches_transformers():
     assert max_diff(our_logits(ours, batch), hf_logits(theirs, batch)) <= 1e-4
 
 
-# --- the families beyond the dense ones through the engine, as tests/engine/test_llm_parity runs the dense ones
+# --- the families beyond the dense ones through the engine, as tests/engine/test_llm_parity runs the dense ones:
+# MoE, Gemma, Phi-3 and DeepSeek's latent attention (whose chunked prompts reach past YaRN's original context, 128)
+ENGINE_FAMILIES = [*MORE_FAMILIES, *MLA_FAMILIES]
 
 
 def _prompts(family: str, count: int, lo: int, hi: int, seed: int) -> list[list[int]]:
@@ -101,7 +104,7 @@ def assert_same_as_transformers(folder, prompt: list[int], out, device: str) -> 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", MORE_FAMILIES)
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_engine_alone_and_batched_match_transformers(family, device, tiny_model_dir):
     folder = tiny_model_dir(family)
     prompts = _prompts(family, 24, 3, 60, seed=1)
@@ -115,11 +118,11 @@ def test_engine_alone_and_batched_match_transformers(family, device, tiny_model_
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", MORE_FAMILIES)
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_engine_chunked_prefill_matches(family, device, tiny_model_dir):
     """Chunks of 16 tokens in blocks of 8: every sliding window (8) straddles a chunk or a block boundary."""
     folder = tiny_model_dir(family)
-    prompts = _prompts(family, 4, 40, 120, seed=2)
+    prompts = _prompts(family, 4, 40, 140 if family in MLA_FAMILIES else 120, seed=2)
     llm = make_llm(folder, device, max_num_batched_tokens=16, block_size=8)
     for p, o in zip(prompts, llm.generate(prompts, greedy(logprobs=1), use_tqdm=False)):
         assert_same_as_transformers(folder, p, o.outputs[0], device)
@@ -127,7 +130,7 @@ def test_engine_chunked_prefill_matches(family, device, tiny_model_dir):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", MORE_FAMILIES)
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_engine_after_a_prefix_cache_hit(family, device, tiny_model_dir):
     folder = tiny_model_dir(family)
     prefix = random_prompts(1, 64, 64, seed=3)[0]
@@ -141,11 +144,13 @@ def test_engine_after_a_prefix_cache_hit(family, device, tiny_model_dir):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", MORE_FAMILIES)
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_engine_preemption_recomputes_to_the_same_tokens(family, device, tiny_model_dir):
     folder = tiny_model_dir(family)
     cfg = ModelConfig.from_path(folder).hf_config
     block_bytes = 8 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim(cfg) * 4  # fp32 k, v: 8 tokens
+    if family in MLA_FAMILIES:  # one latent and a RoPE key per token, as fulcrum plan counts them
+        block_bytes = 8 * int(kv_bytes_per_token(load_model_spec(folder), "fp32"))
     prompts = _prompts(family, 6, 20, 40, seed=5)
     # 20 blocks: room for about three sequences at a time, so the rest wait or get preempted mid-decode. A model
     # whose every layer slides (phi3, window 8) releases the blocks behind its window and needs fewer: 12
