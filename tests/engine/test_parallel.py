@@ -4,11 +4,15 @@ its share of the weights and of the KV cache; sizes that cannot split the model 
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 
 from fulcrum.config import DEFAULT_MODEL
 from fulcrum.engine.llm import LLM
-from fulcrum.errors import ModelLoadError
+from fulcrum.errors import EngineDeadError, ModelLoadError
 from fulcrum.layers.moe import FusedExperts
 from fulcrum.sampling_params import SamplingParams
 
@@ -140,3 +144,17 @@ def test_data_parallel_llm_splits_a_batch_between_two_cores():
 
 def run_batch(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 2, GREEDY, use_tqdm=False)]
+
+
+def test_a_dead_worker_ends_the_engine_instead_of_hanging():
+    llm = LLM(tensor_parallel_size=2, **ENGINE)
+    try:
+        assert llm.generate(["ROMEO:"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        worker = llm.core.workers.workers[0].handle
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        time.sleep(0.5)  # the watcher's poll
+        with pytest.raises(EngineDeadError, match="worker 1 exited"):
+            llm.generate(["ROMEO:"], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fulcrum.engine.llm import LLM
+from fulcrum.errors import EngineDeadError
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.utils.serve_process import free_port
 
@@ -69,6 +70,11 @@ def test_tensor_parallel_on_a_ray_cluster_gives_the_tokens_of_one_process(ray_cl
         (actor,) = llm.core.workers._ray.actors  # rank 1, a Ray actor on that cluster's one node
         assert ray.get(actor.ping.remote()) == ray.util.get_node_ip_address()
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert got == ref
+        # the actor dies: the engine says so on the next request instead of waiting for the rank forever
+        ray.kill(actor)
+        time.sleep(2)
+        with pytest.raises(EngineDeadError, match="worker 1"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
-    assert got == ref
