@@ -5,7 +5,9 @@ does; any other tokenizer decodes a short window of recent tokens. Either way a 
 bytes are split across tokens is held back until it is whole. Stop strings are searched in the new
 text; a match truncates the output (the stop text is not shown unless asked for). While a request
 streams, the last `len(longest stop) - 1` characters are held back, since they might be the start
-of a stop string.
+of a stop string. Several tokens may come at once (speculative decoding): a stop string that one of them
+completes ends the output at that token, and `taken` says how many were read, so that the caller keeps those
+tokens only (their ids, logprobs and count), as it would have had they come one per step.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)
         self.output_text = ""
         self.streamed = 0  # characters of output_text already handed out
+        self.taken = 0  # tokens of the last add_tokens read: all of them, or up to the one that completed a stop
         # DecodeStream keeps its own window in Rust: one call per token instead of two full decodes in Python
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
         # A context that decodes to a replacement character (a prompt cut mid-character, or one holding U+FFFD)
@@ -72,8 +75,11 @@ class IncrementalDetokenizer:
         return None
 
     def add_tokens(self, new_ids: list[int]) -> str | None:
-        """Append tokens; return the stop string that matched, if any (the text is then final)."""
+        """Append tokens; return the stop string that matched, if any (the text is then final, and the tokens after
+        the one that completed it are not read: `taken` counts those that were)."""
+        self.taken = 0
         for tid in new_ids:
+            self.taken += 1
             self.token_ids.append(tid)
             new = self._stream_step(tid) if self.stream is not None else self._window_step()
             if new:

@@ -65,14 +65,19 @@ class OutputProcessor:
                 continue
             if o.prompt_logprobs is not None and parent.prompt_logprobs is None:
                 parent.prompt_logprobs = [None, *o.prompt_logprobs]  # every sample scores the same prompt
-            out.token_ids.extend(o.new_token_ids)
-            if o.new_logprobs and out.logprobs is not None:
-                out.logprobs.extend(o.new_logprobs)
-            text_ids = o.new_token_ids
+            new_ids = o.new_token_ids
+            text_ids = new_ids
             eos_finish = o.finish_reason == "stop" and o.stop_reason is None
             if eos_finish and text_ids:
                 text_ids = text_ids[:-1]  # the eos token itself is not part of the text
             matched = child.detok.add_tokens(text_ids)
+            if matched is not None:
+                # several tokens in one step (speculation): those after the one that completed the stop string are
+                # dropped, so ids, logprobs and usage are what one token per step gives
+                new_ids = new_ids[: child.detok.taken]
+            out.token_ids.extend(new_ids)
+            if o.new_logprobs and out.logprobs is not None:
+                out.logprobs.extend(o.new_logprobs[: len(new_ids)])
             if matched is not None:
                 out.finish_reason, out.stop_reason = "stop", matched
                 if o.finish_reason is None:

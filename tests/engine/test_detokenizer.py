@@ -115,3 +115,18 @@ def test_a_prompt_ending_in_a_replacement_character_never_leaks_into_the_output(
     detok = IncrementalDetokenizer(detok_tokenizer, ids)
     detok.add_tokens(TOK(text)["input_ids"])
     assert detok.flush() == text
+
+
+def test_several_tokens_at_once_are_read_up_to_the_one_that_completes_a_stop(detok_tokenizer):
+    """Speculative decoding hands several tokens in one step: `taken` counts those up to the one that completed
+    the stop string, and the text is what one token at a time gives."""
+    text = "Now is the winter of our discontent made glorious summer"
+    ids = TOK(text)["input_ids"]
+    _, one_by_one, hit = stream_ids(ids, stop=["our disc"])
+    assert hit == "our disc"
+    detok = IncrementalDetokenizer(detok_tokenizer, TOK("Say:")["input_ids"], stop=["our disc"])
+    assert detok.add_tokens(ids) == "our disc"
+    assert detok.output_text == one_by_one.output_text == "Now is the winter of "
+    completing = next(m for m in range(len(ids) + 1) if "our disc" in TOK.decode(ids[:m]))
+    assert detok.taken == completing < len(ids)
+    assert detok.add_tokens(ids[:3]) is None and detok.taken == 3

@@ -175,6 +175,43 @@ def test_stops_and_max_tokens_inside_a_proposal(spec, plain, expected):
     assert_no_blocks_held(llm)
 
 
+@pytest.mark.parametrize("spec", [ngram(5), draft(5)], ids=["ngram", "draft"])
+def test_a_stop_string_inside_a_proposal_ends_ids_and_logprobs_where_it_does_without(spec, plain, monkeypatch):
+    """Tokens after the one that completes a stop string are dropped (ids, logprobs, their count), however many came
+    in that step: the output is the one without speculation, with the stop shown or not."""
+    llm = bundled(spec)
+    generated = []  # tokens the engine handed out, kept or not
+    real_step = llm.core.step
+
+    def step():
+        outs = real_step()
+        generated.extend(len(o.new_token_ids) for o in outs)
+        return outs
+
+    monkeypatch.setattr(llm.core, "step", step)
+    full = tokens(plain, PROMPTS[:1], greedy(40))[0]
+    # stops that end at several places of the output: the text of three tokens ending at token j
+    stops = [plain.tokenizer.decode(full[j - 2 : j + 1]) for j in range(4, 36, 3)]
+    cut = 0
+    for stop in stops:
+        for include in (False, True):
+            sp = greedy(40, stop=[stop], logprobs=2, include_stop_str_in_output=include)
+            want = plain.generate(PROMPTS[:1], sp, use_tqdm=False)[0].outputs[0]
+            generated.clear()
+            got = llm.generate(PROMPTS[:1], sp, use_tqdm=False)[0].outputs[0]
+            assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+                want.text,
+                want.token_ids,
+                "stop",
+                stop,
+            ), stop
+            assert len(got.logprobs) == len(want.token_ids)
+            assert [lp.keys() for lp in got.logprobs] == [lp.keys() for lp in want.logprobs]
+            cut += sum(generated) > len(got.token_ids)
+    assert cut > 0  # some stop came inside a step's proposals, with tokens after it to drop
+    assert_no_blocks_held(llm)
+
+
 def test_logprobs_are_those_of_the_accepted_tokens(plain):
     sp = greedy(24, logprobs=3)
     want = plain.generate(PROMPTS, sp, use_tqdm=False)

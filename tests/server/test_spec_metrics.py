@@ -42,6 +42,33 @@ def test_streamed_greedy_text_is_the_text_without_speculation(servers):
     assert client(spec).completions.create(**kw).choices[0].text == want
 
 
+def answer(server, stream: bool, **kw):
+    """Text, token strings (of logprobs) and completion_tokens of one completion, streamed or not."""
+    c = client(server).completions
+    if not stream:
+        r = c.create(logprobs=1, **kw)
+        return r.choices[0].text, r.choices[0].logprobs.tokens, r.usage.completion_tokens, r.choices[0].finish_reason
+    chunks = list(c.create(logprobs=1, stream=True, stream_options={"include_usage": True}, **kw))
+    choices = [ch.choices[0] for ch in chunks if ch.choices]
+    toks = [t for ch in choices if ch.logprobs for t in ch.logprobs.tokens]
+    return "".join(ch.text for ch in choices), toks, chunks[-1].usage.completion_tokens, choices[-1].finish_reason
+
+
+def test_a_stop_string_inside_a_proposal_counts_as_without_speculation(servers):
+    """The tokens after the one that completes a stop string are dropped in one step's proposals: text, logprobs
+    and completion_tokens as without speculation, streamed and not."""
+    plain, spec = servers
+    kw = dict(model="shakespeare", prompt=PROMPT, max_tokens=40, temperature=0)
+    toks = answer(plain, False, **kw)[1]
+    # the text of three tokens ending at several places of the output
+    for j in range(5, 35, 3):
+        stop = "".join(toks[j - 2 : j + 1])
+        want = answer(plain, False, stop=[stop], **kw)
+        assert want[3] == "stop" and len(want[1]) == want[2] <= j + 1
+        for stream in (False, True):
+            assert answer(spec, stream, stop=[stop], **kw) == want, (stop, stream)
+
+
 def metric(text: str, name: str, **labels) -> float:
     want = "".join(f'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
     m = re.search(rf"^{re.escape(name)}\{{{want}[^}}]*\}} (\S+)$", text, re.M)
