@@ -249,6 +249,37 @@ def test_grammars_check_the_proposals(spec, plain):
     assert_no_blocks_held(llm)
 
 
+def test_a_long_prompts_draft_catch_up_is_spread_over_steps_within_the_budget(monkeypatch):
+    """The draft prefills a prompt in chunks of at most the step's token budget (max_num_batched_tokens), beside
+    requests that keep proposing; the request proposes once its draft has caught up; tokens as without."""
+    budget = 32
+    long_prompt = "\n".join([PASSAGE] * 4) + "\n" + PASSAGE[:60]
+    prompts = [long_prompt, PROMPTS[1], PROMPTS[2]]
+    kw = dict(max_num_batched_tokens=budget, block_size=8)
+    want = tokens(bundled(**kw), prompts, greedy(40))
+    llm = bundled(draft(3), **kw)
+    forwards = []  # per draft forward: {request id: tokens computed}
+    real = llm.core.proposer.runner.last_logits
+
+    def last_logits(steps):
+        forwards.append({s.request.request_id: s.num_new_tokens for s in steps})
+        return real(steps)
+
+    monkeypatch.setattr(llm.core.proposer.runner, "last_logits", last_logits)
+    assert tokens(llm, prompts, greedy(40)) == want
+    assert max(sum(f.values()) for f in forwards) <= budget
+    n_long = len(llm.tokenizer(long_prompt)["input_ids"])
+    assert n_long > 4 * budget
+    long_id = "0-0"  # the first prompt's one sample
+    chunked = [i for i, f in enumerate(forwards) if f.get(long_id, 0) > 4]  # more than a decode's catch-up
+    assert len(chunked) >= n_long // budget and sum(forwards[i][long_id] for i in chunked) >= n_long
+    # the others went on proposing while it caught up, and it proposed once it had
+    assert any(len(forwards[i]) > 1 for i in chunked)
+    assert sum(long_id in f for f in forwards[chunked[-1] + 1 :]) > 10
+    assert llm.stats()["spec_num_accepted_tokens"] > 0
+    assert_no_blocks_held(llm)
+
+
 def test_aborted_and_finished_requests_hold_no_blocks():
     llm = bundled(draft(4))
     ids = [llm.add_request(p, llm.tokenizer(p)["input_ids"], greedy(200)) for p in PROMPTS]

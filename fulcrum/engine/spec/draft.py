@@ -1,6 +1,8 @@
 """A draft model proposes: a smaller model of the same tokenizer, with its own paged KV cache, runs k steps per
 engine step over all speculating requests at once (the first step catches it up on the tokens the target added
-since, a prefill the first time; each further step is one decode per request).
+since, a prefill the first time; each further step is one decode per request). The catch-up of one engine step
+holds at most the target's step budget (max_num_batched_tokens) of tokens: a long prompt's draft prefill is spread
+over steps, and its request decodes without proposals until the draft has caught up.
 
 Its cache holds as many blocks as the target's, in the same memory budget (the target's runner sizes both). A
 request's draft KV is valid up to what the target accepted: after verification the draft's progress is cut back to
@@ -56,6 +58,13 @@ class DraftModelProposer:
         self.vocab_size = min(mc.hf_config.vocab_size, target.hf_config.vocab_size)
         self.kv: KVCacheManager | None = None  # once the target has sized the cache (attach)
         self.seqs: dict[str, _DraftSeq] = {}
+        # tokens the draft catches up on per engine step, over all requests: the target's step budget, so that a
+        # long prompt's draft prefill is chunked like the target's and a step's draft work stays bounded
+        self.catch_up_budget = (
+            config.max_num_batched_tokens
+            if config.enable_chunked_prefill
+            else max(config.max_num_batched_tokens, mc.max_model_len)
+        )
         log.info("speculative decoding: draft model %s, k=%d", mc.path, spec.num_speculative_tokens)
 
     def attach(self, enable_prefix_caching: bool) -> None:
@@ -75,39 +84,62 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, reqs: list[Request], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """ks[i] proposals for reqs[i] (none where the draft's cache is full), and for a sampling request the
-        draft distribution q each was drawn from ([ks[i], V]); None for a greedy one (its proposals are argmaxes)."""
+        """ks[i] proposals for reqs[i] (none where the draft's cache is full or its catch-up is still under way),
+        and for a sampling request the draft distribution q each was drawn from ([ks[i], V]); None for a greedy one
+        (its proposals are argmaxes)."""
         ks = list(ks)
         drafts: list[list[int]] = [[] for _ in reqs]
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        active, steps = [], []
-        for i, (req, k) in enumerate(zip(reqs, ks)):
-            k = min(k, self.model_config.max_model_len - req.num_tokens)
-            seq = self._ready(req, k)
-            if seq is not None:
-                active.append(i)
-                steps.append(ScheduledRequest(seq, seq.num_tokens - seq.num_computed_tokens, [], []))
+        # the first forward: each request's catch-up, the shortest first (a decoding request's is the 1..k+1
+        # tokens the target just added), within the step's budget; one left behind gets a chunk of its catch-up
+        # and proposes nothing until it has caught up
+        budget, steps, rows = self.catch_up_budget, [], []  # rows: the request each step proposes for, or None
+        for i in sorted(range(len(reqs)), key=lambda i: self._behind(reqs[i])):
+            k = min(ks[i], self.model_config.max_model_len - reqs[i].num_tokens)
+            ks[i] = 0
+            seq, n, whole = self._ready(reqs[i], k, budget)
+            if seq is None:
+                continue
+            budget -= n
+            steps.append(ScheduledRequest(seq, n, [], []))
+            rows.append(i if whole else None)
+            if whole:
                 ks[i] = k
-        for j in range(max((ks[i] for i in active), default=0)):
+        active = [i for i in rows if i is not None]
+        for j in range(max((ks[i] for i in active), default=1) if steps else 0):
             if j:  # one decode per request still drafting: its last proposal in, the next out
                 active = [i for i in active if ks[i] > j]
                 steps = [ScheduledRequest(self.seqs[reqs[i].request_id], 1, [], drafts[i]) for i in active]
+                rows = active
             for s in steps:
                 s.block_table = self.kv.block_table(s.request.request_id)
             logits = self.runner.last_logits(steps)[:, : self.vocab_size]
-            tokens, probs = self._draw(logits, [reqs[i] for i in active])
-            for row, (i, s) in enumerate(zip(active, steps)):
+            for s in steps:
                 s.request.num_computed_tokens += s.num_new_tokens
-                drafts[i].append(tokens[row])
+            drawing = [r for r, i in enumerate(rows) if i is not None]
+            if not drawing:
+                continue
+            tokens, probs = self._draw(logits[drawing], [reqs[rows[r]] for r in drawing])
+            for t, r in enumerate(drawing):
+                i = rows[r]
+                drafts[i].append(tokens[t])
                 if probs is not None and not reqs[i].sampling_params.greedy:
-                    qs[i].append(probs[row])
+                    qs[i].append(probs[t])
         return drafts, [torch.stack(q) if q else None for q in qs]
 
-    def _ready(self, req: Request, k: int) -> _DraftSeq | None:
-        """The request's draft sequence with its progress cut back to the target's and room for its catch-up and
-        k - 1 more proposals' KV, or None when the draft's cache has no room (it does not propose this step)."""
+    def _behind(self, req: Request) -> int:
+        """Tokens the draft has still to compute for `req` (its whole context the first time)."""
+        seq = self.seqs.get(req.request_id)
+        done = min(seq.num_computed_tokens, req.num_computed_tokens) if seq is not None else 0
+        return req.num_tokens - done
+
+    def _ready(self, req: Request, k: int, budget: int) -> tuple[_DraftSeq | None, int, bool]:
+        """The request's draft sequence with its progress cut back to the target's and room for the tokens it
+        computes now: its whole catch-up and k - 1 more proposals' KV when the catch-up fits `budget` (then True),
+        else a chunk of `budget` tokens of it (False). (None, 0, False) when there is neither budget nor room in
+        the draft's cache: it does not propose this step."""
         if k <= 0:
-            return None
+            return None, 0, False
         seq = self.seqs.get(req.request_id)
         computed, cached = [], 0
         if seq is None:
@@ -118,13 +150,15 @@ class DraftModelProposer:
             seq.num_computed_tokens = min(seq.num_computed_tokens, req.num_computed_tokens)
             self.kv.release_out_of_window(seq)
         catch_up = seq.num_tokens - seq.num_computed_tokens - cached
-        if not self.kv.allocate_slots(seq, catch_up + k - 1, computed):
+        whole = catch_up <= budget
+        n = catch_up if whole else budget
+        if n <= 0 or not self.kv.allocate_slots(seq, n + k - 1 if whole else n, computed):
             if req.request_id not in self.seqs:
                 self.kv.free(seq)  # the prefix hashes it looked up
-            return None
+            return None, 0, False
         seq.num_computed_tokens += cached
         self.seqs[req.request_id] = seq
-        return seq
+        return seq, n, whole
 
     @staticmethod
     def _draw(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], torch.Tensor | None]:
