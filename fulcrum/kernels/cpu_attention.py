@@ -37,6 +37,22 @@ static inline vf vload(const int8_t* p) { return vload_i8(p); }
 static inline vf vload(const c10::Float8_e4m3fn* p) { return vload_f8((const uint8_t*)p); }
 template <typename C> constexpr float load_factor() { return std::is_same_v<C, c10::Float8_e4m3fn> ? 256.f : 1.f; }
 
+// A head of HD values in vectors of VW: HD need not be a multiple of VW (a draft's head_dim 24 on AVX-512). The
+// last vector then holds the HD % VW values left and zeros, loaded through a zeroed buffer so that no read passes
+// the head's end (the next head's values, or the cache's end); zero queries make the padded lanes score nothing.
+template <int HD> constexpr int num_vectors() { return (HD + VW - 1) / VW; }
+template <int HD, typename P>
+static inline vf vload_head(const P* p, int c) {
+  if constexpr (HD % VW != 0) {
+    if (c == num_vectors<HD>() - 1) {
+      alignas(64) unsigned char buf[VW * sizeof(P)] = {};
+      std::memcpy(buf, p + VW * c, (HD % VW) * sizeof(P));
+      return vload((const P*)buf);
+    }
+  }
+  return vload(p + VW * c);
+}
+
 
 // Calls fn(i, row, slot) for the cached tokens start..ctx-1 in order (i counts from 0; slot: the token's cache
 // slot), walking the block table once instead of dividing every position by the block size.
@@ -58,16 +74,16 @@ static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, c
                    int64_t sstride, const int64_t* table, int64_t start, int64_t ctx, int64_t bs, int64_t kv_stride,
                    int64_t g, float scale, float softcap, float* scores, T* out, int64_t q_stride) {
   constexpr float factor = load_factor<C>();
-  constexpr int NV = HD / VW;
+  constexpr int NV = num_vectors<HD>();
   const int64_t n = ctx - start;
   // queries of the group in fp32, scaled: [g][C] vectors (from L1 when they outnumber the registers)
   vf qv[16][NV];
   for (int64_t h = 0; h < g; ++h)
-    for (int c = 0; c < NV; ++c) qv[h][c] = vmul(vload(q + h * q_stride + VW * c), vset1(scale));
+    for (int c = 0; c < NV; ++c) qv[h][c] = vmul(vload_head<HD>(q + h * q_stride, c), vset1(scale));
   // scores [g, n]: each key is read and widened once, then scored against the g heads
   for_each_token(kc, table, start, ctx, bs, kv_stride, [&](int64_t i, const C* k, int64_t slot) {
     vf kv[NV];
-    for (int c = 0; c < NV; ++c) kv[c] = vload(k + VW * c);
+    for (int c = 0; c < NV; ++c) kv[c] = vload_head<HD>(k, c);
     const float ks = ksc ? float(ksc[slot * sstride]) * factor : 1.f;
     for (int64_t h = 0; h < g; ++h) {
       vf acc = vmul(qv[h][0], kv[0]);
@@ -103,7 +119,7 @@ static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, c
     for (int64_t h = 0; h < hn; ++h) for (int c = 0; c < NV; ++c) acc[h][c] = vzero();
     for_each_token(vc, table, start, ctx, bs, kv_stride, [&](int64_t i, const C* v, int64_t slot) {
       vf vv[NV];
-      for (int c = 0; c < NV; ++c) vv[c] = vload(v + VW * c);
+      for (int c = 0; c < NV; ++c) vv[c] = vload_head<HD>(v, c);
       const float vs = vsc ? float(vsc[slot * sstride]) * factor : 1.f;
       for (int64_t h = 0; h < hn; ++h) {
         const vf p = vset1(scores[(h0 + h) * n + i] * vs);
@@ -111,7 +127,7 @@ static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, c
       }
     });
     for (int64_t h = 0; h < hn; ++h) {
-      alignas(64) float tmp[HD];
+      alignas(64) float tmp[NV * VW];
       for (int c = 0; c < NV; ++c) vstore(tmp + VW * c, acc[h][c]);
       for (int d = 0; d < HD; ++d) store(out + (h0 + h) * q_stride + d, tmp[d]);
     }
@@ -167,10 +183,12 @@ constexpr int QB = 16;
 
 // R rows (queries) against one key block: scores (R independent FMA chains over hd, the key block read once for all),
 // the causal limit (a row sees `seen` keys: those past it in the block become -inf), the online-softmax update, and
-// the weighted values added to the accumulators (each value vector read once for the R rows).
+// the weighted values added to the accumulators (each value vector read once for the R rows). Q rows hold hd
+// values; the accumulators and value rows hdp (hd rounded up to whole vectors, the padding zero).
 template <int R>
 static inline void prefill_rows(const float* Q, float* acc, float* mx, float* sum, const float* Kt, const float* Vb,
-                                const int64_t* seen, int64_t k0, int64_t kn, int64_t hd, int64_t window) {
+                                const int64_t* seen, int64_t k0, int64_t kn, int64_t hd, int64_t hdp,
+                                int64_t window) {
   vf sc[R];
   for (int j = 0; j < R; ++j) sc[j] = vzero();
   for (int64_t d = 0; d < hd; ++d) {
@@ -199,14 +217,14 @@ static inline void prefill_rows(const float* Q, float* acc, float* mx, float* su
     sum[j] = sum[j] * corr[j] + vsum(e);
     mx[j] = m_new;
   }
-  for (int64_t c = 0; c < hd / VW; ++c) {
+  for (int64_t c = 0; c < hdp / VW; ++c) {
     vf a[R];
-    for (int j = 0; j < R; ++j) a[j] = vmul(vload(acc + j * hd + c * VW), vset1(corr[j]));
+    for (int j = 0; j < R; ++j) a[j] = vmul(vload(acc + j * hdp + c * VW), vset1(corr[j]));
     for (int64_t i = 0; i < valid; ++i) {
-      const vf vv = vload(Vb + i * hd + c * VW);
+      const vf vv = vload(Vb + i * hdp + c * VW);
       for (int j = 0; j < R; ++j) a[j] = vfmadd(vset1(p[j][i]), vv, a[j]);
     }
-    for (int j = 0; j < R; ++j) vstore(acc + j * hd + c * VW, a[j]);
+    for (int j = 0; j < R; ++j) vstore(acc + j * hdp + c * VW, a[j]);
   }
 }
 
@@ -215,19 +233,20 @@ static void prefill_task(const T* q, const T* k, const T* v, T* out, int64_t n, 
                          int64_t hd, int64_t qs, int64_t ks, int64_t vs, int64_t os, float scale, int64_t kvh,
                          int64_t q0, int64_t window, float* scratch) {
   const int64_t g = H / KVH, q1 = std::min(n, q0 + QB), rows = (q1 - q0) * g, past = m - n;
-  float* Q = scratch;                 // [rows][hd], scaled
-  float* acc = Q + QB * MAX_G * hd;   // [rows][hd]
-  float* mx = acc + QB * MAX_G * hd;  // [rows]
-  float* sum = mx + QB * MAX_G;       // [rows]
-  float* Kt = sum + QB * MAX_G;       // [hd][VW]
-  float* Vb = Kt + hd * VW;           // [VW][hd]
+  const int64_t hdp = (hd + VW - 1) / VW * VW;  // hd in whole vectors (a multiple of 8 on AVX-512: half of one)
+  float* Q = scratch;                  // [rows][hd], scaled
+  float* acc = Q + QB * MAX_G * hd;    // [rows][hdp]
+  float* mx = acc + QB * MAX_G * hdp;  // [rows]
+  float* sum = mx + QB * MAX_G;        // [rows]
+  float* Kt = sum + QB * MAX_G;        // [hd][VW]
+  float* Vb = Kt + hd * VW;            // [VW][hdp]
   int64_t seen[QB * MAX_G];           // keys each row's query sees
   for (int64_t t = q0; t < q1; ++t)
     for (int64_t j = 0; j < g; ++j) {
       const int64_t r = (t - q0) * g + j;
       const T* src = q + t * qs + (kvh * g + j) * hd;
       for (int64_t d = 0; d < hd; ++d) Q[r * hd + d] = float(src[d]) * scale;
-      for (int64_t d = 0; d < hd; ++d) acc[r * hd + d] = 0.f;
+      for (int64_t d = 0; d < hdp; ++d) acc[r * hdp + d] = 0.f;
       mx[r] = -INFINITY;
       sum[r] = 0.f;
       seen[r] = past + t + 1;
@@ -241,33 +260,34 @@ static void prefill_task(const T* q, const T* k, const T* v, T* out, int64_t n, 
       const T* kr = k + (k0 + i) * ks + kvh * hd;
       const T* vr = v + (k0 + i) * vs + kvh * hd;
       for (int64_t d = 0; d < hd; ++d) Kt[d * VW + i] = i < kn ? float(kr[d]) : 0.f;
-      for (int64_t d = 0; d < hd; ++d) Vb[i * hd + d] = i < kn ? float(vr[d]) : 0.f;
+      for (int64_t d = 0; d < hdp; ++d) Vb[i * hdp + d] = i < kn && d < hd ? float(vr[d]) : 0.f;
     }
     int64_t r = 0;
     for (; r + 8 <= rows; r += 8)
-      prefill_rows<8>(Q + r * hd, acc + r * hd, mx + r, sum + r, Kt, Vb, seen + r, k0, kn, hd, window);
+      prefill_rows<8>(Q + r * hd, acc + r * hdp, mx + r, sum + r, Kt, Vb, seen + r, k0, kn, hd, hdp, window);
     for (; r + 2 <= rows; r += 2)
-      prefill_rows<2>(Q + r * hd, acc + r * hd, mx + r, sum + r, Kt, Vb, seen + r, k0, kn, hd, window);
-    for (; r < rows; ++r) prefill_rows<1>(Q + r * hd, acc + r * hd, mx + r, sum + r, Kt, Vb, seen + r, k0, kn, hd, window);
+      prefill_rows<2>(Q + r * hd, acc + r * hdp, mx + r, sum + r, Kt, Vb, seen + r, k0, kn, hd, hdp, window);
+    for (; r < rows; ++r)
+      prefill_rows<1>(Q + r * hd, acc + r * hdp, mx + r, sum + r, Kt, Vb, seen + r, k0, kn, hd, hdp, window);
   }
   for (int64_t t = q0; t < q1; ++t)
     for (int64_t j = 0; j < g; ++j) {
       const int64_t r = (t - q0) * g + j;
       const float inv = 1.0f / sum[r];
       T* dst = out + t * os + (kvh * g + j) * hd;
-      for (int64_t d = 0; d < hd; ++d) store(dst + d, acc[r * hd + d] * inv);
+      for (int64_t d = 0; d < hd; ++d) store(dst + d, acc[r * hdp + d] * inv);
     }
 }
 
 // q [n, H, hd], k and v [m, KVH, hd], out [n, H, hd], each with its own row stride (elements between tokens; the
 // heads of a token packed); the queries are the last n of the m positions. Returns 0, or -1 for a head_dim that is
-// not a multiple of the vector width or a group over MAX_G.
+// not a multiple of 8 or a group over MAX_G.
 extern "C" int64_t fulcrum_prefill_attention(int64_t bf16, const void* q, const void* k, const void* v, void* out,
                                              int64_t n, int64_t m, int64_t H, int64_t KVH, int64_t hd, int64_t qs,
                                              int64_t ks, int64_t vs, int64_t os, float scale, int64_t window) {
-  if (hd % VW || H / KVH > MAX_G) return -1;
-  const int64_t blocks = (n + QB - 1) / QB, tasks = blocks * KVH;
-  const int64_t floats = 2 * QB * MAX_G * hd + 2 * QB * MAX_G + 2 * hd * VW;
+  if (hd % 8 || H / KVH > MAX_G) return -1;
+  const int64_t blocks = (n + QB - 1) / QB, tasks = blocks * KVH, hdp = (hd + VW - 1) / VW * VW;
+  const int64_t floats = QB * MAX_G * (hd + hdp) + 2 * QB * MAX_G + (hd + hdp) * VW;
   at::parallel_for(0, tasks, 1, [&](int64_t b, int64_t e) {
     std::vector<float> scratch(floats + 16);
     for (int64_t t = b; t < e; ++t) {
@@ -300,14 +320,17 @@ extern "C" int64_t fulcrum_decode_attention(int64_t bf16, int64_t kind, const vo
                               width, scale, window, softcap);                                                      \
     return 0;
   switch (hd) {
-    CASE(16) CASE(32) CASE(64) CASE(80) CASE(96) CASE(128) CASE(160) CASE(256)
+    CASE(8) CASE(16) CASE(24) CASE(32) CASE(40) CASE(48) CASE(56) CASE(64) CASE(80) CASE(96) CASE(128) CASE(160)
+    CASE(256)
   }
 #undef CASE
   return -1;
 }
 """
 
-HEAD_DIMS = (16, 32, 64, 80, 96, 128, 160, 256)
+# the decode kernel's builds: the common sizes, and every multiple of 8 below 64 (small draft models: the bundled
+# one's is 24); on AVX-512 one that is not a multiple of 16 ends in a half-filled vector
+HEAD_DIMS = (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 128, 160, 256)
 
 
 def level() -> str:
@@ -384,12 +407,12 @@ def decode(
 
 
 def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """CPU, bf16/fp32 alike, a head size that is a multiple of the vector width, a group of at most MAX_GROUP."""
+    """CPU, bf16/fp32 alike, a head size that is a multiple of 8, a group of at most MAX_GROUP."""
     return (
         q.device.type == "cpu"
         and q.dtype in _DTYPES
         and k.dtype == v.dtype == q.dtype
-        and q.shape[-1] % (16 if level() == "avx512" else 8) == 0
+        and q.shape[-1] % 8 == 0
         and q.shape[1] % k.shape[1] == 0
         and q.shape[1] // k.shape[1] <= MAX_GROUP
         and all(cpu_ext.rows_packed(t) for t in (q, k, v))

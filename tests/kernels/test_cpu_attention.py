@@ -6,6 +6,7 @@ import torch
 
 from fulcrum.kernels import cpu_attention
 from fulcrum.layers.attention import Attention, AttentionMetadata
+from fulcrum.quant import kv as kv_quant
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="needs an x86 CPU with AVX2 and a compiler")
 
@@ -55,6 +56,11 @@ def reference(q, kc, vc, tables, ctxs, scale, window, softcap=None):
         ([1, 50, 300], 14, 2, 64, 16, 21),  # a window starting mid-vector
         ([30, 7], 8, 2, 32, 8, None),  # blocks of 8: one key at a time on AVX-512, whole vectors on AVX2
         ([61, 3], 8, 2, 32, 24, 10),  # blocks of 24: one key at a time on both
+        # head dims that are a multiple of 8, not of 16: AVX-512 ends each head with a half-filled vector
+        ([1, 17, 300], 4, 2, 24, 16, None),  # the bundled draft model's shape
+        ([50, 9], 8, 1, 40, 16, 21),
+        ([33, 2], 2, 2, 8, 8, None),
+        ([20, 64], 6, 3, 56, 16, None),
     ],
 )
 def test_matches_attention_over_gathered_tokens(dtype, tol, ctxs, heads, kv_heads, head_dim, block, window):
@@ -77,6 +83,22 @@ def test_soft_capped_scores(dtype, tol, window):
     assert (reference(q, kc, vc, tables, lens, 64**-0.5, window) - want).abs().max() > 0.1
 
 
+@pytest.mark.skipif(not cpu_attention.available(True), reason="needs the quantized caches' build")
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_head_dim_of_24_reads_the_quantized_cache(name, dtype):
+    """int8 and fp8 caches through the half-filled last vector: no byte past a head's end is read."""
+    q, kc, vc, tables, lens = paged([1, 17, 300], 4, 2, 24, 16, torch.float32)
+    fmt = kv_quant.FORMATS[name]
+    (kq, ks), (vq, vs) = kv_quant.quantize(kc * 4, fmt), kv_quant.quantize(vc, fmt)
+    q = q.to(dtype)
+    assert cpu_attention.usable(q, kq, 2)
+    got = cpu_attention.decode(q, kq, vq, tables, lens, 24**-0.5, None, ks, vs)
+    kd, vd = kv_quant.dequantize(kq, ks, torch.float64), kv_quant.dequantize(vq, vs, torch.float64)
+    want = reference(q, kd, vd, tables, lens, 24**-0.5, None)
+    assert (got.double() - want).abs().max() < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def test_attention_layer_gives_the_same_with_and_without_the_kernel(monkeypatch):
     q, kc, vc, tables, lens = paged([5, 123, 64], 14, 2, 64, 16, torch.float32)
     layer = Attention(14, 2, 64, 0.125)
@@ -91,7 +113,7 @@ def test_attention_layer_gives_the_same_with_and_without_the_kernel(monkeypatch)
 
 
 def test_unsupported_shapes_fall_back():
-    q, kc, _, _, _ = paged([4], 2, 1, 48, 16, torch.float32)  # head_dim 48 has no kernel
+    q, kc, _, _, _ = paged([4], 2, 1, 20, 16, torch.float32)  # head_dim 20 (not a multiple of 8) has no kernel
     assert not cpu_attention.usable(q, kc, 1)
     q, kc, _, _, _ = paged([4], 4, 1, 64, 16, torch.float16)
     assert not cpu_attention.usable(q, kc, 1)
@@ -118,7 +140,9 @@ def causal_reference(q, k, v, scale, window=None):
         (1, 1, 4, 4, 32, None),  # one token
         (129, 129, 8, 8, 128, None),  # no GQA, wide heads
         (50, 70, 16, 1, 64, None),  # MQA with the largest group
-        (17, 17, 3, 3, 48, None),  # head_dim 48: an AVX2 build takes it, an AVX-512 one does not
+        (17, 17, 3, 3, 48, None),  # head_dim 48, 24: AVX-512 ends each head with a half-filled vector
+        (70, 70, 4, 2, 24, None),  # the bundled draft model's shape
+        (9, 40, 4, 2, 24, 16),
         (200, 200, 8, 2, 32, 37),  # sliding window, not a multiple of the key block
         (40, 300, 4, 2, 64, 100),  # a chunk after cached context, windowed
     ],
@@ -129,9 +153,7 @@ def test_prefill_kernel_matches_causal_attention(dtype, tol, n, m, heads, kv_hea
     qkv = torch.randn(m, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k, v = q[m - n :].view(n, heads, head_dim), k.view(m, kv_heads, head_dim), v.view(m, kv_heads, head_dim)
-    if not cpu_attention.prefill_usable(q, k, v):
-        assert head_dim % 16 and cpu_attention.level() == "avx512"
-        return
+    assert cpu_attention.prefill_usable(q, k, v)
     got = cpu_attention.prefill(q, k, v, head_dim**-0.5, window)
     assert got.dtype == dtype and got.shape == q.shape
     assert (got.double() - causal_reference(q, k, v, head_dim**-0.5, window)).abs().max() < tol
