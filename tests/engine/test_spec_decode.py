@@ -155,6 +155,36 @@ def test_seeded_samples_with_a_draft_are_reproducible_alone_and_batched():
     assert llm.stats()["spec_num_accepted_tokens"] > 0
 
 
+@pytest.mark.parametrize("spec", [ngram(5), draft(4)], ids=["ngram", "draft"])
+def test_penalties_and_min_tokens_count_the_proposals_as_output(spec, plain, expected):
+    """Row j of a verification sees the j proposals before it as output: repetition, frequency and presence penalties
+    and min_tokens (a stop token held back until then) give the tokens they give without speculation."""
+    full = expected[0]
+    params = [
+        greedy(repetition_penalty=1.3),
+        greedy(frequency_penalty=0.6, presence_penalty=0.3),
+        SamplingParams(temperature=0, max_tokens=N_NEW, min_tokens=20, stop_token_ids=[full[4], full[12]]),
+    ]
+    llm = bundled(spec)
+    for sp in params:
+        assert tokens(llm, PROMPTS, sp) == tokens(plain, PROMPTS, sp), sp
+    assert llm.stats()["spec_num_accepted_tokens"] > 0
+    assert_no_blocks_held(llm)
+
+
+def test_n_samples_with_a_draft_are_reproducible_and_share_no_leaked_blocks():
+    """n > 1 with a draft model: n engine requests share the prompt's blocks in both caches; seeded, they give the
+    same n samples in another engine, and every block comes back."""
+    sp = SamplingParams(n=3, temperature=0.9, max_tokens=30, seed=3, ignore_eos=True)
+    llm = bundled(draft(3))
+    first = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[1:3], sp, use_tqdm=False)]
+    again = [[c.token_ids for c in o.outputs] for o in bundled(draft(3)).generate(PROMPTS[1:3], sp, use_tqdm=False)]
+    assert first == again
+    assert all(len({tuple(t) for t in samples}) > 1 for samples in first)  # n different samples
+    assert llm.stats()["spec_num_accepted_tokens"] > 0
+    assert_no_blocks_held(llm)
+
+
 @pytest.mark.parametrize("spec", [ngram(5), draft(5)], ids=["ngram", "draft"])
 def test_stops_and_max_tokens_inside_a_proposal(spec, plain, expected):
     llm = bundled(spec)
@@ -212,10 +242,11 @@ def test_a_stop_string_inside_a_proposal_ends_ids_and_logprobs_where_it_does_wit
     assert_no_blocks_held(llm)
 
 
-def test_logprobs_are_those_of_the_accepted_tokens(plain):
+@pytest.mark.parametrize("spec", [ngram(4), draft(4)], ids=["ngram", "draft"])
+def test_logprobs_are_those_of_the_accepted_tokens(spec, plain):
     sp = greedy(24, logprobs=3)
     want = plain.generate(PROMPTS, sp, use_tqdm=False)
-    got = bundled(ngram(4)).generate(PROMPTS, sp, use_tqdm=False)
+    got = bundled(spec).generate(PROMPTS, sp, use_tqdm=False)
     for w, g in zip(want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert len(g.outputs[0].logprobs) == 24
