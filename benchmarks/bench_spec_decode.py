@@ -8,7 +8,9 @@ For each, decode tokens/s at batch sizes 1, 2, 4, ... (the speedup at batch 1 an
 batch where it is still above 1 is the crossover), acceptance rate and mean accepted length, and where a step's time
 goes (the target's verify forward, the proposer). Each round runs the plain engine and the speculative one in turn
 on the same prompts, so the machine's drift falls on both; the table gives the speedup of the best rounds, and the
-median and spread (min-max) of the rounds' own speedups. On a shared 2-core VM use --threads 1: two OpenMP threads
+median and spread (min-max) of the rounds' own speedups. Then the bundled draft's proposing time per step with its
+head_dim-24 attention through the CPU kernels and through PyTorch ops (before the kernels took it), step by step.
+On a shared 2-core VM use --threads 1: two OpenMP threads
 wait on each other whenever another process holds one of the cores. Decode time runs from the step that gave the batch its first tokens to the one that gave the last
 (the requests' timestamps), so prefill is out of it; prefix caching is off so that every round computes the same. Greedy outputs are checked equal to the plain engine's.
 
@@ -155,6 +157,69 @@ def verify_cost(folder: Path, dtype: str, ks, batches, threads, tokens: int = 48
     return rows
 
 
+def without_small_head_kernels():
+    """The attention kernels as they were before they took head dims that are not a multiple of 16 on AVX-512 (the
+    bundled draft's 24): PyTorch ops for those heads. Returns the function that puts the kernels back."""
+    from fulcrum.kernels import cpu_attention
+
+    usable, prefill_usable = cpu_attention.usable, cpu_attention.prefill_usable
+    cpu_attention.usable = lambda q, *a: q.shape[-1] % 16 == 0 and usable(q, *a)
+    cpu_attention.prefill_usable = lambda q, *a: q.shape[-1] % 16 == 0 and prefill_usable(q, *a)
+
+    def restore():
+        cpu_attention.usable, cpu_attention.prefill_usable = usable, prefill_usable
+
+    return restore
+
+
+def draft_step(batches, rounds: int, threads, k: int = 4, tokens: int = 64) -> list[tuple]:
+    """The bundled draft's proposing time per engine step (its catch-up forward and k - 1 decodes, all requests at
+    once) with its head_dim-24 attention through the kernels and through PyTorch ops: the two alternate step by step
+    in one engine, so that the load of a shared machine falls on both alike. Medians over a round's decode steps,
+    then the median and spread of the rounds' ratios."""
+    sc = {"method": "draft_model", "model": str(DRAFT), "num_speculative_tokens": k, "disable_by_batch_size": None}
+    llm = LLM(
+        dtype="float32", kv_cache_memory=256 << 20, enable_prefix_caching=False, max_num_seqs=max(batches),
+        cpu_threads=threads, speculative_config=sc,
+    )  # fmt: skip
+    times: dict[str, list[float]] = {"kernel": [], "torch": []}
+    propose, calls = llm.core.proposer.propose, [0]
+
+    def timed(reqs, ks):
+        calls[0] += 1
+        mode = "torch" if calls[0] % 2 else "kernel"
+        restore = without_small_head_kernels() if mode == "torch" else (lambda: None)
+        t0 = time.perf_counter()
+        try:
+            return propose(reqs, ks)
+        finally:
+            dt = time.perf_counter() - t0
+            restore()
+            if all(len(r.output_token_ids) > 1 for r in reqs):  # decode steps: not the prompt's catch-up
+                times[mode].append(dt)
+
+    llm.core.proposer.propose = timed
+    text = held_out_text()
+    rows = []
+    for b in batches:
+        prompts = shakespeare_prompts(text, b)
+        sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        per = {"kernel": [], "torch": []}
+        for _ in range(rounds):
+            for v in times.values():
+                v.clear()
+            llm.generate(prompts, sp, use_tqdm=False)
+            for mode in per:
+                per[mode].append(statistics.median(times[mode]))
+        t, kn = statistics.median(per["torch"]), statistics.median(per["kernel"])
+        ratios = [a / c for a, c in zip(per["torch"], per["kernel"])]
+        r_med, r_lo, r_hi = statistics.median(ratios), min(ratios), max(ratios)
+        rows.append((b, k, f"{t * 1000:.2f}", f"{kn * 1000:.2f}", f"{r_med:.2f}", f"{r_lo:.2f}-{r_hi:.2f}"))
+        print(f"  draft step b={b} k={k}: PyTorch ops {t * 1000:.2f} ms, kernels {kn * 1000:.2f} ms, x{r_med:.2f} "
+              f"(rounds {r_lo:.2f}-{r_hi:.2f})", flush=True)  # fmt: skip
+    return rows
+
+
 def spec_delta(before: dict, after: dict) -> tuple[int, int, int]:
     return tuple(after[k] - before[k] for k in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens"))
 
@@ -224,6 +289,7 @@ def main() -> None:
     )
     p.add_argument("--cost-dtype", default="bfloat16")
     p.add_argument("--skip-cost", action="store_true", help="skip the verification-cost table")
+    p.add_argument("--skip-draft-step", action="store_true", help="skip the draft step's kernel-vs-PyTorch table")
     p.add_argument("--threads", type=int, default=None, help="engine compute threads (default: one per core)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -236,7 +302,11 @@ def main() -> None:
         "draft-shakespeare": shakespeare_prompts(text, max(args.batches)),
     }
     common = dict(
-        dtype="float32", kv_cache_memory=256 << 20, enable_prefix_caching=False, max_num_seqs=max(args.batches)
+        dtype="float32",
+        kv_cache_memory=256 << 20,
+        enable_prefix_caching=False,
+        max_num_seqs=max(args.batches),
+        cpu_threads=args.threads,
     )
     plain = LLM(**common)
     rows, results = [], []
@@ -285,6 +355,14 @@ def main() -> None:
         if args.cost_model:
             cost += verify_cost(Path(args.cost_model), args.cost_dtype, [1, 2, 4, 6], [1, 8], args.threads)
         print_table("verification cost (median step)", cost, ("model", "batch", "k", "ms/step", "vs k=0"))
+    if not args.skip_draft_step:
+        print("\ndraft step: the bundled draft's proposing time per step, head_dim 24 through the kernels or PyTorch")
+        steps = draft_step([1, 8], max(args.rounds, 5), args.threads)
+        print_table(
+            "draft proposing time per step (median of steps, median of rounds; speedup: median of the rounds' ratios)",
+            steps,
+            ("batch", "k", "PyTorch ms", "kernels ms", "speedup", "spread"),
+        )
     print("load average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     save_json(args.out, {"cpu": cpu_summary(), "results": results})
 

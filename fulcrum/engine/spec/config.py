@@ -17,7 +17,9 @@ METHODS = ("ngram", "draft_model")
 # is the crossover measured for the device (benchmarks/bench_spec_decode.py, benchmarks/results/cpu-spec-decode.log):
 # on this project's 2-core CPU, n-gram speculation on the bundled target paid at batch 1 (1.13x), broke even at 2 and
 # lost from 4 on, since every verified token costs the CPU real FLOPs (a row of the tiny target ~0.4 ms on one core);
-# the draft model paid at no batch size. On CUDA, unmeasured here, the default never turns it off.
+# the draft model paid at no batch size then, and about broke even at batches 1-2 (k=2, rounds' medians 1.08 and 1.12,
+# load 5) once its head_dim-24 attention ran in the CPU kernels. On CUDA, unmeasured here, the default never turns
+# it off.
 DEFAULT_DISABLE_BY_BATCH_SIZE = {"cpu": 2, "cuda": None}
 _KEYS = {
     "method",
