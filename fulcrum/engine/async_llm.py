@@ -224,10 +224,12 @@ class AsyncLLM:
                 self.stats = total_stats([c.stats for c in self.cores])
                 if len(self.cores) > 1:  # the loggers count every core's work: give them the totals
                     msg = CoreOutputs(msg.outputs, self.stats, msg.timestamp)
+                self._release([o.request_id for o in msg.outputs if o.finish_reason is not None])
+                # processed first: outputs keep only the tokens the frontend took (none past a stop string), which
+                # is what the loggers count
+                results, stop_now = self.processor.process(msg.outputs)
                 for logger in self.stat_loggers:
                     logger.record(msg, now)
-                self._release([o.request_id for o in msg.outputs if o.finish_reason is not None])
-                results, stop_now = self.processor.process(msg.outputs)
                 for ro, deltas in results:
                     q = self.queues.get(ro.request_id)
                     if q is not None:

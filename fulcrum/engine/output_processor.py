@@ -56,12 +56,14 @@ class OutputProcessor:
         stop_now: list[str] = []
         for o in outputs:
             pid = self.child_to_parent.get(o.request_id)
-            if pid is None:
+            if pid is None:  # finished here already (a stop string, an abort): what came after is not output
+                o.new_token_ids = []
                 continue
             parent = self.parents[pid]
             child = parent.children[o.request_id]
             out = child.out
-            if out.finished:
+            if out.finished:  # a stop string ended it here already: what the engine made after is not output
+                o.new_token_ids = []
                 continue
             if o.prompt_logprobs is not None and parent.prompt_logprobs is None:
                 parent.prompt_logprobs = [None, *o.prompt_logprobs]  # every sample scores the same prompt
@@ -75,6 +77,7 @@ class OutputProcessor:
                 # several tokens in one step (speculation): those after the one that completed the stop string are
                 # dropped, so ids, logprobs and usage are what one token per step gives
                 new_ids = new_ids[: child.detok.taken]
+                o.new_token_ids = new_ids  # what the server's token counters see too
             out.token_ids.extend(new_ids)
             if o.new_logprobs and out.logprobs is not None:
                 out.logprobs.extend(o.new_logprobs[: len(new_ids)])

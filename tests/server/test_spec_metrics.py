@@ -90,3 +90,19 @@ def test_metrics_count_proposals_under_both_names(servers):
     rate = metric(text, "fulcrum:spec_decode_acceptance_rate")
     assert rate == pytest.approx(accepted / proposed, rel=1e-6)
     assert metric(text, "fulcrum:spec_decode_mean_accepted_length") == pytest.approx(1 + accepted / drafts, rel=1e-6)
+
+
+def test_generation_tokens_count_what_was_answered_when_a_stop_string_cuts_a_proposal(servers):
+    plain, spec = servers
+    kw = dict(model="shakespeare", prompt=PROMPT, max_tokens=40, temperature=0)
+    toks = answer(plain, False, **kw)[1]
+
+    def generated() -> float:  # absent until the first token
+        text = httpx.get(f"{spec.url}/metrics").text
+        return metric(text, "fulcrum:generation_tokens_total") if "fulcrum:generation_tokens_total{" in text else 0
+
+    for j in range(5, 35, 6):
+        before = generated()
+        got = answer(spec, False, stop=["".join(toks[j - 2 : j + 1])], **kw)
+        after = generated()
+        assert after - before == got[2]  # usage's completion_tokens, not what the engine made past the stop
