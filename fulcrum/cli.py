@@ -74,6 +74,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="where the ranks run: mp (processes on this machine, the default) or ray (actors on a Ray cluster: "
         "`ray start --head` on one machine, `ray start --address` on the others)",
     )  # fmt: skip
+    g.add_argument(
+        "--kv-transfer-config",
+        type=_kv_transfer_config,
+        default=None,
+        help='P/D disaggregation, as vLLM\'s JSON: {"kv_connector": "ZmqConnector", "kv_role": "kv_producer" | '
+        '"kv_consumer" | "kv_both", "kv_ip": "127.0.0.1", "kv_port": 0, "lease_timeout_s": 30, "pull_timeout_s": 10}',
+    )
+    g.add_argument(
+        "--kv-role",
+        choices=["producer", "consumer", "both", "kv_producer", "kv_consumer", "kv_both"],
+        default=None,
+        help="P/D disaggregation: this engine prefills for others (producer), decodes from others' KV (consumer) "
+        "or both (the CPU connector, default settings; --kv-transfer-config for the rest)",
+    )
     g.add_argument("--cpu-threads", type=int, default=None, help="CPU compute threads (default: one per core)")
     g.add_argument(
         "--cpu-bind",
@@ -94,6 +108,34 @@ def _speculative_config(text: str) -> dict:
     except (json.JSONDecodeError, InvalidRequestError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return value
+
+
+def _kv_transfer_config(text: str) -> dict:
+    """--kv-transfer-config's JSON, checked here so that a typo is a usage error, not a failed engine start."""
+    from fulcrum.engine.kv_transfer import KVTransferConfig
+    from fulcrum.errors import InvalidRequestError
+
+    try:
+        value = json.loads(text)
+        KVTransferConfig.parse(value)
+    except (json.JSONDecodeError, InvalidRequestError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def kv_transfer_config(args: argparse.Namespace) -> dict | None:
+    """--kv-transfer-config with --kv-role folded in (either alone will do)."""
+    cfg, role = getattr(args, "kv_transfer_config", None), getattr(args, "kv_role", None)
+    if role is None:
+        return cfg
+    from fulcrum.engine.kv_transfer import KVTransferConfig
+    from fulcrum.errors import InvalidRequestError
+
+    try:
+        KVTransferConfig.parse(cfg, role)
+    except InvalidRequestError as e:
+        raise SystemExit(f"fulcrum: {e}") from None
+    return {**(cfg or {}), "kv_role": (cfg or {}).get("kv_role", role)}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -122,6 +164,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         pp_layer_partition=args.pp_layer_partition,
         enable_expert_parallel=args.enable_expert_parallel,
         distributed_executor_backend=args.distributed_executor_backend,
+        kv_transfer_config=kv_transfer_config(args),
     )
 
 

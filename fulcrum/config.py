@@ -203,13 +203,18 @@ class EngineConfig:
     # k, "model": the draft's folder, "prompt_lookup_min"/"max": n-gram sizes, "disable_by_batch_size"}, or its JSON
     # text; checked in full by fulcrum.engine.spec.SpeculativeConfig when the engine starts
     speculative_config: dict | None = None
+    # P/D disaggregation, as vLLM's kv_transfer_config: {"kv_connector": "ZmqConnector", "kv_role": "kv_producer" |
+    # "kv_consumer" | "kv_both", "kv_ip", "kv_port", "lease_timeout_s", "pull_timeout_s"}, or its JSON text;
+    # checked in full by fulcrum.engine.kv_transfer.KVTransferConfig when the engine starts
+    kv_transfer_config: dict | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.speculative_config, str):
-            try:
-                self.speculative_config = json.loads(self.speculative_config)
-            except json.JSONDecodeError as e:
-                raise InvalidRequestError(f"speculative_config is not valid JSON: {e}", "speculative_config") from None
+        for name in ("speculative_config", "kv_transfer_config"):
+            if isinstance(getattr(self, name), str):
+                try:
+                    setattr(self, name, json.loads(getattr(self, name)))
+                except json.JSONDecodeError as e:
+                    raise InvalidRequestError(f"{name} is not valid JSON: {e}", name) from None
         checks = {
             "max_num_seqs": self.max_num_seqs >= 1,
             "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
@@ -227,6 +232,7 @@ class EngineConfig:
             "pipeline_parallel_size": isinstance(self.pipeline_parallel_size, int) and self.pipeline_parallel_size >= 1,
             "distributed_executor_backend": self.distributed_executor_backend in (None, "mp", "ray"),
             "pp_layer_partition": _is_partition(self.pp_layer_partition),
+            "kv_transfer_config": self.kv_transfer_config is None or isinstance(self.kv_transfer_config, dict),
         }
         for name, ok in checks.items():
             if not ok:
@@ -244,6 +250,12 @@ class EngineConfig:
             self.pp_layer_partition = [int(p) for p in self.pp_layer_partition.split(",")]
         if self.world_size > 1 and self.distributed_executor_backend is None:
             self.distributed_executor_backend = "mp"
+        if self.kv_transfer_config is not None and self.world_size > 1:
+            # each rank holds a share of every block; the connector moves rank 0's cache only
+            raise InvalidRequestError(
+                "kv_transfer_config (P/D disaggregation) does not work with tensor or pipeline parallelism yet",
+                "kv_transfer_config",
+            )
 
     @property
     def world_size(self) -> int:

@@ -147,7 +147,7 @@ _COMMON = {
     "return_token_ids": _refused(False),
     "request_id": _refused(),
     "cache_salt": _refused(),
-    "kv_transfer_params": _refused(),
+    "kv_transfer_params": _IMPL,  # P/D disaggregation's handshake (fulcrum/engine/kv_transfer)
     "vllm_xargs": _refused(),
 }
 
@@ -326,6 +326,8 @@ class SamplingFields(RequestBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structural_tag: dict[str, Any] | str | None = None
+    # vLLM's P/D handshake: {"do_remote_decode": true} to a prefill engine; what it answered, to a decode engine
+    kv_transfer_params: dict[str, Any] | None = None
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         """logit_bias with integer keys; a key that is not a token id is the client's error."""
@@ -392,6 +394,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's answer to do_remote_decode, as vLLM's
 
 
 # -- chat -----------------------------------------------------------------------------------------
@@ -571,6 +574,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, as on completions
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's answer to do_remote_decode, as vLLM's
 
 
 class DeltaFunction(BaseModel):

@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from fulcrum.config import EngineConfig, model_path
 from fulcrum.engine.core_proc import run_engine_core
+from fulcrum.engine.kv_transfer import KVTransferError, check_remote_prefill
 from fulcrum.engine.messages import (
     ABORT,
     ADD,
@@ -134,9 +135,11 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        kv_transfer_params: dict | None = None,
     ) -> AsyncIterator[tuple[RequestOutput, dict[int, str]]]:
         """Stream (output so far, new text per sample) once per engine step until finished.
-        Leaving the iteration early (client gone) aborts the request and frees its blocks."""
+        Leaving the iteration early (client gone) aborts the request and frees its blocks.
+        `kv_transfer_params`: vLLM's P/D handshake, checked here (engine/kv_transfer/config.py)."""
         if not self.healthy:
             raise EngineDeadError("the engine is not running")
         if self.num_waiting() >= self.max_waiting_requests:
@@ -144,9 +147,13 @@ class AsyncLLM:
         rid = request_id or f"req-{next(self._ids)}"
         now = time.time()
         params = check_request(prompt_ids, params, priority, self.ready.max_model_len, self.ready.vocab_size)
+        if kv_transfer_params is not None:
+            check_kv_transfer(kv_transfer_params, self.ready.kv_transfer, len(prompt_ids), params)
         children = fan_out(rid, params)
         # encode before anything is registered, so that a failure here holds no queue slot
-        msgs = [encoder.encode(AddRequest(cid, prompt_ids, cp, priority, now)) for cid, cp in children]
+        msgs = [
+            encoder.encode(AddRequest(cid, prompt_ids, cp, priority, now, kv_transfer_params)) for cid, cp in children
+        ]
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = queue
         self.processor.add_request(rid, prompt, list(prompt_ids), params, [cid for cid, _ in children])
@@ -260,6 +267,22 @@ class _Core:
     stats: SchedulerStats = field(default_factory=SchedulerStats)
     load: int = 0  # samples in flight on it
     given: int = 0  # samples sent to it since start
+
+
+def check_kv_transfer(params: dict, local: dict | None, num_prompt_tokens: int, sp: SamplingParams) -> None:
+    """The frontend's check of a request's kv_transfer_params, so that a refusal is a 400 before it is queued."""
+    if not isinstance(params, dict):
+        raise KVTransferError("kv_transfer_params must be an object", "kv_transfer_params")
+    if sp.n != 1:
+        raise KVTransferError("kv_transfer_params takes one sample per request (n 1)", "kv_transfer_params")
+    if params.get("do_remote_prefill"):
+        check_remote_prefill(params, local, num_prompt_tokens)
+    elif params.get("do_remote_decode") and (local is None or local.get("role") == "kv_consumer"):
+        raise KVTransferError(
+            "kv_transfer_params asks for a remote decode, but this engine offers no KV "
+            "(start it with --kv-role producer or both)",
+            "kv_transfer_params",
+        )
 
 
 def total_stats(stats: list[SchedulerStats]) -> SchedulerStats:

@@ -15,6 +15,7 @@ import torch
 from fulcrum.config import EngineConfig, ModelConfig
 from fulcrum.engine.executor import Workers
 from fulcrum.engine.kv_cache import KVCacheManager
+from fulcrum.engine.kv_transfer import KVTransfer, KVTransferConfig
 from fulcrum.engine.messages import SchedulerStats
 from fulcrum.engine.model_runner import ModelRunner, ModelRunnerOutput
 from fulcrum.engine.outputs import EngineCoreOutput
@@ -71,6 +72,11 @@ class EngineCore:
         window = None if None in windows else max(windows)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, window)
         self.scheduler = Scheduler(config, self.model_config.max_model_len, self.kv)
+        # P/D disaggregation: this engine offers finished prefills' blocks and/or pulls others' (engine/kv_transfer)
+        transfer = KVTransferConfig.parse(config.kv_transfer_config)
+        self.kv_transfer = KVTransfer(transfer, self.kv, self.runner, self.model_config.path) if transfer else None
+        if self.kv_transfer is not None:
+            self.scheduler.on_finish = self.kv_transfer.on_finish
         self.structured = StructuredOutputs(self.model_config.path, self.vocab_size, self.model_config.eos_token_ids)
         self.runner.structured = self.structured
         # requests whose grammar is compiling: they join the scheduler when it is ready
@@ -84,9 +90,11 @@ class EngineCore:
         )
 
     def shutdown(self) -> None:
-        """Stop a parallel engine's workers (a single-process engine holds nothing to stop)."""
+        """Stop a parallel engine's workers and the KV connector's threads (a plain engine holds nothing to stop)."""
         if getattr(self, "workers", None) is not None:
             self.workers.shutdown()
+        if getattr(self, "kv_transfer", None) is not None:
+            self.kv_transfer.close()
 
     @property
     def max_model_len(self) -> int:
@@ -103,18 +111,23 @@ class EngineCore:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> None:
-        """Queue one sample of a request the frontend has checked (engine/request.py: check_request)."""
+        """Queue one sample of a request the frontend has checked (engine/request.py: check_request).
+        `kv_transfer_params`: vLLM's P/D handshake (engine/kv_transfer/engine.py)."""
         req = Request(request_id, list(prompt_token_ids), params, list(self.model_config.eos_token_ids), priority)
+        req.kv_transfer_params = kv_transfer_params
         if arrival_time:
             req.arrival_time = arrival_time
         if params.structured_outputs is not None:
             self.compiling[request_id] = (req, self.structured.submit(params.structured_outputs))
-        else:
+        elif self.kv_transfer is None or not self.kv_transfer.add(req):
             self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         done = self._drop_compiling(request_ids, RequestStatus.FINISHED_ABORTED)
+        if self.kv_transfer is not None:
+            done += self.kv_transfer.abort(request_ids, RequestStatus.FINISHED_ABORTED)
         done += self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self._release_drafts()
         return [self._output(r, []) for r in done]
@@ -137,7 +150,14 @@ class EngineCore:
         return done
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.compiling)
+        busy = self.kv_transfer is not None and self.kv_transfer.busy()
+        return self.scheduler.has_unfinished() or bool(self.compiling) or busy
+
+    def housekeeping(self) -> None:
+        """What goes on between steps, idle ones too: KV pulls that ended join the scheduler, leases end."""
+        if self.kv_transfer is not None:
+            for req in self.kv_transfer.poll():
+                self.scheduler.add_request(req)
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Requests whose grammar finished compiling join the scheduler; one that failed to compile ends with
@@ -158,10 +178,15 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         failed = self._admit_compiled() if self.compiling else []
+        self.housekeeping()
         sched = self.scheduler.schedule()
+        if self.kv_transfer is not None:
+            self.kv_transfer.after_schedule(self.scheduler.requests)
         if not sched.scheduled:
             if self.compiling and not failed:  # nothing to run until a compile ends: wait for it, do not spin
                 wait([f for _, f in self.compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+            elif self.kv_transfer is not None and self.kv_transfer.busy():  # the same for KV pulls
+                self.kv_transfer.wait(0.05)
             return failed
         generators = self._generator_states(sched)
         try:
@@ -319,6 +344,7 @@ class EngineCore:
             first_token_time=req.first_token_time,
             finish_time=req.finish_time,
             error=req.error,
+            kv_transfer_params=req.kv_transfer_params if req.status.finished else None,
         )
 
     def stats(self, step_time: float = 0.0) -> SchedulerStats:
@@ -341,4 +367,5 @@ class EngineCore:
             spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
             draft_num_blocks=draft.num_blocks if draft else 0,
             draft_num_free_blocks=draft.num_blocks - draft.num_used_blocks if draft else 0,
+            **(self.kv_transfer.stats() if self.kv_transfer is not None else {}),
         )

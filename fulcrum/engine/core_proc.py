@@ -50,6 +50,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     ready = CoreReady(
         core.kv.num_blocks, config.block_size, core.max_model_len, core.vocab_size,
         kv_cache_dtype=core.runner.kv_cache_dtype_name,
+        kv_transfer=core.kv_transfer.describe() if core.kv_transfer is not None else None,
     )  # fmt: skip
     push.send(encoder.encode(ready))
     try:
@@ -71,7 +72,9 @@ def _add(core: EngineCore, payload: bytes) -> list[EngineCoreOutput]:
     try:
         m = decode_add(payload)
         request_id = m.request_id
-        core.add_request(m.request_id, m.prompt_token_ids, m.sampling_params, m.priority, m.arrival_time)
+        core.add_request(
+            m.request_id, m.prompt_token_ids, m.sampling_params, m.priority, m.arrival_time, m.kv_transfer_params
+        )
         return []
     except (InvalidRequestError, msgspec.ValidationError, msgspec.DecodeError) as e:
         log.error("rejected request %s: %s", request_id, e)
@@ -98,6 +101,8 @@ def _loop(core: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
                 core.finish_requests(decode_ids(payload))
             elif kind == SHUTDOWN:
                 return
+        if not core.has_unfinished_requests():
+            core.housekeeping()  # KV leases end on idle ticks too
         if core.has_unfinished_requests():
             t0 = time.perf_counter()
             outputs.extend(core.step())

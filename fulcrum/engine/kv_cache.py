@@ -96,9 +96,13 @@ class KVCacheManager:
 
     # -- allocation ----------------------------------------------------------------------------
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[Block] | None = None) -> bool:
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, computed: list[Block] | None = None, register: bool = True
+    ) -> bool:
         """Make room for `num_new_tokens` more tokens (after `computed` cached blocks, for a new
-        request). Returns False, changing nothing, when there are not enough free blocks."""
+        request). Returns False, changing nothing, when there are not enough free blocks.
+        `register` False: the new full blocks stay out of the prefix cache until `cache_blocks` (blocks that a
+        KV transfer fills later must not be found by a prefix hit before then)."""
         computed = computed or []
         held = self.req_blocks.get(req.request_id, [])
         num_computed = req.num_computed_tokens + len(computed) * self.block_size
@@ -121,9 +125,26 @@ class KVCacheManager:
                 b.block_hash = None
             b.ref_cnt = 1
             blocks.append(b)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and register:
             self._cache_full_blocks(req, blocks, total)
         return True
+
+    def cache_blocks(self, req: Request) -> None:
+        """Register a request's full blocks in the prefix cache now (after `allocate_slots(register=False)`)."""
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(req, self.req_blocks.get(req.request_id, []), req.num_tokens)
+
+    def hand_over(self, request_id: str, holder_id: str, num_blocks: int) -> list[int]:
+        """Move a request's first `num_blocks` blocks to `holder_id` (a KV transfer's lease, freed later with
+        `release`) and free the rest; returns the ids handed over (none when one of them was already released)."""
+        blocks = self.req_blocks.pop(request_id, [])
+        self.req_hashes.pop(request_id, None)
+        keep = blocks[:num_blocks]
+        if len(keep) < num_blocks or any(b is None for b in keep):
+            keep = []
+        self.req_blocks[holder_id] = keep
+        self._drop(blocks[len(keep) :])
+        return [b.block_id for b in keep]
 
     def release_out_of_window(self, req: Request) -> None:
         """Free the blocks wholly before the window of the request's next token (position num_computed_tokens
@@ -154,15 +175,21 @@ class KVCacheManager:
                 self.cached.setdefault(hashes[i], b)
 
     def free(self, req: Request) -> None:
-        """Release a request's blocks. Tail blocks go to the free queue first so that they are
-        evicted before the shared prefix blocks."""
-        for b in reversed(self.req_blocks.pop(req.request_id, [])):
+        self.release(req.request_id)
+
+    def release(self, request_id: str) -> None:
+        """Release the blocks held under an id (a request's, or a lease's). Tail blocks go to the free queue
+        first so that they are evicted before the shared prefix blocks."""
+        self._drop(self.req_blocks.pop(request_id, []))
+        self.req_hashes.pop(request_id, None)
+
+    def _drop(self, blocks: list[Block | None]) -> None:
+        for b in reversed(blocks):
             if b is None:
                 continue
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 self.free_queue[b.block_id] = b
-        self.req_hashes.pop(req.request_id, None)
 
     def stats(self) -> KVCacheStats:
         return KVCacheStats(self.num_blocks, self.num_blocks - len(self.free_queue), self.queries, self.hits)

@@ -17,6 +17,7 @@ class AddRequest(msgspec.Struct, array_like=True):
     sampling_params: SamplingParams
     priority: int = 0
     arrival_time: float = 0.0
+    kv_transfer_params: dict | None = None
 
 
 class SchedulerStats(msgspec.Struct):
@@ -38,6 +39,16 @@ class SchedulerStats(msgspec.Struct):
     # the draft model's own KV cache (0 blocks without one)
     draft_num_blocks: int = 0
     draft_num_free_blocks: int = 0
+    # P/D disaggregation (engine/kv_transfer; cumulative but for the last two, gauges)
+    kv_transfer_bytes_sent: int = 0
+    kv_transfer_bytes_received: int = 0
+    kv_transfer_blocks_received: int = 0
+    kv_transfer_pulls: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_fallbacks: int = 0
+    kv_transfer_leases_expired: int = 0
+    kv_transfer_held_blocks: int = 0  # blocks a producer holds for pulls not yet made
+    kv_transfer_pending: int = 0  # requests waiting for their pull
 
 
 class CoreReady(msgspec.Struct):
@@ -47,6 +58,7 @@ class CoreReady(msgspec.Struct):
     vocab_size: int = 0
     error: str | None = None  # set when the core failed to start
     kv_cache_dtype: str = ""  # what the cache stores: the model's dtype, fp8 or int8
+    kv_transfer: dict | None = None  # a KV producer/consumer: its role and cache layout, for the handshake
 
 
 class CoreOutputs(msgspec.Struct):

@@ -28,6 +28,7 @@ class _Parent:
     children: dict[str, _Child] = field(default_factory=dict)
     metrics: RequestMetrics | None = None
     prompt_logprobs: list | None = None  # None for the first prompt token, then one entry per token
+    kv_transfer_params: dict | None = None  # from a KV producer, once finished
 
 
 class OutputProcessor:
@@ -90,6 +91,8 @@ class OutputProcessor:
                 out.finish_reason, out.stop_reason, out.error = o.finish_reason, o.stop_reason, o.error
             out.text = child.detok.output_text
             self._merge_metrics(parent, o)
+            if o.kv_transfer_params is not None:
+                parent.kv_transfer_params = o.kv_transfer_params
             updated.setdefault(pid, {})[child.index] = child.detok.take_delta(out.finished)
         results = []
         for pid, deltas in updated.items():
@@ -103,6 +106,7 @@ class OutputProcessor:
                 finished=done,
                 metrics=parent.metrics,
                 prompt_logprobs=parent.prompt_logprobs,
+                kv_transfer_params=parent.kv_transfer_params,
             )
             results.append((ro, deltas))
             if done:

@@ -23,6 +23,7 @@ class EngineCoreOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None  # with finish_reason "error": why the request failed
+    kv_transfer_params: dict | None = None  # a KV producer's finished prefill: where its blocks can be pulled
 
 
 @dataclass
@@ -67,3 +68,4 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: None for the first prompt token, then {token_id: (logprob, rank)}
     prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
     metrics: RequestMetrics | None = None
+    kv_transfer_params: dict | None = None  # from a KV producer, once finished (engine/kv_transfer)

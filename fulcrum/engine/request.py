@@ -57,6 +57,9 @@ class Request:
     # distribution each was drawn from ([len, vocab]; None for deterministic proposals: n-gram, a greedy draft)
     spec_token_ids: list[int] = field(default_factory=list)
     spec_token_probs: torch.Tensor | None = None
+    # P/D disaggregation (engine/kv_transfer): vLLM's kv_transfer_params as the request gave them; on a producer,
+    # once finished, what a consumer needs to pull the prompt's blocks
+    kv_transfer_params: dict | None = None
 
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step
 

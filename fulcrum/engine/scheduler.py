@@ -92,6 +92,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # called with (request, status) as a request finishes, before its blocks are freed: a KV producer hands
+        # the prompt's blocks over to a lease there (engine/kv_transfer)
+        self.on_finish = None
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -231,6 +234,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus, now: float, already_removed: bool = False) -> None:
         if not already_removed:
             self.running.remove(req)
+        if self.on_finish is not None:
+            self.on_finish(req, status)
         self.kv.free(req)
         req.spec_token_ids, req.spec_token_probs = [], None
         req.status = status

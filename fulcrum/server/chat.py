@@ -19,7 +19,7 @@ from fulcrum.protocol import (
 )
 from fulcrum.server.logprobs import chat_logprobs, prompt_logprobs
 from fulcrum.server.state import ServerState, sampling_params
-from fulcrum.server.streaming import Run, merged, usage_of
+from fulcrum.server.streaming import Run, check_kv_transfer_request, merged, usage_of
 from fulcrum.server.tools import ToolCalling, delta_calls, response_calls
 
 
@@ -42,7 +42,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             structured_outputs=grammar or params.structured_outputs,
             skip_special_tokens=params.skip_special_tokens and tools.skip_special_tokens,
         )
-    run = await Run.start(merged(state.engine, [(None, ids)], params, req.priority))
+    check_kv_transfer_request(req.kv_transfer_params, 1, req.stream)
+    run = await Run.start(merged(state.engine, [(None, ids)], params, req.priority, req.kv_transfer_params))
     rid = random_id("chatcmpl")
 
     if req.stream:
@@ -116,4 +117,5 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         choices=choices,
         usage=usage_of([ro]),
         prompt_logprobs=prompt_logprobs(tok, ro.prompt_logprobs) if req.prompt_logprobs is not None else None,
+        kv_transfer_params=ro.kv_transfer_params,
     )

@@ -10,7 +10,7 @@ from fulcrum.errors import InvalidRequestError
 from fulcrum.protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
 from fulcrum.server.logprobs import completion_logprobs, echo_logprobs, joined, prompt_logprobs
 from fulcrum.server.state import ServerState, sampling_params
-from fulcrum.server.streaming import Run, merged, usage_of
+from fulcrum.server.streaming import Run, check_kv_transfer_request, merged, usage_of
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request):
@@ -27,12 +27,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     # max_tokens 0: the engine computes the prompt and one token, which is dropped
     zero = req.max_tokens == 0
     params = sampling_params(req, 1 if zero else req.max_tokens, k, max(wanted) if wanted else None)
-    run = await Run.start(merged(state.engine, prompts, params, req.priority))
+    check_kv_transfer_request(req.kv_transfer_params, len(prompts), req.stream)
+    run = await Run.start(merged(state.engine, prompts, params, req.priority, req.kv_transfer_params))
     echo = [(p if p is not None else tok.decode(ids)) if req.echo else "" for p, ids in prompts]
     rid, n = random_id("cmpl"), req.n
 
-    def response(choices, usage=None) -> CompletionResponse:
-        return CompletionResponse(id=rid, model=state.model_name, choices=choices, usage=usage)
+    def response(choices, usage=None, kv_transfer_params=None) -> CompletionResponse:
+        return CompletionResponse(
+            id=rid, model=state.model_name, choices=choices, usage=usage, kv_transfer_params=kv_transfer_params
+        )
 
     def echoed(i, ro):
         return echo_logprobs(tok, prompts[i][1], ro.prompt_logprobs, k) if score_echo else None
@@ -93,4 +96,4 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                     else None,
                 )
             )
-    return response(choices, usage_of(last.values()))
+    return response(choices, usage_of(last.values()), last[0].kv_transfer_params)

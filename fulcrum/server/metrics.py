@@ -113,6 +113,31 @@ class ServerMetrics:
         self.spec_mean_accepted_length = _Family(
             Gauge, "spec_decode_mean_accepted_length", "Tokens per speculating request-step, since start", r, m, False
         )
+        # P/D disaggregation (engine/kv_transfer): the SchedulerStats field each counter follows
+        self.kv_transfer_counters = {
+            "kv_transfer_bytes_sent": Counter("fulcrum:kv_transfer_sent_bytes", "KV bytes sent to consumers",
+                                              ["model_name"], registry=r),
+            "kv_transfer_bytes_received": Counter("fulcrum:kv_transfer_received_bytes", "KV bytes pulled",
+                                                  ["model_name"], registry=r),
+            "kv_transfer_blocks_received": Counter("fulcrum:kv_transfer_received_blocks", "KV blocks pulled",
+                                                   ["model_name"], registry=r),
+            "kv_transfer_pulls": Counter("fulcrum:kv_transfer_pulls", "KV pulls completed", ["model_name"],
+                                         registry=r),
+            "kv_transfer_seconds": Counter("fulcrum:kv_transfer_time_seconds", "Seconds spent in KV pulls",
+                                           ["model_name"], registry=r),
+            "kv_transfer_fallbacks": Counter("fulcrum:kv_transfer_fallbacks",
+                                             "Remote prefills that fell back to a local prefill", ["model_name"],
+                                             registry=r),
+            "kv_transfer_leases_expired": Counter("fulcrum:kv_transfer_leases_expired",
+                                                  "Prefills whose blocks were freed unpulled", ["model_name"],
+                                                  registry=r),
+        }  # fmt: skip
+        self.kv_held = _Family(Gauge, "kv_transfer_held_blocks", "KV blocks held for pulls not yet made", r, m, False)
+        self.kv_pending = _Family(Gauge, "kv_transfer_pending", "Requests waiting for their KV pull", r, m, False)
+        self.kv_free_blocks = _Family(
+            Gauge, "kv_cache_free_blocks", "KV cache blocks free (cached or not)", r, m, False
+        )
+        self._last_kv: dict[str, float] = {}
         self._last = {"q": 0, "h": 0, "p": 0, "sd": 0, "st": 0, "sa": 0}
         self._last_per_pos: list[int] = []
         self._last_token_time: dict[str, float] = {}
@@ -136,6 +161,14 @@ class ServerMetrics:
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         self.kv_usage.set(s.kv_cache_usage)
+        self.kv_free_blocks.set(s.num_free_blocks)
+        self.kv_held.set(s.kv_transfer_held_blocks)
+        self.kv_pending.set(s.kv_transfer_pending)
+        for field, counter in self.kv_transfer_counters.items():
+            v = getattr(s, field)
+            if v > self._last_kv.get(field, 0):
+                counter.labels(model_name=self.kv_capacity.model).inc(v - self._last_kv.get(field, 0))
+            self._last_kv[field] = v
         self.gpu_usage.set(s.kv_cache_usage)
         # the core reports cumulative counts; prometheus counters take increments
         self.prefix_queries.inc(s.prefix_cache_queries - self._last["q"])

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from fulcrum.engine.async_llm import AsyncLLM
 from fulcrum.engine.outputs import RequestOutput
-from fulcrum.errors import ShuttingDownError
+from fulcrum.errors import InvalidRequestError, ShuttingDownError
 from fulcrum.protocol import UsageInfo
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.server.errors import sse_error, status_of
@@ -25,10 +25,15 @@ Item = tuple[int, RequestOutput, dict[int, str]]  # (prompt index, output so far
 
 
 async def merged(
-    engine: AsyncLLM, prompts: list[tuple[str | None, list[int]]], params: SamplingParams, priority: int
+    engine: AsyncLLM,
+    prompts: list[tuple[str | None, list[int]]],
+    params: SamplingParams,
+    priority: int,
+    kv_transfer_params: dict | None = None,
 ) -> AsyncIterator[Item]:
     """Run every prompt concurrently; yield items as steps land."""
-    gens = [engine.generate(p, ids, params, priority=priority) for p, ids in prompts]
+    gens = [engine.generate(p, ids, params, priority=priority, kv_transfer_params=kv_transfer_params)
+            for p, ids in prompts]  # fmt: skip
     if len(gens) == 1:
         async for ro, deltas in gens[0]:
             yield 0, ro, deltas
@@ -58,6 +63,17 @@ async def merged(
     finally:
         for t in tasks:
             t.cancel()
+
+
+def check_kv_transfer_request(params: dict | None, num_prompts: int, stream: bool) -> None:
+    """What a P/D handshake takes at the HTTP layer: one prompt; a prefill answered whole (its params ride on the
+    response body, as vLLM's)."""
+    if params is None:
+        return
+    if num_prompts != 1:
+        raise InvalidRequestError("kv_transfer_params takes one prompt per request", param="kv_transfer_params")
+    if params.get("do_remote_decode") and stream:
+        raise InvalidRequestError("kv_transfer_params do_remote_decode needs stream false", "kv_transfer_params")
 
 
 class Run:

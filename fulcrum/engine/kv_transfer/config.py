@@ -1,0 +1,125 @@
+"""What a prefill/decode pair agrees on: the engine's KV transfer settings (vLLM's --kv-transfer-config, spelled
+as vLLM spells it) and the handshake check that refuses a pair whose caches differ in shape or meaning."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from fulcrum.errors import InvalidRequestError
+
+# vLLM's role names, and the short ones of `--kv-role`
+ROLES = {"kv_producer": "kv_producer", "kv_consumer": "kv_consumer", "kv_both": "kv_both",
+         "producer": "kv_producer", "consumer": "kv_consumer", "both": "kv_both"}  # fmt: skip
+# the CPU connector's names: ours, and the spelling a vLLM user reaches for first
+CONNECTORS = ("ZmqConnector", "CpuConnector", "fulcrum")
+EXTRA_KEYS = ("lease_timeout_s", "pull_timeout_s")
+# the fields of kv_transfer_params that describe the producer's cache, checked against the consumer's own
+LAYOUT_FIELDS = ("block_size", "kv_dtype", "model", "kv_layout")
+
+
+class KVTransferError(InvalidRequestError):
+    """A kv_transfer_params handshake the decode engine refuses (the pair's caches differ): HTTP 400."""
+
+
+@dataclass
+class KVTransferConfig:
+    kv_connector: str = "ZmqConnector"
+    kv_role: str = "kv_both"
+    kv_ip: str = "127.0.0.1"  # where a producer listens for pulls (and what it tells consumers)
+    kv_port: int = 0  # 0: a free port, chosen at start
+    # how long a producer keeps a finished prefill's blocks for a consumer that has not pulled them
+    lease_timeout_s: float = 30.0
+    # how long a consumer waits for a pull before it prefills locally instead
+    pull_timeout_s: float = 10.0
+    kv_connector_extra_config: dict = field(default_factory=dict)
+
+    @property
+    def produces(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def parse(cls, value: dict | str | None, role: str | None = None) -> KVTransferConfig | None:
+        """--kv-transfer-config's JSON (or dict) and/or --kv-role; None when neither is given."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"kv_transfer_config is not valid JSON: {e}", "kv_transfer_config") from None
+        if value is None and role is None:
+            return None
+        d = dict(value or {})
+        if not isinstance(value, dict | None):
+            raise InvalidRequestError("kv_transfer_config must be a JSON object", "kv_transfer_config")
+        if role is not None:
+            d.setdefault("kv_role", role)
+            if ROLES.get(d["kv_role"]) != ROLES.get(role):
+                raise InvalidRequestError(
+                    f"--kv-role {role} contradicts kv_transfer_config's {d['kv_role']}", "kv_role"
+                )
+        extra = d.pop("kv_connector_extra_config", None) or {}
+        unknown = [k for k in d if k not in cls.__dataclass_fields__] + [k for k in extra if k not in EXTRA_KEYS]
+        if unknown:
+            raise InvalidRequestError(
+                f"kv_transfer_config: unknown field(s) {', '.join(unknown)}", "kv_transfer_config"
+            )
+        for k in EXTRA_KEYS:  # vLLM puts connector-specific settings here; they may as well be top-level
+            if k in extra:
+                d.setdefault(k, extra[k])
+        cfg = cls(**d, kv_connector_extra_config=extra)
+        if cfg.kv_role not in ROLES:
+            raise InvalidRequestError(f"kv_role must be one of {', '.join(ROLES)}, got {cfg.kv_role!r}", "kv_role")
+        cfg.kv_role = ROLES[cfg.kv_role]
+        if cfg.kv_connector not in CONNECTORS:
+            raise InvalidRequestError(
+                f"kv_connector {cfg.kv_connector!r} is not available (this build has {', '.join(CONNECTORS)})",
+                "kv_transfer_config",
+            )
+        if not (isinstance(cfg.kv_port, int) and 0 <= cfg.kv_port < 65536):
+            raise InvalidRequestError(f"kv_port must be a port number, got {cfg.kv_port!r}", "kv_transfer_config")
+        for name in ("lease_timeout_s", "pull_timeout_s"):
+            if not (isinstance(getattr(cfg, name), int | float) and getattr(cfg, name) > 0):
+                raise InvalidRequestError(f"{name} must be a positive number of seconds", "kv_transfer_config")
+        return cfg
+
+
+def layout_differences(local: dict, remote: dict) -> list[str]:
+    """What differs between this engine's cache description and the one a producer sent in kv_transfer_params,
+    one phrase per field, so that the refusal names each."""
+    out = []
+    for name in LAYOUT_FIELDS:
+        mine, theirs = local.get(name), remote.get(name)
+        if mine != theirs:
+            out.append(f"{name} (prefill engine: {json.dumps(theirs)}, this engine: {json.dumps(mine)})")
+    return out
+
+
+def check_remote_prefill(params: dict, local: dict | None, num_prompt_tokens: int) -> None:
+    """The consumer's half of the handshake, run in the frontend so that a refusal is a 400 before anything is
+    queued. `local`: this engine's cache description (None when it was not started as a KV consumer)."""
+    if local is None:
+        raise KVTransferError(
+            "kv_transfer_params asks for a remote prefill, but this engine takes no KV "
+            "(start it with --kv-role consumer or both)",
+            "kv_transfer_params",
+        )
+    missing = [k for k in ("remote_host", "remote_port", "remote_request_id", "remote_block_ids", *LAYOUT_FIELDS)
+               if k not in params]  # fmt: skip
+    if missing:
+        raise KVTransferError(f"kv_transfer_params lacks {', '.join(missing)}", "kv_transfer_params")
+    diffs = layout_differences(local, params)
+    if diffs:
+        raise KVTransferError(
+            "the prefill engine's KV cache does not match this engine's, refused: " + "; ".join(diffs),
+            "kv_transfer_params",
+        )
+    n = params.get("num_prompt_tokens")
+    if n is not None and n != num_prompt_tokens:
+        raise KVTransferError(
+            f"kv_transfer_params is for a prompt of {n} tokens, this request's has {num_prompt_tokens}",
+            "kv_transfer_params",
+        )

@@ -1,0 +1,226 @@
+"""The CPU connector: KV blocks pulled between engine processes over ZeroMQ (TCP, or any ZMQ transport), one
+frame of raw tensor bytes per block and cache tensor, never a pickle.
+
+A producer answers pulls on a ROUTER socket from a thread of its own; a consumer pulls from a worker thread with
+one DEALER socket per producer. A pull is [b"pull", msgpack header] -> [b"ok", header, frame per block...] or
+[b"err", message]; the consumer then sends [b"release", header] so that the producer frees the blocks at once
+instead of at the lease's end. Tensors are read and written outside the GIL (torch copies), beside the step loop:
+only blocks the core reserved for the transfer are touched."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import warnings
+from collections import deque
+
+import msgspec
+import torch
+import zmq
+
+from fulcrum.engine.kv_transfer.base import ConnectorStats, KVConnector, PullJob, PullResult
+
+log = logging.getLogger(__name__)
+POLL_MS = 100
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(dict)
+
+
+class ZmqConnector(KVConnector):
+    def __init__(
+        self,
+        caches: list[tuple[torch.Tensor, int]],
+        produce: bool,
+        consume: bool,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        pull_timeout_s: float = 10.0,
+    ):
+        """`caches`: each paged cache tensor (values, and scales when quantized) with the axis of its blocks."""
+        self.caches = caches
+        self.pull_timeout_s = pull_timeout_s
+        self.stats = ConnectorStats()
+        self._ctx = zmq.Context()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._offered: dict[str, frozenset[int]] = {}
+        self._reading: dict[str, int] = {}  # transfer -> pulls reading its blocks now
+        self._released: deque[str] = deque()
+        self._jobs: queue.Queue[PullJob | None] = queue.Queue()
+        self._results: deque[PullResult] = deque()
+        self._done = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._address = None
+        if produce:
+            self._router = self._ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            url = f"tcp://{host}"
+            port = self._router.bind_to_random_port(url) if port == 0 else (self._router.bind(f"{url}:{port}"), port)[1]
+            self._address = (host, port)
+            self._threads.append(threading.Thread(target=self._serve, name="kv-producer", daemon=True))
+        if consume:
+            self._threads.append(threading.Thread(target=self._work, name="kv-consumer", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        return self._address
+
+    def block_nbytes(self) -> int:
+        return sum(c.select(axis, 0).numel() * c.element_size() for c, axis in self.caches)
+
+    # -- producer ---------------------------------------------------------------------------------
+
+    def offer(self, transfer_id: str, block_ids: list[int]) -> None:
+        with self._lock:
+            self._offered[transfer_id] = frozenset(block_ids)
+
+    def withdraw(self, transfer_id: str) -> bool:
+        with self._lock:
+            if self._reading.get(transfer_id):
+                return False
+            self._offered.pop(transfer_id, None)
+            return True
+
+    def released(self) -> list[str]:
+        out = []
+        while self._released:
+            out.append(self._released.popleft())
+        return out
+
+    def _serve(self) -> None:
+        sock = self._router
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(POLL_MS):
+                    continue
+                ident, kind, payload = sock.recv_multipart()
+                try:
+                    head = _dec.decode(payload)
+                except msgspec.DecodeError:
+                    continue
+                if kind == b"release":
+                    self._released.append(str(head.get("id")))
+                elif kind == b"pull":
+                    sock.send_multipart([ident, *self._answer(head)], copy=False)
+        except zmq.ZMQError as e:
+            if not self._stop.is_set():
+                log.error("the KV producer socket failed: %s", e)
+        finally:
+            sock.close(0)
+
+    def _answer(self, head: dict) -> list:
+        tid, blocks = str(head.get("id")), head.get("blocks")
+        with self._lock:
+            offered = self._offered.get(tid)
+            ok = offered is not None and isinstance(blocks, list) and all(b in offered for b in blocks)
+            if ok:
+                self._reading[tid] = self._reading.get(tid, 0) + 1
+        if not ok:
+            why = "unknown or expired transfer" if offered is None else "blocks outside the transfer"
+            return [b"err", _enc.encode({"nonce": head.get("nonce"), "error": f"{why}: {tid}"})]
+        try:
+            # a contiguous copy per block and cache tensor: the bytes leave from our copy, so the lease may end
+            # as soon as this returns, whenever the socket gets to send them
+            frames = [c.select(axis, b).contiguous() for b in blocks for c, axis in self.caches]
+        finally:
+            with self._lock:
+                self._reading[tid] -= 1
+                if not self._reading[tid]:
+                    del self._reading[tid]
+        nbytes = sum(f.numel() * f.element_size() for f in frames)
+        self.stats.bytes_sent += nbytes
+        self.stats.blocks_sent += len(blocks)
+        header = _enc.encode({"nonce": head.get("nonce"), "blocks": len(blocks), "bytes": nbytes})
+        return [b"ok", header, *(memoryview(f.view(torch.uint8).numpy()) for f in frames)]
+
+    # -- consumer ---------------------------------------------------------------------------------
+
+    def pull(self, job: PullJob) -> None:
+        self._jobs.put(job)
+
+    def finished_pulls(self) -> list[PullResult]:
+        self._done.clear()
+        out = []
+        while self._results:
+            out.append(self._results.popleft())
+        return out
+
+    def wait(self, timeout: float) -> None:
+        if not self._results:
+            self._done.wait(timeout)
+
+    def _work(self) -> None:
+        socks: dict[tuple[str, int], zmq.Socket] = {}
+        nonce = 0
+        while not self._stop.is_set():
+            job = self._jobs.get()
+            if job is None:
+                break
+            nonce += 1
+            t0 = time.perf_counter()
+            key = (job.host, job.port)
+            try:
+                sock = socks.get(key)
+                if sock is None:
+                    sock = socks[key] = self._ctx.socket(zmq.DEALER)
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.connect(f"tcp://{job.host}:{job.port}")
+                n = self._pull(sock, job, nonce)
+                result = PullResult(job.request_id, True, num_bytes=n, seconds=time.perf_counter() - t0)
+                self.stats.pulls += 1
+                self.stats.bytes_received += n
+                self.stats.blocks_received += len(job.local_block_ids)
+                self.stats.pull_seconds += result.seconds
+            except Exception as e:  # any failure is this request's: it prefills locally instead
+                stale = socks.pop(key, None)
+                if stale is not None:
+                    stale.close(0)  # a late answer must not meet the next pull
+                result = PullResult(job.request_id, False, error=str(e) or type(e).__name__)
+            self._results.append(result)
+            self._done.set()
+        for s in socks.values():
+            s.close(0)
+
+    def _pull(self, sock: zmq.Socket, job: PullJob, nonce: int) -> int:
+        sock.send_multipart([b"pull", _enc.encode({"id": job.transfer_id, "blocks": job.remote_block_ids,
+                                                   "nonce": nonce})])  # fmt: skip
+        deadline = time.monotonic() + self.pull_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                raise TimeoutError(f"no answer from {job.host}:{job.port} in {self.pull_timeout_s:g} s")
+            kind, head, *frames = sock.recv_multipart(copy=False)
+            info = _dec.decode(head.bytes)
+            if info.get("nonce") == nonce:
+                break  # an answer to an earlier, timed-out pull is dropped
+        if kind.bytes != b"ok":
+            raise RuntimeError(f"the producer refused the pull: {info.get('error')}")
+        if len(frames) != len(job.local_block_ids) * len(self.caches):
+            raise RuntimeError(f"the producer sent {len(frames)} frames for {len(job.local_block_ids)} blocks")
+        total, i = 0, 0
+        with warnings.catch_warnings():  # ZMQ frames are read-only; torch only reads them here
+            warnings.simplefilter("ignore", UserWarning)
+            for b in job.local_block_ids:
+                if job.cancelled:
+                    raise RuntimeError("cancelled")
+                for c, axis in self.caches:
+                    dst = c.select(axis, b)
+                    buf = frames[i].buffer
+                    if buf.nbytes != dst.numel() * dst.element_size():
+                        raise RuntimeError(f"a block of {buf.nbytes} bytes where this cache has {dst.numel()}")
+                    dst.copy_(torch.frombuffer(buf, dtype=torch.uint8).view(c.dtype).view(dst.shape))
+                    total += buf.nbytes
+                    i += 1
+        sock.send_multipart([b"release", _enc.encode({"id": job.transfer_id})])
+        return total
+
+    def close(self) -> None:
+        self._stop.set()
+        self._jobs.put(None)
+        for t in self._threads:
+            t.join(2)
+        self._ctx.destroy(linger=0)
