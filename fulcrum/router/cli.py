@@ -51,6 +51,10 @@ def _router(args) -> int:
     from fulcrum.router.app import Router, build_app
     from fulcrum.router.pool import Pool
 
+    if args.prefill or args.decode:
+        app = build_app(_pd_router(args))
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        return 0
     if not args.replica and not args.discover:
         raise SystemExit("fulcrum router: give --replica URL (one or more) or --discover HOST:PORT")
     pool = Pool(args.replica or [], interval=args.scrape_interval, stale_after=args.stale_after)
@@ -59,10 +63,30 @@ def _router(args) -> int:
     return 0
 
 
+def _pd_router(args):
+    """pd mode (fulcrum/router/pd.py): prefill engines and decode engines, each pool routed by --policy."""
+    from fulcrum.router.pd import PDConfig, PDRouter
+    from fulcrum.router.pool import Pool
+
+    if not (args.prefill and args.decode) or args.replica or args.discover:
+        raise SystemExit("fulcrum router: pd mode takes --prefill URL and --decode URL (one or more each), "
+                         "without --replica or --discover")  # fmt: skip
+    pools = [Pool(urls, interval=args.scrape_interval, stale_after=args.stale_after)
+             for urls in (args.prefill, args.decode)]  # fmt: skip
+    return PDRouter(*pools, router_config(args), PDConfig(min_prompt_tokens=args.pd_min_prompt_tokens))
+
+
 def add_router_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("router", help="route OpenAI-compatible requests over many replicas (cache- and load-aware)")
     p.add_argument("--replica", action="append", default=[], metavar="URL", help="a replica (repeat for each)")
     p.add_argument("--discover", default=None, metavar="HOST:PORT", help="replicas from DNS (a headless Service)")
+    g = p.add_argument_group("prefill/decode disaggregation (pd mode)")
+    g.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="a prefill engine (fulcrum serve --kv-role producer; repeat for each)")  # fmt: skip
+    g.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="a decode engine (fulcrum serve --kv-role consumer; repeat for each)")  # fmt: skip
+    g.add_argument("--pd-min-prompt-tokens", type=int, default=32,
+                   help="shorter prompts skip the prefill engines: the decode engine prefills them itself")  # fmt: skip
     add_routing_args(p)
     p.set_defaults(func=_router)
     return p

@@ -25,7 +25,8 @@ class PromptTokenizer:
             if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
                 try:
                     ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-                    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+                    # transformers 5 answers a BatchEncoding (a mapping, not a dict): its keys are no token ids
+                    return list(ids if isinstance(ids, list) else ids["input_ids"])
                 except Exception as e:  # a template that refuses these messages: route on the text instead
                     log.debug("chat template failed (%s); hashing the raw text", e)
             text = "".join(f"{m.get('role')}\n{_content(m.get('content'))}\n" for m in messages)

@@ -137,6 +137,8 @@ class ServerMetrics:
         self.kv_free_blocks = _Family(
             Gauge, "kv_cache_free_blocks", "KV cache blocks free (cached or not)", r, m, False
         )
+        for counter in self.kv_transfer_counters.values():
+            counter.labels(model_name=m)  # shown at 0 from the start, so a dashboard sees the series
         self._last_kv: dict[str, float] = {}
         self._last = {"q": 0, "h": 0, "p": 0, "sd": 0, "st": 0, "sa": 0}
         self._last_per_pos: list[int] = []

@@ -110,6 +110,7 @@ SPECIAL = {
     "tools",  # with tool_choice and parallel_tool_calls: below, and tests/server/test_tools.py
     "tool_choice",
     "parallel_tool_calls",
+    "kv_transfer_params",  # the P/D handshake needs KV roles: tests/router/test_pd.py, tests/engine/test_kv_transfer.py
 }
 TEMPERATURE_1 = {"top_p", "top_k", "min_p", "seed"}
 # a non-default value a client could really send for a refused field (others get a made-up string)

@@ -101,7 +101,7 @@ def layout_differences(local: dict, remote: dict) -> list[str]:
 def check_remote_prefill(params: dict, local: dict | None, num_prompt_tokens: int) -> None:
     """The consumer's half of the handshake, run in the frontend so that a refusal is a 400 before anything is
     queued. `local`: this engine's cache description (None when it was not started as a KV consumer)."""
-    if local is None:
+    if local is None or local.get("role") == "kv_producer":
         raise KVTransferError(
             "kv_transfer_params asks for a remote prefill, but this engine takes no KV "
             "(start it with --kv-role consumer or both)",

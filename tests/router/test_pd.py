@@ -1,0 +1,192 @@
+"""The router's pd mode over real engines on loopback: a prefill engine (`--kv-role producer`) and a decode engine
+(`--kv-transfer-config` as vLLM spells it), with the router in a thread of the test. Greedy answers through
+prefill -> decode equal one engine's, streamed and not; the decode engine pulls only the blocks it lacks; short
+prompts skip the prefill engine; failures fall back to a local prefill; no engine keeps a block afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from fulcrum.router.app import RouterConfig, build_app
+from fulcrum.router.pd import PDConfig, PDRouter
+from fulcrum.router.pool import Pool
+from fulcrum.utils.serve_process import free_port
+from tests.router.conftest import RunningRouter, start_replica
+from tests.servers import MODEL
+
+TEXT = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. " * 2
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pd")
+    kinds = [
+        ("--kv-role", "producer", "--kv-transfer-config", '{"kv_role": "kv_producer", "lease_timeout_s": 2}'),
+        ("--kv-transfer-config", '{"kv_connector": "ZmqConnector", "kv_role": "kv_consumer", "pull_timeout_s": 2}'),
+    ]
+    with ThreadPoolExecutor(2) as ex:
+        prefill, decode = ex.map(lambda a: start_replica(tmp, "--cpu-threads", "1", "--cpu-bind", "none", *a), kinds)
+    yield prefill, decode
+    prefill.stop()
+    decode.stop()
+
+
+@pytest.fixture(scope="module")
+def pd(engines):
+    prefill, decode = engines
+    pools = [Pool([e.url], interval=0.1) for e in engines]
+    router = PDRouter(*pools, RouterConfig(policy="least-load", model=MODEL), PDConfig(min_prompt_tokens=24))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(router), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "the router did not start"
+        time.sleep(0.05)
+    yield RunningRouter(router, port)
+    server.should_exit = True
+    thread.join(30)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """An engine's /metrics: sample name -> value (summed over labels)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=60)
+
+
+def completion(url: str, prompt: str, **kw) -> str:
+    r = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def streamed(url: str, path: str, body: dict) -> str:
+    text = ""
+    with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                for c in event["choices"]:
+                    text += c.get("text") or (c.get("delta") or {}).get("content") or ""
+    return text
+
+
+def idle(*urls, timeout=8.0) -> None:
+    """Until every engine holds no block: none in use, none leased, none waiting for a pull."""
+    deadline = time.time() + timeout
+    while True:
+        ms = [metrics(u) for u in urls]
+        if all(m["fulcrum:kv_cache_usage_perc"] == 0 and m["fulcrum:kv_transfer_held_blocks"] == 0
+               and m["fulcrum:kv_transfer_pending"] == 0 for m in ms):  # fmt: skip
+            return
+        assert time.time() < deadline, f"blocks still held: {ms}"
+        time.sleep(0.2)
+
+
+def routes(pd) -> dict[str, float]:
+    return {s.labels["path"]: s.value for s in pd.router.routes.collect()[0].samples if s.name.endswith("_total")}
+
+
+def test_pd_greedy_equals_one_engine_streamed_and_not(engines, pd):
+    prefill, decode = engines
+    # the reference: one engine alone (the prefill engine, which then holds the prompt: a prefix hit there next)
+    ref = completion(prefill.url, TEXT)
+    before = metrics(decode.url)
+    assert completion(pd.url, TEXT) == ref
+    assert streamed(pd.url, "/v1/completions", {"prompt": TEXT, "max_tokens": 12, "temperature": 0}) == ref
+    after = metrics(decode.url)
+    assert after["fulcrum:kv_transfer_pulls_total"] - before["fulcrum:kv_transfer_pulls_total"] >= 1
+    assert after["fulcrum:kv_transfer_fallbacks_total"] == before["fulcrum:kv_transfer_fallbacks_total"]
+    assert metrics(prefill.url)["fulcrum:prefix_cache_hits_total"] > 0
+    messages = [{"role": "user", "content": TEXT}]
+    chat_ref = post(prefill.url, "/v1/chat/completions", {"messages": messages, "max_tokens": 10, "temperature": 0})
+    chat_ref = chat_ref.json()["choices"][0]["message"]["content"]
+    chat = post(pd.url, "/v1/chat/completions", {"messages": messages, "max_tokens": 10, "temperature": 0}).json()
+    assert chat["choices"][0]["message"]["content"] == chat_ref
+    body = {"messages": messages, "max_tokens": 10, "temperature": 0}
+    assert streamed(pd.url, "/v1/chat/completions", body) == chat_ref
+    assert routes(pd)["disaggregated"] == 4, routes(pd)
+    idle(prefill.url, decode.url)
+
+
+def test_decode_engine_pulls_only_the_blocks_it_lacks(engines, pd):
+    prefill, decode = engines
+    shared = "JULIET: O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name. " * 2
+    longer = shared + "Or if thou wilt not, be but sworn my love, and I'll no longer be a Capulet."
+    n_shared = len(post(decode.url, "/tokenize", {"prompt": shared}).json()["tokens"])
+    n_longer = len(post(decode.url, "/tokenize", {"prompt": longer}).json()["tokens"])
+    ref = completion(prefill.url, longer)
+    m0 = metrics(decode.url)["fulcrum:kv_transfer_received_blocks_total"]
+    completion(pd.url, shared)  # the decode engine now holds the shared prefix
+    m1 = metrics(decode.url)["fulcrum:kv_transfer_received_blocks_total"]
+    assert m1 - m0 == (n_shared - 1) // 16
+    assert completion(pd.url, longer) == ref
+    m2 = metrics(decode.url)["fulcrum:kv_transfer_received_blocks_total"]
+    assert m2 - m1 == (n_longer - 1) // 16 - n_shared // 16
+    idle(prefill.url, decode.url)
+
+
+def test_short_prompts_go_straight_to_decode(engines, pd):
+    prefill, decode = engines
+    sent = pd.requests_by_replica().get(prefill.url, 0)
+    assert completion(pd.url, "KING:") == completion(decode.url, "KING:")
+    assert pd.requests_by_replica().get(prefill.url, 0) == sent
+    assert routes(pd)["short-prompt"] >= 1
+
+
+def test_handshake_refuses_a_mismatched_pair(engines):
+    prefill, decode = engines
+    r = post(prefill.url, "/v1/completions", {"prompt": TEXT, "max_tokens": 1,
+                                              "kv_transfer_params": {"do_remote_decode": True}})  # fmt: skip
+    params = r.json()["kv_transfer_params"]
+    bad = {**params, "block_size": 32, "kv_dtype": "bfloat16"}
+    r = post(decode.url, "/v1/completions", {"prompt": TEXT, "max_tokens": 4, "kv_transfer_params": bad})
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "block_size (prefill engine: 32, this engine: 16)" in message and "kv_dtype" in message
+    # a prefill engine takes no KV, a decode engine offers none
+    r = post(prefill.url, "/v1/completions", {"prompt": TEXT, "max_tokens": 4, "kv_transfer_params": params})
+    assert r.status_code == 400 and "takes no KV" in r.json()["error"]["message"]
+    r = post(decode.url, "/v1/completions", {"prompt": TEXT, "max_tokens": 1,
+                                             "kv_transfer_params": {"do_remote_decode": True}})  # fmt: skip
+    assert r.status_code == 400 and "offers no KV" in r.json()["error"]["message"]
+    # the lease of the prefill above was never pulled: it expires and its blocks come back
+    held = metrics(prefill.url)["fulcrum:kv_transfer_leases_expired_total"]
+    idle(prefill.url, decode.url)
+    assert metrics(prefill.url)["fulcrum:kv_transfer_leases_expired_total"] == held + 1
+
+
+def test_failed_pull_falls_back_to_local_prefill(engines):
+    prefill, decode = engines
+    prompt = TEXT + " MERCUTIO: A plague on both your houses!"
+    ref = completion(prefill.url, prompt)
+    r = post(prefill.url, "/v1/completions", {"prompt": prompt, "max_tokens": 1,
+                                              "kv_transfer_params": {"do_remote_decode": True}})  # fmt: skip
+    params = r.json()["kv_transfer_params"]
+    dead = {**params, "remote_port": free_port()}  # the producer "died": nobody answers the pull
+    fallbacks = metrics(decode.url)["fulcrum:kv_transfer_fallbacks_total"]
+    assert completion(decode.url, prompt, kv_transfer_params=dead) == ref
+    assert metrics(decode.url)["fulcrum:kv_transfer_fallbacks_total"] == fallbacks + 1
+    idle(prefill.url, decode.url)  # the real lease expired unpulled
