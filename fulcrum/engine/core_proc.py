@@ -107,6 +107,7 @@ def _loop(core: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
             t0 = time.perf_counter()
             outputs.extend(core.step())
             step_time = time.perf_counter() - t0
-        if outputs or timeout:  # after work, and on idle ticks so the frontend's gauges stay fresh
+        waiting_for_kv = core.kv_transfer is not None and core.kv_transfer.busy()  # its gauges move meanwhile
+        if outputs or timeout or waiting_for_kv:  # after work, and on idle ticks so the frontend's gauges stay fresh
             msg = CoreOutputs(outputs, core.stats(step_time), time.time())
             push.send(encoder.encode(msg))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import threading
 import time
 import urllib.request
@@ -190,3 +192,49 @@ def test_failed_pull_falls_back_to_local_prefill(engines):
     assert completion(decode.url, prompt, kv_transfer_params=dead) == ref
     assert metrics(decode.url)["fulcrum:kv_transfer_fallbacks_total"] == fallbacks + 1
     idle(prefill.url, decode.url)  # the real lease expired unpulled
+
+
+def test_client_gone_mid_stream_frees_blocks_on_both(engines, pd):
+    prefill, decode = engines
+    body = {"prompt": TEXT + " BENVOLIO: Tell me in sadness", "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{pd.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one event, then the client hangs up
+    idle(prefill.url, decode.url)
+
+
+def test_decode_engine_killed_mid_pull(engines, tmp_path):
+    """The producer is frozen (SIGSTOP) so that the consumer's pull is in flight when the consumer is killed; the
+    producer, thawed, answers into the void, no release ever comes, and the lease's end frees the blocks."""
+    prefill, _ = engines
+    victim = start_replica(tmp_path, "--cpu-threads", "1", "--cpu-bind", "none", "--kv-role", "consumer")
+    try:
+        r = post(prefill.url, "/v1/completions", {"prompt": TEXT, "max_tokens": 1,
+                                                  "kv_transfer_params": {"do_remote_decode": True}})  # fmt: skip
+        params = r.json()["kv_transfer_params"]
+        producer = prefill.engine_pid()
+        os.kill(producer, signal.SIGSTOP)
+        try:
+            body = {"prompt": TEXT, "max_tokens": 8, "kv_transfer_params": params}
+            with ThreadPoolExecutor(1) as ex:
+                answer = ex.submit(lambda: httpx.post(f"{victim.url}/v1/completions", json=body, timeout=30))
+                deadline = time.time() + 10
+                while metrics(victim.url)["fulcrum:kv_transfer_pending"] == 0:  # the pull is under way
+                    assert time.time() < deadline, "the pull never started"
+                    time.sleep(0.05)
+                os.kill(victim.engine_pid(), signal.SIGKILL)
+                os.kill(victim.proc.pid, signal.SIGKILL)
+                with pytest.raises(httpx.TransportError):
+                    answer.result(timeout=30).raise_for_status()
+        finally:
+            os.kill(producer, signal.SIGCONT)
+        expired = metrics(prefill.url)["fulcrum:kv_transfer_leases_expired_total"]
+        idle(prefill.url)
+        assert metrics(prefill.url)["fulcrum:kv_transfer_leases_expired_total"] == expired + 1
+        # the producer serves on: the next disaggregated request is whole
+        assert completion(prefill.url, TEXT) != ""
+    finally:
+        victim.stop()
