@@ -97,30 +97,32 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _speculative_config(text: str) -> dict:
-    """--speculative-config's JSON, checked here so that a typo is a usage error, not a failed engine start."""
-    from fulcrum.engine.spec.config import SpeculativeConfig
-    from fulcrum.errors import InvalidRequestError
+def _json_config(check):
+    """An argument type for a JSON config checked by `check`, so that a typo is a usage error, not a failed start."""
 
-    try:
-        value = json.loads(text)
-        SpeculativeConfig.parse(value)
-    except (json.JSONDecodeError, InvalidRequestError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return value
+    def parse(text: str) -> dict:
+        from fulcrum.errors import InvalidRequestError
+
+        try:
+            value = json.loads(text)
+            check(value)
+        except (json.JSONDecodeError, InvalidRequestError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+
+    return parse
+
+
+def _speculative_config(text: str) -> dict:
+    from fulcrum.engine.spec.config import SpeculativeConfig
+
+    return _json_config(SpeculativeConfig.parse)(text)
 
 
 def _kv_transfer_config(text: str) -> dict:
-    """--kv-transfer-config's JSON, checked here so that a typo is a usage error, not a failed engine start."""
     from fulcrum.engine.kv_transfer import KVTransferConfig
-    from fulcrum.errors import InvalidRequestError
 
-    try:
-        value = json.loads(text)
-        KVTransferConfig.parse(value)
-    except (json.JSONDecodeError, InvalidRequestError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return value
+    return _json_config(KVTransferConfig.parse)(text)
 
 
 def kv_transfer_config(args: argparse.Namespace) -> dict | None:

@@ -73,7 +73,8 @@ def _pd_router(args):
                          "without --replica or --discover")  # fmt: skip
     pools = [Pool(urls, interval=args.scrape_interval, stale_after=args.stale_after)
              for urls in (args.prefill, args.decode)]  # fmt: skip
-    return PDRouter(*pools, router_config(args), PDConfig(min_prompt_tokens=args.pd_min_prompt_tokens))
+    pd = PDConfig(min_prompt_tokens=args.pd_min_prompt_tokens, max_prefill_load=args.pd_max_prefill_load)
+    return PDRouter(*pools, router_config(args), pd)
 
 
 def add_router_parser(sub) -> argparse.ArgumentParser:
@@ -87,6 +88,8 @@ def add_router_parser(sub) -> argparse.ArgumentParser:
                    help="a decode engine (fulcrum serve --kv-role consumer; repeat for each)")  # fmt: skip
     g.add_argument("--pd-min-prompt-tokens", type=int, default=32,
                    help="shorter prompts skip the prefill engines: the decode engine prefills them itself")  # fmt: skip
+    g.add_argument("--pd-max-prefill-load", type=float, default=None,
+                   help="when the least-loaded prefill engine has more requests than this, decode engines prefill")  # fmt: skip
     add_routing_args(p)
     p.set_defaults(func=_router)
     return p

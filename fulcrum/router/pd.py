@@ -37,6 +37,9 @@ PREFILL_DROPS = ("stream_options", "min_tokens", "logprobs", "top_logprobs", "pr
 @dataclass
 class PDConfig:
     min_prompt_tokens: int = 32  # shorter prompts are prefilled on the decode engine (not worth a transfer)
+    # a busy prefill pool: when even its least-loaded engine has more requests than this (in flight + waiting),
+    # the decode engine prefills instead (None: only when every prefill engine is down or saturated)
+    max_prefill_load: float | None = None
 
 
 class _BothPools:
@@ -107,8 +110,11 @@ class PDRouter:
         if len(self.tokenizer.token_ids(endpoint, body)) < self.pd.min_prompt_tokens:
             return "short-prompt"
         pool = self.prefill.pool
-        if all(r.load(pool.stale_after) == SATURATED for r in pool.available()):
+        low = min((r.load(pool.stale_after) for r in pool.available()), default=SATURATED)
+        if low == SATURATED:
             return "no-prefill-engine"  # none healthy, or all saturated
+        if self.pd.max_prefill_load is not None and low > self.pd.max_prefill_load:
+            return "prefill-busy"
         return None
 
     async def forward(self, request: Request, path: str, endpoint: str, body: dict, raw: bytes) -> Response:

@@ -206,3 +206,44 @@ def test_config_spellings_and_errors():
             KVTransferConfig.parse(bad)
     with pytest.raises(InvalidRequestError, match="contradicts"):
         KVTransferConfig.parse({"kv_role": "kv_consumer"}, "producer")
+
+
+def test_full_local_hit_releases_the_producer_at_once(cores, tok):
+    """A decode engine that already holds every block pulls none, and tells the producer so: its lease ends now,
+    not when it expires."""
+    ids = tok(TEXT + " NURSE: Even or odd, of all days in the year")["input_ids"]
+    ref, _ = run(cores["plain"], "ref-8", ids)
+    run(cores["decode"], "warm-8", ids, SamplingParams(max_tokens=1, temperature=0))
+    params = prefill(cores, "p-8", ids)
+    d, p = cores["decode"], cores["prefill"]
+    got = d.stats().kv_transfer_blocks_received
+    toks, _ = run(d, "d-8", ids, params=params)
+    assert toks == ref and d.stats().kv_transfer_blocks_received == got
+    expired = p.stats().kv_transfer_leases_expired
+    settle(p, until=lambda: all_free(p), timeout=0.8)  # well before the 1 s lease would end
+    assert all_free(p) and p.stats().kv_transfer_leases_expired == expired
+
+
+def test_stray_and_malformed_messages_leave_the_producer_serving(cores, tok):
+    ids = tok(TEXT + " PRINCE: Rebellious subjects, enemies to peace")["input_ids"]
+    params = prefill(cores, "p-9", ids)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(f"tcp://{params['remote_host']}:{params['remote_port']}")
+    s.send_multipart([b"garbage"])
+    s.send_multipart([b"pull", b"\xff\x00not msgpack"])
+    s.send_multipart([b"pull", msgspec.msgpack.encode({"id": params["remote_request_id"], "blocks": [10**9],
+                                                       "nonce": 7})])  # fmt: skip
+    assert s.poll(5000)
+    kind, head = s.recv_multipart()
+    assert kind == b"err" and b"outside the transfer" in head
+    ctx.destroy(linger=0)
+    ref, _ = run(cores["plain"], "ref-9", ids)
+    toks, _ = run(cores["decode"], "d-9", ids, params=params)  # the real pull still works
+    assert toks == ref
+    assert cores["decode"].stats().kv_transfer_fallbacks == cores["decode"].kv_transfer.fallbacks
+    bad = {**params, "remote_port": "9", "remote_block_ids": [1, "x"]}
+    with pytest.raises(KVTransferError, match="remote_port, remote_block_ids has the wrong type"):
+        check_remote_prefill(bad, cores["decode"].kv_transfer.describe(), len(ids))
+    settle(cores["prefill"], until=lambda: all_free(cores["prefill"]))
+    assert all_free(cores["prefill"]) and all_free(cores["decode"])

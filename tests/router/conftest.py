@@ -83,8 +83,14 @@ def run_router(urls, pool_kw=None, autoscaler=None, pool=None, **cfg):
     cfg.setdefault("model", MODEL)
     pool = pool or Pool(list(urls), **(pool_kw or {}))
     router = Router(pool, RouterConfig(**cfg))
+    with serve_router(router, build_app(router, autoscaler(pool) if autoscaler else None)) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def serve_router(router, app):
+    """`app` (router/app.py's build_app over `router`) on a free loopback port, in a thread of this process."""
     port = free_port()
-    app = build_app(router, autoscaler(pool) if autoscaler else None)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()

@@ -5,25 +5,22 @@ prompts skip the prefill engine; failures fall back to a local prefill; no engin
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from fulcrum.router.app import RouterConfig, build_app
 from fulcrum.router.pd import PDConfig, PDRouter
 from fulcrum.router.pool import Pool
 from fulcrum.utils.serve_process import free_port
-from tests.router.conftest import RunningRouter, start_replica
+from tests.router.conftest import serve_router, start_replica
 from tests.servers import MODEL
 
 TEXT = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. " * 2
@@ -48,17 +45,8 @@ def pd(engines):
     prefill, decode = engines
     pools = [Pool([e.url], interval=0.1) for e in engines]
     router = PDRouter(*pools, RouterConfig(policy="least-load", model=MODEL), PDConfig(min_prompt_tokens=24))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(router), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline, "the router did not start"
-        time.sleep(0.05)
-    yield RunningRouter(router, port)
-    server.should_exit = True
-    thread.join(30)
+    with serve_router(router, build_app(router)) as running:
+        yield running
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -158,6 +146,16 @@ def test_short_prompts_go_straight_to_decode(engines, pd):
     assert routes(pd)["short-prompt"] >= 1
 
 
+def test_no_prefill_engine_goes_straight_to_decode(engines):
+    _, decode = engines
+    dead = f"http://127.0.0.1:{free_port()}"
+    router = PDRouter(Pool([dead], interval=0.1), Pool([decode.url], interval=0.1), RouterConfig(model=MODEL),
+                      PDConfig(min_prompt_tokens=8))  # fmt: skip
+    with serve_router(router, build_app(router)) as pd:
+        assert completion(pd.url, TEXT) == completion(decode.url, TEXT)
+        assert routes(pd) == {"no-prefill-engine": 1}
+
+
 def test_handshake_refuses_a_mismatched_pair(engines):
     prefill, decode = engines
     r = post(prefill.url, "/v1/completions", {"prompt": TEXT, "max_tokens": 1,
@@ -206,19 +204,20 @@ def test_client_gone_mid_stream_frees_blocks_on_both(engines, pd):
     idle(prefill.url, decode.url)
 
 
-def test_decode_engine_killed_mid_pull(engines, tmp_path):
+def test_decode_engine_killed_mid_pull(engines):
     """The producer is frozen (SIGSTOP) so that the consumer's pull is in flight when the consumer is killed; the
-    producer, thawed, answers into the void, no release ever comes, and the lease's end frees the blocks."""
-    prefill, _ = engines
-    victim = start_replica(tmp_path, "--cpu-threads", "1", "--cpu-bind", "none", "--kv-role", "consumer")
+    producer, thawed, answers into the void, no release ever comes, and the lease's end frees the blocks.
+    Last in this file: it kills the module's decode engine (a fresh one would cost a start of its own)."""
+    prefill, victim = engines
+    prompt = "GHOST: Adieu, adieu, adieu! remember me. HAMLET: O all you host of heaven! O earth! " * 2  # not cached
     try:
-        r = post(prefill.url, "/v1/completions", {"prompt": TEXT, "max_tokens": 1,
+        r = post(prefill.url, "/v1/completions", {"prompt": prompt, "max_tokens": 1,
                                                   "kv_transfer_params": {"do_remote_decode": True}})  # fmt: skip
         params = r.json()["kv_transfer_params"]
         producer = prefill.engine_pid()
         os.kill(producer, signal.SIGSTOP)
         try:
-            body = {"prompt": TEXT, "max_tokens": 8, "kv_transfer_params": params}
+            body = {"prompt": prompt, "max_tokens": 8, "kv_transfer_params": params}
             with ThreadPoolExecutor(1) as ex:
                 answer = ex.submit(lambda: httpx.post(f"{victim.url}/v1/completions", json=body, timeout=30))
                 deadline = time.time() + 10
@@ -234,7 +233,7 @@ def test_decode_engine_killed_mid_pull(engines, tmp_path):
         expired = metrics(prefill.url)["fulcrum:kv_transfer_leases_expired_total"]
         idle(prefill.url)
         assert metrics(prefill.url)["fulcrum:kv_transfer_leases_expired_total"] == expired + 1
-        # the producer serves on: the next disaggregated request is whole
+        # the producer serves on
         assert completion(prefill.url, TEXT) != ""
     finally:
         victim.stop()

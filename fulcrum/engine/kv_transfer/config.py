@@ -111,6 +111,16 @@ def check_remote_prefill(params: dict, local: dict | None, num_prompt_tokens: in
                if k not in params]  # fmt: skip
     if missing:
         raise KVTransferError(f"kv_transfer_params lacks {', '.join(missing)}", "kv_transfer_params")
+    types = {"remote_host": str, "remote_port": int, "remote_request_id": str, "remote_block_ids": list}
+    def ok(k, t):
+        v = params[k]
+        if k == "remote_block_ids":
+            return isinstance(v, list) and all(isinstance(b, int) and not isinstance(b, bool) for b in v)
+        return isinstance(v, t) and not isinstance(v, bool)
+
+    wrong = [k for k, t in types.items() if not ok(k, t)]
+    if wrong:
+        raise KVTransferError(f"kv_transfer_params: {', '.join(wrong)} has the wrong type", "kv_transfer_params")
     diffs = layout_differences(local, params)
     if diffs:
         raise KVTransferError(

@@ -151,27 +151,40 @@ class KVTransfer:
         req.kv_transfer_params = None  # consumed; the response carries none
         bs = self.kv.block_size
         num_full = (req.num_tokens - 1) // bs
-        remote = list(params.get("remote_block_ids") or [])
+        try:  # the frontend checked the fields' types; a bad value still only costs this request its transfer
+            job = PullJob(req.request_id, str(params["remote_host"]), int(params["remote_port"]),
+                          str(params["remote_request_id"]), [int(b) for b in params["remote_block_ids"]], [])  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("request %s: unusable kv_transfer_params (%s); prefilling locally", req.request_id, e)
+            self.fallbacks += 1
+            return False
+        remote = job.remote_block_ids
         if len(remote) != num_full or params.get("num_prompt_tokens", req.num_prompt_tokens) != req.num_prompt_tokens:
             log.warning("request %s: the producer offers %d blocks for %d here; prefilling locally",
                         req.request_id, len(remote), num_full)  # fmt: skip
             self.fallbacks += 1
+            self._release_remote(job)
             return False
         computed, _ = self.kv.get_computed_blocks(req)
         have = len(computed)
-        if have >= num_full:
+        if have >= num_full:  # all here already: tell the producer it may free its copy now
             self.local_hits += 1
+            self._release_remote(job)
             return False
         stand_in = Request(f"{req.request_id}#kv", req.prompt_token_ids[: num_full * bs], req.sampling_params)
         if not self.kv.allocate_slots(stand_in, (num_full - have) * bs, computed, register=False):
             self.fallbacks += 1
+            self._release_remote(job)
             return False
-        local = self.kv.block_table(stand_in.request_id)[have:num_full]
-        job = PullJob(req.request_id, params["remote_host"], int(params["remote_port"]),
-                      str(params["remote_request_id"]), remote[have:], local)  # fmt: skip
+        job.remote_block_ids = remote[have:]
+        job.local_block_ids = self.kv.block_table(stand_in.request_id)[have:num_full]
         self.pending[req.request_id] = Pending(req, stand_in, job)
         self.connector.pull(job)
         return True
+
+    def _release_remote(self, job: PullJob) -> None:
+        """A pull of no blocks: the producer answers at once and gets the release (its answer is dropped)."""
+        self.connector.pull(PullJob(f"{job.request_id}#release", job.host, job.port, job.transfer_id, [], []))
 
     def abort(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """End requests still waiting for their blocks; the blocks are freed when the pull reports."""
@@ -190,7 +203,9 @@ class KVTransfer:
         """Pulls that ended (their requests, for the scheduler), leases released or expired."""
         ready = []
         for r in self.connector.finished_pulls():
-            p = self.pending.pop(r.request_id)
+            p = self.pending.pop(r.request_id, None)
+            if p is None:
+                continue  # a release-only pull
             if p.job.cancelled:
                 self.kv.free(p.stand_in)
                 self.kv.release(p.req.request_id)  # the hashes its prefix lookup left

@@ -48,7 +48,9 @@ class ZmqConnector(KVConnector):
         self._offered: dict[str, frozenset[int]] = {}
         self._reading: dict[str, int] = {}  # transfer -> pulls reading its blocks now
         self._released: deque[str] = deque()
-        self._jobs: queue.Queue[PullJob | None] = queue.Queue()
+        self._consume = consume
+        # one worker (thread, queue, socket) per producer: a dead producer stalls only the pulls bound for it
+        self._workers: dict[tuple[str, int], queue.Queue[PullJob | None]] = {}
         self._results: deque[PullResult] = deque()
         self._done = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -60,8 +62,6 @@ class ZmqConnector(KVConnector):
             port = self._router.bind_to_random_port(url) if port == 0 else (self._router.bind(f"{url}:{port}"), port)[1]
             self._address = (host, port)
             self._threads.append(threading.Thread(target=self._serve, name="kv-producer", daemon=True))
-        if consume:
-            self._threads.append(threading.Thread(target=self._work, name="kv-consumer", daemon=True))
         for t in self._threads:
             t.start()
 
@@ -97,10 +97,13 @@ class ZmqConnector(KVConnector):
             while not self._stop.is_set():
                 if not sock.poll(POLL_MS):
                     continue
-                ident, kind, payload = sock.recv_multipart()
+                frames = sock.recv_multipart()
+                if len(frames) != 3:
+                    continue  # not ours: a stray peer must not end the thread
+                ident, kind, payload = frames
                 try:
                     head = _dec.decode(payload)
-                except msgspec.DecodeError:
+                except (msgspec.DecodeError, msgspec.ValidationError):
                     continue
                 if kind == b"release":
                     self._released.append(str(head.get("id")))
@@ -116,7 +119,11 @@ class ZmqConnector(KVConnector):
         tid, blocks = str(head.get("id")), head.get("blocks")
         with self._lock:
             offered = self._offered.get(tid)
-            ok = offered is not None and isinstance(blocks, list) and all(b in offered for b in blocks)
+            ok = (
+                offered is not None
+                and isinstance(blocks, list)
+                and all(isinstance(b, int) and b in offered for b in blocks)
+            )
             if ok:
                 self._reading[tid] = self._reading.get(tid, 0) + 1
         if not ok:
@@ -140,7 +147,16 @@ class ZmqConnector(KVConnector):
     # -- consumer ---------------------------------------------------------------------------------
 
     def pull(self, job: PullJob) -> None:
-        self._jobs.put(job)
+        if not self._consume:
+            raise RuntimeError("this connector was made for a producer only")
+        key = (job.host, job.port)
+        jobs = self._workers.get(key)
+        if jobs is None:
+            jobs = self._workers[key] = queue.Queue()
+            t = threading.Thread(target=self._work, args=(key, jobs), name=f"kv-pull-{job.port}", daemon=True)
+            self._threads.append(t)
+            t.start()
+        jobs.put(job)
 
     def finished_pulls(self) -> list[PullResult]:
         self._done.clear()
@@ -153,37 +169,37 @@ class ZmqConnector(KVConnector):
         if not self._results:
             self._done.wait(timeout)
 
-    def _work(self) -> None:
-        socks: dict[tuple[str, int], zmq.Socket] = {}
+    def _work(self, key: tuple[str, int], jobs: queue.Queue) -> None:
+        sock = None
         nonce = 0
         while not self._stop.is_set():
-            job = self._jobs.get()
+            job = jobs.get()
             if job is None:
                 break
             nonce += 1
             t0 = time.perf_counter()
-            key = (job.host, job.port)
             try:
-                sock = socks.get(key)
                 if sock is None:
-                    sock = socks[key] = self._ctx.socket(zmq.DEALER)
+                    sock = self._ctx.socket(zmq.DEALER)
                     sock.setsockopt(zmq.LINGER, 0)
-                    sock.connect(f"tcp://{job.host}:{job.port}")
+                    sock.connect(f"tcp://{key[0]}:{key[1]}")
                 n = self._pull(sock, job, nonce)
                 result = PullResult(job.request_id, True, num_bytes=n, seconds=time.perf_counter() - t0)
-                self.stats.pulls += 1
-                self.stats.bytes_received += n
-                self.stats.blocks_received += len(job.local_block_ids)
-                self.stats.pull_seconds += result.seconds
+                if job.local_block_ids:  # a release-only pull moves nothing: not a transfer
+                    with self._lock:
+                        self.stats.pulls += 1
+                        self.stats.bytes_received += n
+                        self.stats.blocks_received += len(job.local_block_ids)
+                        self.stats.pull_seconds += result.seconds
             except Exception as e:  # any failure is this request's: it prefills locally instead
-                stale = socks.pop(key, None)
-                if stale is not None:
-                    stale.close(0)  # a late answer must not meet the next pull
+                if sock is not None:
+                    sock.close(0)  # a late answer must not meet the next pull
+                    sock = None
                 result = PullResult(job.request_id, False, error=str(e) or type(e).__name__)
             self._results.append(result)
             self._done.set()
-        for s in socks.values():
-            s.close(0)
+        if sock is not None:
+            sock.close(0)
 
     def _pull(self, sock: zmq.Socket, job: PullJob, nonce: int) -> int:
         sock.send_multipart([b"pull", _enc.encode({"id": job.transfer_id, "blocks": job.remote_block_ids,
@@ -206,7 +222,7 @@ class ZmqConnector(KVConnector):
             warnings.simplefilter("ignore", UserWarning)
             for b in job.local_block_ids:
                 if job.cancelled:
-                    raise RuntimeError("cancelled")
+                    break
                 for c, axis in self.caches:
                     dst = c.select(axis, b)
                     buf = frames[i].buffer
@@ -215,12 +231,15 @@ class ZmqConnector(KVConnector):
                     dst.copy_(torch.frombuffer(buf, dtype=torch.uint8).view(c.dtype).view(dst.shape))
                     total += buf.nbytes
                     i += 1
-        sock.send_multipart([b"release", _enc.encode({"id": job.transfer_id})])
+        sock.send_multipart([b"release", _enc.encode({"id": job.transfer_id})])  # done with them, whatever came
+        if job.cancelled:
+            raise RuntimeError("cancelled")
         return total
 
     def close(self) -> None:
         self._stop.set()
-        self._jobs.put(None)
+        for jobs in self._workers.values():
+            jobs.put(None)
         for t in self._threads:
             t.join(2)
         self._ctx.destroy(linger=0)
