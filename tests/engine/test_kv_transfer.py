@@ -247,3 +247,32 @@ def test_stray_and_malformed_messages_leave_the_producer_serving(cores, tok):
         check_remote_prefill(bad, cores["decode"].kv_transfer.describe(), len(ids))
     settle(cores["prefill"], until=lambda: all_free(cores["prefill"]))
     assert all_free(cores["prefill"]) and all_free(cores["decode"])
+
+
+def test_other_requests_run_while_one_waits_for_its_blocks(cores, tok):
+    """A pull that hangs (nobody answers; 1 s timeout here) holds only its own request: another one starts and
+    finishes meanwhile, then the first falls back to a local prefill with the right tokens."""
+    ids = tok(TEXT + " CAPULET: Go to, go to!")["input_ids"]
+    ref, _ = run(cores["plain"], "ref-10", ids)
+    params = prefill(cores, "p-10", ids)
+    d = cores["decode"]
+    d.add_request("d-10", ids, GREEDY, kv_transfer_params={**params, "remote_port": params["remote_port"] + 1})
+    other = tok("LADY CAPULET: What, are you busy, ho?")["input_ids"]
+    other_ref, _ = run(cores["plain"], "ref-10b", other)
+    d.add_request("other", other, GREEDY)
+    got: dict[str, list[int]] = {"d-10": [], "other": []}
+    t0, other_done = time.time(), None
+    while d.has_unfinished_requests() and time.time() - t0 < 30:
+        for o in d.step():
+            got[o.request_id] += o.new_token_ids
+            if o.request_id == "other" and o.finish_reason:
+                other_done = d.stats().kv_transfer_pending
+    assert got["other"] == other_ref and other_done == 1  # finished while d-10 still waited for its blocks
+    assert got["d-10"] == ref
+    settle(cores["prefill"], until=lambda: all_free(cores["prefill"]))
+    assert all_free(d) and all_free(cores["prefill"])
+
+
+def test_kv_transfer_refuses_tensor_parallel_engines():
+    with pytest.raises(InvalidRequestError, match="tensor or pipeline parallelism"):
+        EngineConfig(kv_transfer_config={"kv_role": "kv_both"}, tensor_parallel_size=2)

@@ -112,6 +112,7 @@ def check_remote_prefill(params: dict, local: dict | None, num_prompt_tokens: in
     if missing:
         raise KVTransferError(f"kv_transfer_params lacks {', '.join(missing)}", "kv_transfer_params")
     types = {"remote_host": str, "remote_port": int, "remote_request_id": str, "remote_block_ids": list}
+
     def ok(k, t):
         v = params[k]
         if k == "remote_block_ids":
