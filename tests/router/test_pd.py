@@ -138,6 +138,25 @@ def test_decode_engine_pulls_only_the_blocks_it_lacks(engines, pd):
     idle(prefill.url, decode.url)
 
 
+def test_concurrent_disaggregated_requests_each_get_their_own_tokens(engines, pd):
+    prefill, decode = engines
+    lines = [
+        "KING HENRY: Once more unto the breach, dear friends, once more;",
+        "PORTIA: The quality of mercy is not",
+        "MACBETH: Tomorrow, and tomorrow, and tomorrow, creeps in",
+        "PUCK: If we shadows have offended, think",
+        "PROSPERO: Our revels now are ended. These our actors,",
+        "VIOLA: If music be the food of love, play on",
+    ]
+    prompts = [(line + " ") * 3 for line in lines]
+    refs = [completion(prefill.url, p) for p in prompts]
+    pulls = metrics(decode.url)["fulcrum:kv_transfer_pulls_total"]
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        assert list(ex.map(lambda p: completion(pd.url, p), prompts)) == refs
+    assert metrics(decode.url)["fulcrum:kv_transfer_pulls_total"] - pulls == len(prompts)
+    idle(prefill.url, decode.url)
+
+
 def test_short_prompts_go_straight_to_decode(engines, pd):
     prefill, decode = engines
     sent = pd.requests_by_replica().get(prefill.url, 0)
