@@ -173,7 +173,8 @@ class EngineCore:
                 req.status, req.error = RequestStatus.FINISHED_ERROR, f"the grammar failed to compile: {e}"
                 failed.append(self._output(req, []))
                 continue
-            self.scheduler.add_request(req)
+            if self.kv_transfer is None or not self.kv_transfer.add(req):  # a remote prefill pulls its blocks first
+                self.scheduler.add_request(req)
         return failed
 
     def step(self) -> list[EngineCoreOutput]:

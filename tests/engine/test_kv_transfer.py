@@ -276,3 +276,22 @@ def test_other_requests_run_while_one_waits_for_its_blocks(cores, tok):
 def test_kv_transfer_refuses_tensor_parallel_engines():
     with pytest.raises(InvalidRequestError, match="tensor or pipeline parallelism"):
         EngineConfig(kv_transfer_config={"kv_role": "kv_both"}, tensor_parallel_size=2)
+
+
+def test_structured_output_request_pulls_its_blocks_too(cores, tok):
+    """A request with a grammar joins the scheduler after its compile: through the pull when it asks for one."""
+    from fulcrum.sampling_params import StructuredOutputsParams
+
+    ids = tok(TEXT + " Who loves Juliet?")["input_ids"]
+    sp = SamplingParams(
+        max_tokens=8, temperature=0, structured_outputs=StructuredOutputsParams(choice=["Romeo", "Paris"])
+    )
+    ref, _ = run(cores["plain"], "ref-11", ids, sp)
+    params = prefill(cores, "p-11", ids)
+    d = cores["decode"]
+    got = d.stats().kv_transfer_blocks_received
+    toks, out = run(d, "d-11", ids, sp, params)
+    assert toks == ref and out.kv_transfer_params is None
+    assert d.stats().kv_transfer_blocks_received > got
+    settle(cores["prefill"], until=lambda: all_free(cores["prefill"]))
+    assert all_free(d) and all_free(cores["prefill"])
