@@ -295,3 +295,21 @@ def test_structured_output_request_pulls_its_blocks_too(cores, tok):
     assert d.stats().kv_transfer_blocks_received > got
     settle(cores["prefill"], until=lambda: all_free(cores["prefill"]))
     assert all_free(d) and all_free(cores["prefill"])
+
+
+def test_leases_past_their_share_of_the_cache_end_oldest_first(tok):
+    """Prefills nobody pulls hold at most max_held_fraction of the producer's cache: the oldest lease ends early."""
+    p = make_core("producer", lease_timeout_s=60, max_held_fraction=0.02)  # 320 blocks: at most 6 held
+    try:
+        ids = [tok(f"{who}: " + TEXT)["input_ids"] for who in ("ROMEO", "JULIET", "NURSE")]
+        params = [run(p, f"p{i}", x, PREFILL, {"do_remote_decode": True})[1].kv_transfer_params
+                  for i, x in enumerate(ids)]  # fmt: skip
+        each = len(params[0]["remote_block_ids"])
+        assert each >= 3
+        s = p.stats()
+        assert s.kv_transfer_held_blocks <= max(6, each) and s.kv_transfer_leases_expired >= 1
+        assert s.num_blocks - s.num_free_blocks == s.kv_transfer_held_blocks  # nothing else is held
+        assert params[-1]["remote_request_id"] in p.kv_transfer.leases  # the newest stays
+        assert params[0]["remote_request_id"] not in p.kv_transfer.leases
+    finally:
+        p.shutdown()

@@ -13,7 +13,7 @@ ROLES = {"kv_producer": "kv_producer", "kv_consumer": "kv_consumer", "kv_both": 
          "producer": "kv_producer", "consumer": "kv_consumer", "both": "kv_both"}  # fmt: skip
 # the CPU connector's names: ours, and the spelling a vLLM user reaches for first
 CONNECTORS = ("ZmqConnector", "CpuConnector", "fulcrum")
-EXTRA_KEYS = ("lease_timeout_s", "pull_timeout_s")
+EXTRA_KEYS = ("lease_timeout_s", "pull_timeout_s", "max_held_fraction")
 # the fields of kv_transfer_params that describe the producer's cache, checked against the consumer's own
 LAYOUT_FIELDS = ("block_size", "kv_dtype", "model", "kv_layout")
 
@@ -32,6 +32,9 @@ class KVTransferConfig:
     lease_timeout_s: float = 30.0
     # how long a consumer waits for a pull before it prefills locally instead
     pull_timeout_s: float = 10.0
+    # the most of a producer's cache that leases may hold: past it the oldest lease ends early, so that prefills
+    # nobody pulls (a consumer gone, a client that never decodes) cannot starve the producer's own requests
+    max_held_fraction: float = 0.5
     kv_connector_extra_config: dict = field(default_factory=dict)
 
     @property
@@ -84,6 +87,8 @@ class KVTransferConfig:
         for name in ("lease_timeout_s", "pull_timeout_s"):
             if not (isinstance(getattr(cfg, name), int | float) and getattr(cfg, name) > 0):
                 raise InvalidRequestError(f"{name} must be a positive number of seconds", "kv_transfer_config")
+        if not (isinstance(cfg.max_held_fraction, int | float) and 0 < cfg.max_held_fraction <= 1):
+            raise InvalidRequestError("max_held_fraction must be in (0, 1]", "kv_transfer_config")
         return cfg
 
 

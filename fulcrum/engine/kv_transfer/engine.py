@@ -119,6 +119,7 @@ class KVTransfer:
         block_ids = self.kv.hand_over(req.request_id, holder, num_full)
         self.leases[transfer_id] = Lease(holder, block_ids, time.monotonic() + self.cfg.lease_timeout_s)
         self.connector.offer(transfer_id, block_ids)
+        self._trim(keep=transfer_id)
         host, port = self.connector.address
         req.kv_transfer_params = {
             "do_remote_decode": False,
@@ -131,6 +132,17 @@ class KVTransfer:
             "num_prompt_tokens": n,
             **self.layout,
         }
+
+    def _trim(self, keep: str) -> None:
+        """End the oldest leases (not one being read) while they hold more than max_held_fraction of the cache."""
+        cap = self.cfg.max_held_fraction * self.kv.num_blocks
+        for tid in list(self.leases):  # oldest first
+            if sum(len(x.block_ids) for x in self.leases.values()) <= cap:
+                return
+            if tid != keep and self._end_lease(tid):
+                self.leases_expired += 1
+                log.warning("KV lease %s ended early: leases held over %.0f%% of the cache", tid,
+                            100 * self.cfg.max_held_fraction)  # fmt: skip
 
     def _end_lease(self, transfer_id: str) -> bool:
         lease = self.leases.get(transfer_id)
