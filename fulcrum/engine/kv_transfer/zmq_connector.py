@@ -130,9 +130,11 @@ class ZmqConnector(KVConnector):
             why = "unknown or expired transfer" if offered is None else "blocks outside the transfer"
             return [b"err", _enc.encode({"nonce": head.get("nonce"), "error": f"{why}: {tid}"})]
         try:
-            # a contiguous copy per block and cache tensor: the bytes leave from our copy, so the lease may end
-            # as soon as this returns, whenever the socket gets to send them
-            frames = [c.select(axis, b).contiguous() for b in blocks for c, axis in self.caches]
+            # one copy of the blocks per cache tensor, in host memory (a device cache is gathered there first, then
+            # copied down once): the bytes leave from our copy, so the lease may end as soon as this returns
+            copies = [torch.stack([c.select(axis, b) for b in blocks]).cpu() if blocks else None
+                      for c, axis in self.caches]  # fmt: skip
+            frames = [copy[i] for i in range(len(blocks)) for copy in copies]
         finally:
             with self._lock:
                 self._reading[tid] -= 1
@@ -218,19 +220,28 @@ class ZmqConnector(KVConnector):
         if len(frames) != len(job.local_block_ids) * len(self.caches):
             raise RuntimeError(f"the producer sent {len(frames)} frames for {len(job.local_block_ids)} blocks")
         total, i = 0, 0
+        staged: list[list[torch.Tensor]] = [[] for _ in self.caches]  # a device cache's blocks, copied up at once
         with warnings.catch_warnings():  # ZMQ frames are read-only; torch only reads them here
             warnings.simplefilter("ignore", UserWarning)
             for b in job.local_block_ids:
                 if job.cancelled:
                     break
-                for c, axis in self.caches:
+                for j, (c, axis) in enumerate(self.caches):
                     dst = c.select(axis, b)
                     buf = frames[i].buffer
                     if buf.nbytes != dst.numel() * dst.element_size():
                         raise RuntimeError(f"a block of {buf.nbytes} bytes where this cache has {dst.numel()}")
-                    dst.copy_(torch.frombuffer(buf, dtype=torch.uint8).view(c.dtype).view(dst.shape))
+                    src = torch.frombuffer(buf, dtype=torch.uint8).view(c.dtype).view(dst.shape)
+                    if c.device.type == "cpu":
+                        dst.copy_(src)
+                    else:
+                        staged[j].append(src)
                     total += buf.nbytes
                     i += 1
+        for (c, axis), srcs in zip(self.caches, staged):
+            if srcs and not job.cancelled:
+                ids = torch.tensor(job.local_block_ids[: len(srcs)], device=c.device)
+                c.index_copy_(axis, ids, torch.stack(srcs).to(c.device).movedim(0, axis))
         sock.send_multipart([b"release", _enc.encode({"id": job.transfer_id})])  # done with them, whatever came
         if job.cancelled:
             raise RuntimeError("cancelled")
