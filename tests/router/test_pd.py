@@ -5,9 +5,12 @@ prompts skip the prefill engine; failures fall back to a local prefill; no engin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -155,6 +158,44 @@ def test_concurrent_disaggregated_requests_each_get_their_own_tokens(engines, pd
         assert list(ex.map(lambda p: completion(pd.url, p), prompts)) == refs
     assert metrics(decode.url)["fulcrum:kv_transfer_pulls_total"] - pulls == len(prompts)
     idle(prefill.url, decode.url)
+
+
+def test_the_cli_runs_pd_mode_through_the_openai_client(engines, tmp_path):
+    import openai
+
+    prefill, decode = engines
+    port = free_port()
+    cmd = [sys.executable, "-m", "fulcrum.cli", "router", "--port", str(port), "--prefill", prefill.url,
+           "--decode", decode.url, "--model", str(MODEL), "--pd-min-prompt-tokens", "16"]  # fmt: skip
+    with open(tmp_path / "router.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "router.log").read_text()
+            assert time.time() < deadline, "the router did not come up"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            time.sleep(0.3)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        prompt = TEXT + " FRIAR: These violent delights have violent ends"
+        ref = completion(prefill.url, prompt, max_tokens=8)
+        out = client.completions.create(model="shakespeare", prompt=prompt, max_tokens=8, temperature=0)
+        assert out.choices[0].text == ref
+        chunks = client.completions.create(model="shakespeare", prompt=prompt, max_tokens=8, temperature=0,
+                                           stream=True)  # fmt: skip
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ref
+        assert (
+            'fulcrum_router:pd_requests_total{path="disaggregated"} 2.0'
+            in httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        )
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    bad = subprocess.run([sys.executable, "-m", "fulcrum.cli", "router", "--prefill", prefill.url],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode != 0 and "pd mode takes --prefill URL and --decode URL" in bad.stderr
 
 
 def test_short_prompts_go_straight_to_decode(engines, pd):
