@@ -148,7 +148,7 @@ class AsyncLLM:
         now = time.time()
         params = check_request(prompt_ids, params, priority, self.ready.max_model_len, self.ready.vocab_size)
         if kv_transfer_params is not None:
-            check_kv_transfer(kv_transfer_params, self.ready.kv_transfer, len(prompt_ids), params)
+            check_kv_transfer(kv_transfer_params, self.ready.kv_transfer, prompt_ids, params)
         children = fan_out(rid, params)
         # encode before anything is registered, so that a failure here holds no queue slot
         msgs = [
@@ -269,14 +269,14 @@ class _Core:
     given: int = 0  # samples sent to it since start
 
 
-def check_kv_transfer(params: dict, local: dict | None, num_prompt_tokens: int, sp: SamplingParams) -> None:
+def check_kv_transfer(params: dict, local: dict | None, prompt_ids: list[int], sp: SamplingParams) -> None:
     """The frontend's check of a request's kv_transfer_params, so that a refusal is a 400 before it is queued."""
     if not isinstance(params, dict):
         raise KVTransferError("kv_transfer_params must be an object", "kv_transfer_params")
     if sp.n != 1:
         raise KVTransferError("kv_transfer_params takes one sample per request (n 1)", "kv_transfer_params")
     if params.get("do_remote_prefill"):
-        check_remote_prefill(params, local, num_prompt_tokens)
+        check_remote_prefill(params, local, prompt_ids)
     elif params.get("do_remote_decode") and (local is None or local.get("role") == "kv_consumer"):
         raise KVTransferError(
             "kv_transfer_params asks for a remote decode, but this engine offers no KV "

@@ -175,18 +175,22 @@ def test_handshake_refuses_a_mismatched_pair(cores, tok):
     ids = tok("FALSTAFF: If sack and sugar be a fault, God help the wicked!")["input_ids"]
     params = prefill(cores, "p-7", ids)
     local = cores["decode"].kv_transfer.describe()
-    check_remote_prefill(params, local, len(ids))  # the real pair agrees
+    check_remote_prefill(params, local, ids)  # the real pair agrees
     bad = {**params, "block_size": 32, "kv_dtype": "bfloat16"}
     with pytest.raises(KVTransferError) as e:
-        check_remote_prefill(bad, local, len(ids))
+        check_remote_prefill(bad, local, ids)
     assert "block_size (prefill engine: 32, this engine: 16)" in str(e.value)
     assert 'kv_dtype (prefill engine: "bfloat16", this engine: "float32")' in str(e.value)
     with pytest.raises(KVTransferError, match="model"):
-        check_remote_prefill({**params, "model": "other@123"}, local, len(ids))
+        check_remote_prefill({**params, "model": "other@123"}, local, ids)
     with pytest.raises(KVTransferError, match="kv_layout"):
-        check_remote_prefill({**params, "kv_layout": {**params["kv_layout"], "block_shapes": [[1]]}}, local, len(ids))
+        check_remote_prefill({**params, "kv_layout": {**params["kv_layout"], "block_shapes": [[1]]}}, local, ids)
+    other = list(ids)
+    other[3] = (other[3] + 1) % 2000  # the same length, another prompt: its blocks are not this one's
+    with pytest.raises(KVTransferError, match=r"made for another prompt \(block 0 differs\)"):
+        check_remote_prefill(params, local, other)
     with pytest.raises(KVTransferError, match="takes no KV"):
-        check_remote_prefill(params, None, len(ids))
+        check_remote_prefill(params, None, ids)
     settle(cores["prefill"], until=lambda: all_free(cores["prefill"]))
 
 
@@ -244,7 +248,7 @@ def test_stray_and_malformed_messages_leave_the_producer_serving(cores, tok):
     assert cores["decode"].stats().kv_transfer_fallbacks == cores["decode"].kv_transfer.fallbacks
     bad = {**params, "remote_port": "9", "remote_block_ids": [1, "x"]}
     with pytest.raises(KVTransferError, match="remote_port, remote_block_ids has the wrong type"):
-        check_remote_prefill(bad, cores["decode"].kv_transfer.describe(), len(ids))
+        check_remote_prefill(bad, cores["decode"].kv_transfer.describe(), ids)
     settle(cores["prefill"], until=lambda: all_free(cores["prefill"]))
     assert all_free(cores["prefill"]) and all_free(cores["decode"])
 

@@ -226,6 +226,11 @@ def test_handshake_refuses_a_mismatched_pair(engines):
     assert r.status_code == 400
     message = r.json()["error"]["message"]
     assert "block_size (prefill engine: 32, this engine: 16)" in message and "kv_dtype" in message
+    # params made for another prompt of the same length: its blocks would poison this prompt's cache entries
+    other = post(decode.url, "/tokenize", {"prompt": TEXT}).json()["tokens"]
+    other[3] = (other[3] + 1) % 2000
+    r = post(decode.url, "/v1/completions", {"prompt": other, "max_tokens": 4, "kv_transfer_params": params})
+    assert r.status_code == 400 and "made for another prompt (block 0 differs)" in r.json()["error"]["message"]
     # a prefill engine takes no KV, a decode engine offers none
     r = post(prefill.url, "/v1/completions", {"prompt": TEXT, "max_tokens": 4, "kv_transfer_params": params})
     assert r.status_code == 400 and "takes no KV" in r.json()["error"]["message"]

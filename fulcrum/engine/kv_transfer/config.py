@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 
 from fulcrum.errors import InvalidRequestError
+from fulcrum.utils.hashing import hash_prefix_blocks
 
 # vLLM's role names, and the short ones of `--kv-role`
 ROLES = {"kv_producer": "kv_producer", "kv_consumer": "kv_consumer", "kv_both": "kv_both",
@@ -92,6 +93,11 @@ class KVTransferConfig:
         return cfg
 
 
+def block_hashes(token_ids: list[int], block_size: int) -> list[str]:
+    """The chained hashes of the full blocks a transfer covers (all but the last token), as hex for JSON."""
+    return [f"{h:016x}" for h in hash_prefix_blocks(token_ids[: len(token_ids) - 1], block_size)]
+
+
 def layout_differences(local: dict, remote: dict) -> list[str]:
     """What differs between this engine's cache description and the one a producer sent in kv_transfer_params,
     one phrase per field, so that the refusal names each."""
@@ -103,7 +109,7 @@ def layout_differences(local: dict, remote: dict) -> list[str]:
     return out
 
 
-def check_remote_prefill(params: dict, local: dict | None, num_prompt_tokens: int) -> None:
+def check_remote_prefill(params: dict, local: dict | None, prompt_ids: list[int]) -> None:
     """The consumer's half of the handshake, run in the frontend so that a refusal is a 400 before anything is
     queued. `local`: this engine's cache description (None when it was not started as a KV consumer)."""
     if local is None or local.get("role") == "kv_producer":
@@ -112,7 +118,8 @@ def check_remote_prefill(params: dict, local: dict | None, num_prompt_tokens: in
             "(start it with --kv-role consumer or both)",
             "kv_transfer_params",
         )
-    missing = [k for k in ("remote_host", "remote_port", "remote_request_id", "remote_block_ids", *LAYOUT_FIELDS)
+    missing = [k for k in ("remote_host", "remote_port", "remote_request_id", "remote_block_ids", "block_hashes",
+                           *LAYOUT_FIELDS)
                if k not in params]  # fmt: skip
     if missing:
         raise KVTransferError(f"kv_transfer_params lacks {', '.join(missing)}", "kv_transfer_params")
@@ -134,8 +141,20 @@ def check_remote_prefill(params: dict, local: dict | None, num_prompt_tokens: in
             "kv_transfer_params",
         )
     n = params.get("num_prompt_tokens")
-    if n is not None and n != num_prompt_tokens:
+    if n is not None and n != len(prompt_ids):
         raise KVTransferError(
-            f"kv_transfer_params is for a prompt of {n} tokens, this request's has {num_prompt_tokens}",
+            f"kv_transfer_params is for a prompt of {n} tokens, this request's has {len(prompt_ids)}",
+            "kv_transfer_params",
+        )
+    theirs, mine = params.get("block_hashes"), block_hashes(prompt_ids, local["block_size"])
+    if theirs != mine[: len(theirs) if isinstance(theirs, list) else None]:
+        first = (
+            next((i for i, (a, b) in enumerate(zip(theirs, mine)) if a != b), None)
+            if isinstance(theirs, list)
+            else None
+        )
+        where = f" (block {first} differs)" if first is not None else ""
+        raise KVTransferError(
+            f"kv_transfer_params were made for another prompt{where}: its blocks would be cached as this one's",
             "kv_transfer_params",
         )

@@ -24,7 +24,7 @@ import xxhash
 
 from fulcrum.engine.kv_cache import KVCacheManager
 from fulcrum.engine.kv_transfer.base import KVConnector, PullJob
-from fulcrum.engine.kv_transfer.config import KVTransferConfig
+from fulcrum.engine.kv_transfer.config import KVTransferConfig, block_hashes
 from fulcrum.engine.kv_transfer.zmq_connector import ZmqConnector
 from fulcrum.engine.request import Request, RequestStatus
 from fulcrum.errors import InvalidRequestError
@@ -130,6 +130,8 @@ class KVTransfer:
             "remote_request_id": transfer_id,
             "remote_block_ids": block_ids,
             "num_prompt_tokens": n,
+            # what the blocks hold: a consumer refuses them for any other prompt (it would cache them as its own)
+            "block_hashes": block_hashes(req.prompt_token_ids, self.kv.block_size)[: len(block_ids)],
             **self.layout,
         }
 
@@ -171,7 +173,8 @@ class KVTransfer:
             self.fallbacks += 1
             return False
         remote = job.remote_block_ids
-        if len(remote) != num_full or params.get("num_prompt_tokens", req.num_prompt_tokens) != req.num_prompt_tokens:
+        mine = block_hashes(req.prompt_token_ids, bs)[:num_full]
+        if len(remote) != num_full or params.get("block_hashes") != mine:
             log.warning("request %s: the producer offers %d blocks for %d here; prefilling locally",
                         req.request_id, len(remote), num_full)  # fmt: skip
             self.fallbacks += 1
