@@ -273,11 +273,15 @@ def check_kv_transfer(params: dict, local: dict | None, prompt_ids: list[int], s
     """The frontend's check of a request's kv_transfer_params, so that a refusal is a 400 before it is queued."""
     if not isinstance(params, dict):
         raise KVTransferError("kv_transfer_params must be an object", "kv_transfer_params")
+    if local is None:  # a plain engine: the field would do nothing, and a silent 200 would hide the mistake
+        raise KVTransferError(
+            "kv_transfer_params needs an engine started with --kv-role or --kv-transfer-config", "kv_transfer_params"
+        )
     if sp.n != 1:
         raise KVTransferError("kv_transfer_params takes one sample per request (n 1)", "kv_transfer_params")
     if params.get("do_remote_prefill"):
         check_remote_prefill(params, local, prompt_ids)
-    elif params.get("do_remote_decode") and (local is None or local.get("role") == "kv_consumer"):
+    elif params.get("do_remote_decode") and local.get("role") == "kv_consumer":
         raise KVTransferError(
             "kv_transfer_params asks for a remote decode, but this engine offers no KV "
             "(start it with --kv-role producer or both)",

@@ -324,3 +324,12 @@ def test_unknown_keys_inside_tools_are_400(server):
     tool = {"type": "function", "function": {"name": "f", "parameters": {}, "colour": "red"}}
     r = post(server, CHAT, {**BASE[CHAT], "tools": [tool], "tool_choice": "required"})
     assert_error(r, 400, "tools")
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+def test_kv_transfer_params_need_a_kv_engine(server, path):
+    """A plain engine refuses the P/D handshake rather than ignore it (tests/router/test_pd.py has the real one)."""
+    for params in ({"do_remote_decode": True}, {"do_remote_prefill": True}, {}):
+        r = post(server, path, {**BASE[path], "kv_transfer_params": params})
+        assert_error(r, 400, "kv_transfer_params")
+        assert "--kv-role" in r.json()["error"]["message"]
