@@ -89,6 +89,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="P/D disaggregation: this engine prefills for others (producer), decodes from others' KV (consumer) "
         "or both (the CPU connector, default settings; --kv-transfer-config for the rest)",
     )
+    g.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        help='publish KV-cache events over ZeroMQ, as vLLM\'s JSON: {"enable_kv_cache_events": true, "publisher": '
+        '"zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv-events"} '
+        "(for fulcrum router --policy kv-events; data-parallel ranks add their rank to the ports)",
+    )
     g.add_argument("--cpu-threads", type=int, default=None, help="CPU compute threads (default: one per core)")
     g.add_argument(
         "--cpu-bind",
@@ -141,6 +149,19 @@ def kv_transfer_config(args: argparse.Namespace) -> dict | None:
     return {**(cfg or {}), "kv_role": (cfg or {}).get("kv_role", role)}
 
 
+def _kv_events_config(text: str) -> dict:
+    """--kv-events-config's JSON, checked here: a typo is a usage error, not a replica that publishes nothing."""
+    from fulcrum.engine.kv_events import KVEventsConfig
+    from fulcrum.errors import InvalidRequestError
+
+    try:
+        value = json.loads(text)
+        KVEventsConfig.parse(value)
+    except (json.JSONDecodeError, InvalidRequestError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         model=args.model,
@@ -168,6 +189,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_expert_parallel=args.enable_expert_parallel,
         distributed_executor_backend=args.distributed_executor_backend,
         kv_transfer_config=kv_transfer_config(args),
+        kv_events_config=args.kv_events_config,
     )
 
 

@@ -207,9 +207,13 @@ class EngineConfig:
     # "kv_consumer" | "kv_both", "kv_ip", "kv_port", "lease_timeout_s", "pull_timeout_s"}, or its JSON text;
     # checked in full by fulcrum.engine.kv_transfer.KVTransferConfig when the engine starts
     kv_transfer_config: dict | None = None
+    # KV-cache events published over ZeroMQ, as vLLM's kv_events_config: {"enable_kv_cache_events": true,
+    # "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": ..., "topic": ...}, or its JSON text;
+    # checked in full by fulcrum.engine.kv_events.KVEventsConfig
+    kv_events_config: dict | None = None
 
     def __post_init__(self) -> None:
-        for name in ("speculative_config", "kv_transfer_config"):
+        for name in ("speculative_config", "kv_transfer_config", "kv_events_config"):
             if isinstance(getattr(self, name), str):
                 try:
                     setattr(self, name, json.loads(getattr(self, name)))
@@ -233,6 +237,7 @@ class EngineConfig:
             "distributed_executor_backend": self.distributed_executor_backend in (None, "mp", "ray"),
             "pp_layer_partition": _is_partition(self.pp_layer_partition),
             "kv_transfer_config": self.kv_transfer_config is None or isinstance(self.kv_transfer_config, dict),
+            "kv_events_config": self.kv_events_config is None or isinstance(self.kv_events_config, dict),
         }
         for name, ok in checks.items():
             if not ok:

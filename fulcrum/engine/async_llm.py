@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from fulcrum.config import EngineConfig, model_path
+from fulcrum.engine import kv_events
 from fulcrum.engine.core_proc import run_engine_core
 from fulcrum.engine.kv_transfer import KVTransferError, check_remote_prefill
 from fulcrum.engine.messages import (
@@ -320,8 +321,13 @@ def data_parallel_configs(config: EngineConfig) -> list[EngineConfig]:
     cpus = cpus or cpu_threads.allowed_cpus()
     share = len(cpus) // n
     if config.cpu_bind == "none" or share == 0:
-        return [replace(config, cpu_bind="none", cpu_threads=config.cpu_threads or 1) for _ in range(n)]
+        return [
+            replace(config, cpu_bind="none", cpu_threads=config.cpu_threads or 1,
+                    kv_events_config=kv_events.for_rank(config.kv_events_config, i))
+            for i in range(n)
+        ]  # fmt: skip
     return [
-        replace(config, cpu_bind=",".join(map(str, cpus[i * share : (i + 1) * share])), cpu_threads=share)
+        replace(config, cpu_bind=",".join(map(str, cpus[i * share : (i + 1) * share])), cpu_threads=share,
+                kv_events_config=kv_events.for_rank(config.kv_events_config, i))
         for i in range(n)
-    ]
+    ]  # fmt: skip

@@ -15,6 +15,7 @@ import torch
 from fulcrum.config import EngineConfig, ModelConfig
 from fulcrum.engine.executor import Workers
 from fulcrum.engine.kv_cache import KVCacheManager
+from fulcrum.engine.kv_events import EventPublisher, KVEventsConfig, medium_of
 from fulcrum.engine.kv_transfer import KVTransfer, KVTransferConfig
 from fulcrum.engine.messages import SchedulerStats
 from fulcrum.engine.model_runner import ModelRunner, ModelRunnerOutput
@@ -77,6 +78,11 @@ class EngineCore:
         self.kv_transfer = KVTransfer(transfer, self.kv, self.runner, self.model_config.path) if transfer else None
         if self.kv_transfer is not None:
             self.scheduler.on_finish = self.kv_transfer.on_finish
+        # KV-cache events (vLLM's kv_events_config): the cache records them, each step's go out on a ZMQ PUB socket
+        self.kv_events: EventPublisher | None = None
+        if events_cfg := KVEventsConfig.parse(config.kv_events_config):
+            self.kv.events, self.kv.medium = [], medium_of(config.device)
+            self.kv_events = EventPublisher(events_cfg)
         self.structured = StructuredOutputs(self.model_config.path, self.vocab_size, self.model_config.eos_token_ids)
         self.runner.structured = self.structured
         # requests whose grammar is compiling: they join the scheduler when it is ready
@@ -90,11 +96,15 @@ class EngineCore:
         )
 
     def shutdown(self) -> None:
-        """Stop a parallel engine's workers and the KV connector's threads (a plain engine holds nothing to stop)."""
+        """Stop a parallel engine's workers, the KV connector's threads and the KV-events publisher (a plain engine
+        holds nothing to stop)."""
         if getattr(self, "workers", None) is not None:
             self.workers.shutdown()
         if getattr(self, "kv_transfer", None) is not None:
             self.kv_transfer.close()
+        if getattr(self, "kv_events", None) is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     @property
     def max_model_len(self) -> int:
@@ -225,6 +235,8 @@ class EngineCore:
             outputs.append(self._output(req, new, logprobs[: len(new)] if logprobs else logprobs))
         if self.proposer is not None:
             self._propose(sched, result)
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv.take_events())
         return outputs
 
     # -- speculative decoding ----------------------------------------------------------------------

@@ -4,6 +4,9 @@ Full blocks are registered under a chained hash of their tokens. A freed block k
 goes to the tail of an LRU free queue, so a later request with the same prefix can take it back
 without recomputing; new allocations evict from the head (least recently freed) first.
 
+With `events` set to a list, the manager records what its prefix cache gains and loses (engine/kv_events.py):
+a block registered under its hash (BlockStored), a cached block evicted for reuse (BlockRemoved).
+
 When every attention layer has a sliding window, the blocks a request's next tokens can no longer see
 are released as it goes (`release_out_of_window`): a long conversation holds about a window of blocks.
 """
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 from fulcrum.engine.request import Request
 from fulcrum.utils.hashing import NONE_HASH, hash_block_tokens
+from fulcrum.utils.kv_events import BlockRemoved, BlockStored
 
 
 @dataclass
@@ -50,6 +54,8 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[Block | None]] = {}
         self.req_hashes: dict[str, list[int]] = {}  # hashes of the request's full blocks, in order
         self.queries = self.hits = 0
+        self.events: list | None = None  # KV-cache events since the engine core last took them; None: not kept
+        self.medium: str | None = None  # where the cache lives, as the events name it
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -117,14 +123,18 @@ class KVCacheManager:
                 del self.free_queue[b.block_id]
             b.ref_cnt += 1
             blocks.append(b)
+        removed = []
         for _ in range(max(needed, 0)):
             _, b = self.free_queue.popitem(last=False)
             if b.block_hash is not None:  # evict the stale prefix entry
                 if self.cached.get(b.block_hash) is b:
                     del self.cached[b.block_hash]
+                    removed.append(b.block_hash)
                 b.block_hash = None
             b.ref_cnt = 1
             blocks.append(b)
+        if removed and self.events is not None:
+            self.events.append(BlockRemoved(removed, self.medium))
         if self.enable_prefix_caching and register:
             self._cache_full_blocks(req, blocks, total)
         return True
@@ -168,11 +178,40 @@ class KVCacheManager:
         """Register the blocks that `num_tokens` known tokens fill completely."""
         num_full = min(num_tokens, req.num_tokens) // self.block_size
         hashes = self._full_block_hashes(req, num_full * self.block_size)
+        stored = []  # positions newly registered (a block whose hash another block holds is not)
         for i in range(num_full):
             b = blocks[i]
             if b is not None and b.block_hash is None:
                 b.block_hash = hashes[i]
-                self.cached.setdefault(hashes[i], b)
+                if self.cached.setdefault(hashes[i], b) is b:
+                    stored.append(i)
+        if stored and self.events is not None:
+            self._record_stored(req, hashes, stored)
+
+    def _record_stored(self, req: Request, hashes: list[int], positions: list[int]) -> None:
+        """One BlockStored per run of consecutive positions, each with its parent's hash and its tokens."""
+        bs, start = self.block_size, 0
+        for k in range(1, len(positions) + 1):
+            if k < len(positions) and positions[k] == positions[k - 1] + 1:
+                continue
+            first, last = positions[start], positions[k - 1]
+            self.events.append(
+                BlockStored(
+                    hashes[first : last + 1],
+                    hashes[first - 1] if first else None,
+                    list(req.all_token_ids[first * bs : (last + 1) * bs]),
+                    bs,
+                    None,
+                    self.medium,
+                    None,
+                )
+            )
+            start = k
+
+    def take_events(self) -> list:
+        """The events recorded since the last call (empty when none are kept)."""
+        events, self.events = self.events or [], [] if self.events is not None else None
+        return events
 
     def free(self, req: Request) -> None:
         self.release(req.request_id)
