@@ -11,7 +11,8 @@ import logging
 import socket
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import aiohttp
 from fastapi import FastAPI, Request
@@ -20,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from fulcrum.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
+from fulcrum.router.kv_index import KVIndex, Subscriber, Subscriptions
 from fulcrum.router.metrics import RouterMetrics
 from fulcrum.router.policies import NEEDS_TOKENS, POLICIES, Decision
 from fulcrum.router.pool import Pool, Replica
@@ -71,32 +73,74 @@ class RouterConfig:
     validate: bool = True
     api_key: str | None = None
     discover: str | None = None  # HOST:PORT resolved every few seconds (a Kubernetes headless Service)
+    # KV-cache events (kv-events policy, and weighted when given): replica URL -> its ZeroMQ endpoint (and replay
+    # endpoint), or for replicas without one, the port on the replica's own host
+    kv_events_endpoints: dict[str, str] = field(default_factory=dict)
+    kv_events_replay_endpoints: dict[str, str] = field(default_factory=dict)
+    kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None
+    kv_events_topic: str = ""
+
+    @property
+    def uses_kv_events(self) -> bool:
+        return self.policy == "kv-events" or (
+            self.policy == "weighted" and bool(self.kv_events_endpoints or self.kv_events_port)
+        )
 
 
-def make_policy(cfg: RouterConfig, pool: Pool):
+def make_policy(cfg: RouterConfig, pool: Pool, index: KVIndex | None):
     kind = POLICIES[cfg.policy]
     if cfg.policy == "prefix":
         return kind(pool, cfg.balance_margin)
+    if cfg.policy == "kv-events":
+        return kind(pool, index, cfg.balance_margin)
     if cfg.policy == "weighted":
-        return kind(pool, cfg.prefix_weight, cfg.load_weight)
+        return kind(pool, cfg.prefix_weight, cfg.load_weight, index)
     return kind(pool)
+
+
+def _on_host(url: str, port: int | None) -> str | None:
+    if port is None:
+        return None
+    host = urlsplit(url).hostname
+    return f"tcp://[{host}]:{port}" if host and ":" in host else f"tcp://{host}:{port}"
 
 
 class Router:
     def __init__(self, pool: Pool, cfg: RouterConfig):
         self.pool, self.cfg = pool, cfg
-        self.policy = make_policy(cfg, pool)
+        self.kv_index = KVIndex() if cfg.uses_kv_events else None
+        self.subscriptions = Subscriptions(self.kv_index) if self.kv_index is not None else None
+        self.policy = make_policy(cfg, pool, self.kv_index)
         self.tokenizer = PromptTokenizer(cfg.model) if cfg.policy in NEEDS_TOKENS else None
+        self.remembers = cfg.policy == "prefix" or (cfg.policy == "weighted" and self.kv_index is None)
         self.metrics = RouterMetrics(pool)
         self.sticky: dict[str, str] = {}
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=False)
+        if self.subscriptions is not None:
+            for r in self.pool.replicas.values():
+                self.subscribe(r)
+            self.pool.on_add.append(self.subscribe)
+            self.pool.on_remove.append(self.subscriptions.remove)
+            self.pool.on_failed.append(lambda r: self.kv_index.drop(r.url))  # a failed replica may come back empty
+            self.subscriptions.start()
         await self.pool.start()
+
+    def subscribe(self, r: Replica) -> None:
+        endpoint = self.cfg.kv_events_endpoints.get(r.url) or _on_host(r.url, self.cfg.kv_events_port)
+        if endpoint is None:
+            log.warning("no KV-events endpoint for %s: the kv-events policy sees nothing cached there", r.url)
+            return
+        replay = self.cfg.kv_events_replay_endpoints.get(r.url) or _on_host(r.url, self.cfg.kv_events_replay_port)
+        self.subscriptions.add(Subscriber(self.kv_index, r.url, endpoint, replay, self.cfg.kv_events_topic))
 
     async def stop(self) -> None:
         await self.pool.stop()
+        if self.subscriptions is not None:
+            await self.subscriptions.stop()
         if self.session:
             await self.session.close()
 
@@ -129,7 +173,8 @@ class Router:
             r = d.replica
             tried.add(r.url)
             self.metrics.decided(d, retry=attempt > 0)
-            r.remember(hashes(r.metrics.block_size or 16) if self.tokenizer else [])
+            if self.remembers:
+                r.remember(hashes(r.metrics.block_size or 16))
             r.in_flight += 1
             try:
                 return await self._send(r, request, path, raw, stream)

@@ -31,17 +31,40 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="forward fields fulcrum's schemas refuse (a vLLM or SGLang pool)")  # fmt: skip
     g.add_argument("--api-key", default=None)
     g.add_argument("--log-level", default="info")
+    k = p.add_argument_group("KV-cache events (kv-events policy; weighted uses them when given)")
+    k.add_argument("--kv-events-endpoint", action="append", default=[], metavar="ENDPOINT",
+                   help="a replica's ZeroMQ events endpoint, e.g. tcp://host:5557: one per --replica, in order")  # fmt: skip
+    k.add_argument("--kv-events-replay-endpoint", action="append", default=[], metavar="ENDPOINT",
+                   help="a replica's replay endpoint (missed batches are fetched there): one per --replica")  # fmt: skip
+    k.add_argument("--kv-events-port", type=int, default=None,
+                   help="for replicas without an endpoint flag: this port on the replica's host (--discover)")  # fmt: skip
+    k.add_argument("--kv-events-replay-port", type=int, default=None, help="the same for replay endpoints")
+    k.add_argument("--kv-events-topic", default="", help="the replicas' kv_events_config topic")
+
+
+def _paired(args, flag: str, values: list[str]) -> dict[str, str]:
+    replicas = [u.rstrip("/") for u in getattr(args, "replica", None) or []]
+    if values and len(values) != len(replicas):
+        raise SystemExit(f"fulcrum router: give one {flag} per --replica ({len(replicas)}), not {len(values)}")
+    return dict(zip(replicas, values))
 
 
 def router_config(args):
     from fulcrum.router.app import RouterConfig
 
+    endpoints = _paired(args, "--kv-events-endpoint", args.kv_events_endpoint)
+    replays = _paired(args, "--kv-events-replay-endpoint", args.kv_events_replay_endpoint)
+    if args.policy == "kv-events" and not endpoints and args.kv_events_port is None:
+        raise SystemExit("fulcrum router: --policy kv-events needs --kv-events-endpoint (one per --replica) "
+                         "or --kv-events-port")  # fmt: skip
     return RouterConfig(
         policy=args.policy, model=args.model, balance_margin=args.balance_margin, prefix_weight=args.prefix_weight,
         load_weight=args.load_weight, sticky_header=args.sticky_header, sticky_user=args.sticky_user,
         max_attempts=args.max_attempts, first_token_timeout=args.first_token_timeout,
         request_timeout=args.request_timeout, validate=args.validate, api_key=args.api_key,
-        discover=getattr(args, "discover", None),
+        discover=getattr(args, "discover", None), kv_events_endpoints=endpoints, kv_events_replay_endpoints=replays,
+        kv_events_port=args.kv_events_port, kv_events_replay_port=args.kv_events_replay_port,
+        kv_events_topic=args.kv_events_topic,
     )  # fmt: skip
 
 
@@ -143,7 +166,7 @@ def _autoscale(args) -> int:
 
     cfg = scaler_config(args)
     pool = Pool([], interval=args.scrape_interval, stale_after=args.stale_after)
-    if args.model is None and args.policy in ("prefix", "weighted"):
+    if args.model is None and args.policy in ("prefix", "kv-events", "weighted"):
         args.model = args.model_pos
     router = Router(pool, router_config(args))
     autoscaler = Autoscaler(pool, make_backend(args), cfg)

@@ -9,6 +9,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fulcrum.router.kv_index import KVIndex
 from fulcrum.router.pool import SATURATED, Pool, Replica
 
 DEFAULT_BLOCK_SIZE = 16  # a replica that does not publish cache_config_info (SGLang) is hashed at this size
@@ -17,7 +18,7 @@ DEFAULT_BLOCK_SIZE = 16  # a replica that does not publish cache_config_info (SG
 @dataclass
 class Decision:
     replica: Replica
-    reason: str  # round-robin, least-load, prefix, load-guard, no-prefix, weighted, sticky
+    reason: str  # round-robin, least-load, prefix, kv-events, load-guard, no-prefix, weighted, sticky
     cached_blocks: int = 0
     prompt_blocks: int = 0
 
@@ -48,16 +49,24 @@ class LeastLoad:
 
 class Prefix:
     """The longest cached prefix wins unless that replica's load exceeds the least-loaded one's by more than
-    `balance_margin` (requests in flight plus queued): then the least-loaded takes it (the balance guard)."""
+    `balance_margin` (requests in flight plus queued): then the least-loaded takes it (the balance guard).
+    Approximate: a replica's cache is guessed from the prompts the router sent it."""
 
     name = "prefix"
+    reason = "prefix"
 
     def __init__(self, pool: Pool, balance_margin: float = 4.0):
         self.pool, self.balance_margin = pool, balance_margin
 
+    def blocks(self, r: Replica, hashes) -> list[int]:
+        return blocks_of(r, hashes)
+
+    def matched(self, r: Replica, hashes) -> int:
+        return r.cached_prefix(self.blocks(r, hashes))
+
     def choose(self, candidates: list[Replica], hashes) -> Decision:
-        matched = [(r, r.cached_prefix(blocks_of(r, hashes))) for r in candidates]
-        total = max(len(blocks_of(r, hashes)) for r in candidates)
+        matched = [(r, self.matched(r, hashes)) for r in candidates]
+        total = max(len(self.blocks(r, hashes)) for r in candidates)
         best = max(n for _, n in matched)
         least = self.pool.least_loaded(candidates)
         if best == 0:
@@ -65,23 +74,48 @@ class Prefix:
         choice = random.choice([r for r, n in matched if n == best])
         low, mine = least.load(self.pool.stale_after), choice.load(self.pool.stale_after)
         if mine == SATURATED and low < SATURATED or mine - low > self.balance_margin:
-            return Decision(least, "load-guard", least.cached_prefix(blocks_of(least, hashes)), total)
-        return Decision(choice, "prefix", best, total)
+            return Decision(least, "load-guard", self.matched(least, hashes), total)
+        return Decision(choice, self.reason, best, total)
+
+
+class KVEvents(Prefix):
+    """Prefix routing on what each replica's cache holds, from its KV-cache events (router/kv_index.py), hashed
+    at the block size its events carry; the same balance guard."""
+
+    name = "kv-events"
+    reason = "kv-events"
+
+    def __init__(self, pool: Pool, index: KVIndex, balance_margin: float = 4.0):
+        super().__init__(pool, balance_margin)
+        self.index = index
+
+    def blocks(self, r: Replica, hashes) -> list[int]:
+        return hashes(self.index.of(r.url).block_size or r.metrics.block_size or DEFAULT_BLOCK_SIZE)
+
+    def matched(self, r: Replica, hashes) -> int:
+        return self.index.cached_prefix(r.url, self.blocks(r, hashes))
 
 
 class Weighted:
-    """score = prefix_weight * (cached fraction of the prompt) - load_weight * load; the highest wins."""
+    """score = prefix_weight * (cached fraction of the prompt) - load_weight * load; the highest wins. The cached
+    fraction comes from the replicas' KV-cache events when the router subscribes to them, else from the prompts
+    it sent them."""
 
     name = "weighted"
 
-    def __init__(self, pool: Pool, prefix_weight: float = 1.0, load_weight: float = 0.1):
+    def __init__(self, pool: Pool, prefix_weight: float = 1.0, load_weight: float = 0.1, index: KVIndex | None = None):
         self.pool, self.prefix_weight, self.load_weight = pool, prefix_weight, load_weight
+        self.index = index
 
     def choose(self, candidates: list[Replica], hashes) -> Decision:
         scored = []
         for r in candidates:
-            blocks = blocks_of(r, hashes)
-            cached = r.cached_prefix(blocks)
+            if self.index is not None:
+                blocks = hashes(self.index.of(r.url).block_size or r.metrics.block_size or DEFAULT_BLOCK_SIZE)
+                cached = self.index.cached_prefix(r.url, blocks)
+            else:
+                blocks = blocks_of(r, hashes)
+                cached = r.cached_prefix(blocks)
             load = min(r.load(self.pool.stale_after), 1e6)
             score = self.prefix_weight * (cached / len(blocks) if blocks else 0.0) - self.load_weight * load
             scored.append((score, r, cached, len(blocks)))
@@ -90,5 +124,5 @@ class Weighted:
         return Decision(r, "weighted", cached, total)
 
 
-POLICIES = {p.name: p for p in (RoundRobin, LeastLoad, Prefix, Weighted)}
-NEEDS_TOKENS = {"prefix", "weighted"}
+POLICIES = {p.name: p for p in (RoundRobin, LeastLoad, Prefix, KVEvents, Weighted)}
+NEEDS_TOKENS = {"prefix", "kv-events", "weighted"}

@@ -68,6 +68,7 @@ class Pool:
         self._tasks: dict[str, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
         self.on_scrape = []  # callbacks(replica) after each good scrape (the autoscaler samples there)
+        self.on_add, self.on_remove, self.on_failed = [], [], []  # callbacks(replica), (url), (replica)
         for url in urls:
             self.replicas[url.rstrip("/")] = Replica(url.rstrip("/"))
 
@@ -90,9 +91,13 @@ class Pool:
 
     def add(self, url: str) -> Replica:
         url = url.rstrip("/")
+        new = url not in self.replicas
         r = self.replicas.setdefault(url, Replica(url))
         if url not in self._tasks and self._session is not None:
             self._watch(r)
+        if new:
+            for callback in self.on_add:
+                callback(r)
         return r
 
     def remove(self, url: str) -> None:
@@ -100,6 +105,8 @@ class Pool:
         task = self._tasks.pop(url, None)
         if task:
             task.cancel()
+        for callback in self.on_remove:
+            callback(url)
 
     def available(self, exclude: set[str] = frozenset()) -> list[Replica]:
         return [r for r in self.replicas.values() if r.available and r.url not in exclude]
@@ -112,6 +119,8 @@ class Pool:
     def mark_failed(self, r: Replica) -> None:
         if r.healthy:
             log.warning("replica %s failed: out of the pool until /health answers", r.url)
+            for callback in self.on_failed:
+                callback(r)
         r.healthy = False
         r.failures += 1
 

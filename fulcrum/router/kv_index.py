@@ -1,0 +1,177 @@
+"""Precise prefix routing's index: which replica holds which block hash, kept from each replica's KV-cache events
+(vLLM's ZeroMQ stream, fulcrum/utils/kv_events.py). A replica's entries are dropped when it says AllBlocksCleared,
+when its sequence numbers jump (missed batches: replayed from its replay socket when it has one and the batches
+are still buffered there) or go back (a restarted publisher), and when the pool sees it fail."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from fulcrum.utils.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decoder
+
+log = logging.getLogger("fulcrum.router")
+REPLAY_TIMEOUT_S = 1.0
+
+
+@dataclass
+class ReplicaBlocks:
+    hashes: set[int] = field(default_factory=set)
+    block_size: int | None = None  # from its BlockStored events
+    last_seq: int | None = None
+    drops: int = 0  # times its entries were dropped (restart, gap, failure)
+
+
+class KVIndex:
+    def __init__(self):
+        self.replicas: dict[str, ReplicaBlocks] = {}
+
+    def of(self, url: str) -> ReplicaBlocks:
+        return self.replicas.setdefault(url, ReplicaBlocks())
+
+    def drop(self, url: str) -> None:
+        r = self.of(url)
+        r.hashes.clear()
+        r.drops += 1
+
+    def cached_prefix(self, url: str, hashes: list[int]) -> int:
+        held = self.of(url).hashes
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def gap(self, url: str, seq: int) -> bool:
+        """True when `seq` does not follow the last one applied (missed batches, or a restarted publisher)."""
+        last = self.of(url).last_seq
+        return last is not None and seq != last + 1
+
+    def restarted(self, url: str) -> None:
+        """The replica's publisher started over (its sequence went back): nothing it said before holds."""
+        self.drop(url)
+        self.of(url).last_seq = None
+
+    def apply(self, url: str, seq: int, batch) -> None:
+        r = self.of(url)
+        if r.last_seq is not None and seq <= r.last_seq:
+            return  # already applied (a replayed batch that the live stream also brought)
+        if self.gap(url, seq):
+            log.warning("KV events of %s: sequence %d after %d; its entries are dropped", url, seq, r.last_seq)
+            self.drop(url)
+        r.last_seq = seq
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                r.hashes.update(ev.block_hashes)
+                r.block_size = ev.block_size
+            elif isinstance(ev, BlockRemoved):
+                r.hashes.difference_update(ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                self.drop(url)
+
+
+class Subscriber:
+    """One replica's event stream into the index: a SUB socket read by an asyncio task of the router's loop."""
+
+    def __init__(self, index: KVIndex, url: str, endpoint: str, replay_endpoint: str | None = None, topic: str = ""):
+        self.index, self.url, self.endpoint, self.replay_endpoint = index, url, endpoint, replay_endpoint
+        self.topic = topic
+        self.decode = decoder()
+        self.received = 0  # batches applied, for tests and logs
+
+    async def run(self, ctx: zmq.asyncio.Context) -> None:
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        live_last = None
+        try:
+            if self.replay_endpoint:  # what the replica cached before this router started
+                await self._replay(ctx, 0)
+            while True:
+                frames = await sock.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                seq = int.from_bytes(frames[1], "big")
+                try:
+                    batch = self.decode.decode(frames[2])
+                except Exception as e:  # a malformed batch: this replica's state is unknown now
+                    log.warning("KV events of %s: undecodable batch %d (%s)", self.url, seq, e)
+                    self.index.drop(self.url)
+                    continue
+                if live_last is not None and seq <= live_last:  # one publisher's stream only goes up
+                    log.info("KV events of %s restarted at sequence %d; its entries are dropped", self.url, seq)
+                    self.index.restarted(self.url)
+                live_last = seq
+                r = self.index.of(self.url)
+                if self.replay_endpoint and r.last_seq is not None and seq > r.last_seq + 1:
+                    await self._replay(ctx, r.last_seq + 1, until=seq)
+                self.index.apply(self.url, seq, batch)
+                self.received += 1
+        finally:
+            sock.close(0)
+
+    async def _replay(self, ctx: zmq.asyncio.Context, start: int, until: int | None = None) -> None:
+        """Ask the replay socket for the batches from `start`; a missing start (fell out of its buffer) is a gap
+        that apply() answers by dropping the replica's entries."""
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.replay_endpoint)
+        try:
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            while await sock.poll(REPLAY_TIMEOUT_S * 1000):
+                frames = await sock.recv_multipart()
+                seq_bytes, payload = frames[-2], frames[-1]
+                if seq_bytes == END_SEQ or not payload:
+                    break
+                seq = int.from_bytes(seq_bytes, "big")
+                if until is not None and seq >= until:
+                    continue
+                self.index.apply(self.url, seq, self.decode.decode(payload))
+        except Exception as e:
+            log.warning("KV events of %s: replay from %s failed (%s)", self.url, self.replay_endpoint, e)
+        finally:
+            sock.close(0)
+
+
+class Subscriptions:
+    """Every replica's subscriber, started and stopped with the router."""
+
+    def __init__(self, index: KVIndex):
+        self.index = index
+        self.ctx: zmq.asyncio.Context | None = None
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.subscribers: dict[str, Subscriber] = {}
+
+    def add(self, sub: Subscriber) -> None:
+        self.subscribers[sub.url] = sub
+        if self.ctx is not None:
+            self._start(sub)
+
+    def _start(self, sub: Subscriber) -> None:
+        self.tasks[sub.url] = asyncio.get_running_loop().create_task(sub.run(self.ctx))
+
+    def start(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        for sub in self.subscribers.values():
+            self._start(sub)
+
+    def remove(self, url: str) -> None:
+        self.subscribers.pop(url, None)
+        if task := self.tasks.pop(url, None):
+            task.cancel()
+        self.index.replicas.pop(url, None)
+
+    async def stop(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        if self.ctx is not None:
+            self.ctx.term()

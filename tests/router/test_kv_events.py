@@ -1,0 +1,144 @@
+"""The kv-events policy over two real `fulcrum serve` replicas that publish their KV-cache events: the router's
+index holds what a replica cached, a request sharing the prefix goes there, evictions in a small cache leave
+the index, a router started later learns the past from the replay socket; and the index's bookkeeping of
+restarts and missed batches."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from fulcrum.router.kv_index import KVIndex
+from fulcrum.utils.hashing import hash_prefix_blocks
+from fulcrum.utils.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from fulcrum.utils.serve_process import free_port
+from tests.router.conftest import run_router, start_replica
+from tests.router.test_router import complete
+
+BLOCK = 16
+SYSTEM = "You are the Chorus. O for a Muse of fire, that would ascend the brightest heaven of invention! "
+
+
+@pytest.fixture(scope="module")
+def event_replicas(tmp_path_factory):
+    """Two replicas with a 16-block cache each (max_model_len 256), events and replay on free ports."""
+    tmp = tmp_path_factory.mktemp("kv-events")
+
+    def one(_):
+        endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay}
+        s = start_replica(tmp, "--kv-cache-memory", str(16 * BLOCK * 8192 / 2**30), "--max-model-len", "256",
+                          "--kv-events-config", json.dumps(cfg))  # fmt: skip
+        return s, endpoint, replay
+
+    with ThreadPoolExecutor(2) as ex:
+        servers = list(ex.map(one, range(2)))
+    yield servers
+    for s, *_ in servers:
+        s.stop()
+
+
+def events_router(servers, **kw):
+    return run_router(
+        [s.url for s, *_ in servers],
+        policy="kv-events",
+        kv_events_endpoints={s.url: e for s, e, _ in servers},
+        kv_events_replay_endpoints={s.url: r for s, _, r in servers},
+        **kw,
+    )
+
+
+def prompt_blocks(r, prompt: str) -> list[int]:
+    return hash_prefix_blocks(r.router.tokenizer.token_ids("completions", {"prompt": prompt}), BLOCK)
+
+
+def wait_for(cond, what: str, timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, what
+        time.sleep(0.05)
+
+
+def test_index_follows_the_cache_routes_to_the_holder_and_sees_evictions(event_replicas):
+    with events_router(event_replicas) as r:
+        index, client = r.router.kv_index, r.client()
+        urls = [s.url for s, *_ in event_replicas]
+        wait_for(lambda: all(r.router.subscriptions.tasks.get(u) for u in urls), "subscriptions did not start")
+        prompt = SYSTEM + "Who comes?"
+        blocks = prompt_blocks(r, prompt)
+        assert len(blocks) >= 2
+        complete(client, prompt=prompt, max_tokens=1)
+        (holder,) = r.requests_by_replica()
+        other = next(u for u in urls if u != holder)
+        # max_tokens 1: the sampled token is never computed, so the replica cached exactly the prompt's full blocks
+        wait_for(lambda: index.of(holder).hashes == set(blocks), f"index {index.of(holder).hashes} != {blocks}")
+        assert not index.of(other).hashes & set(blocks)
+        for i, stream in enumerate((False, True, False)):
+            complete(client, prompt=SYSTEM + f"Question {i}?", stream=stream)
+        assert r.requests_by_replica() == {holder: 4}
+        assert r.decisions()["kv-events"] == 3
+        assert 'fulcrum_router:decisions_total{reason="kv-events"} 3.0' in httpx.get(f"{r.url}/metrics").text
+        # distinct prompts sent straight to the holder fill its 16 blocks: the shared prefix is evicted there
+        for i in range(8):
+            httpx.post(f"{holder}/v1/completions", timeout=60,
+                       json={"model": "shakespeare", "prompt": f"{i} KING HENRY: Once more unto the breach, dear friends, {i} once more; "
+                             f"or close the wall up with our English dead. {i}", "max_tokens": 2})  # fmt: skip
+        wait_for(lambda: not set(blocks) & index.of(holder).hashes, "the evicted blocks stayed in the index")
+        complete(client, prompt=SYSTEM + "And now?")  # nobody holds it: least load decides
+        assert r.decisions()["no-prefix"] >= 1
+
+
+def test_a_router_started_later_learns_the_cache_from_the_replay(event_replicas):
+    s0 = event_replicas[0][0]
+    prompt = SYSTEM * 2 + "Replay me."
+    resp = httpx.post(
+        f"{s0.url}/v1/completions", json={"model": "shakespeare", "prompt": prompt, "max_tokens": 1}, timeout=60
+    )
+    assert resp.status_code == 200
+    with events_router(event_replicas) as r:
+        blocks = prompt_blocks(r, prompt)
+        wait_for(lambda: set(blocks) <= r.router.kv_index.of(s0.url).hashes, "the replay did not fill the index")
+        complete(r.client(), prompt=prompt + " Again.", stream=True)
+        assert r.requests_by_replica() == {s0.url: 1}
+
+
+def test_cli_refuses_kv_events_without_endpoints():
+    from fulcrum.cli import build_parser
+    from fulcrum.router.cli import router_config
+
+    parse = build_parser().parse_args
+    with pytest.raises(SystemExit, match="needs --kv-events-endpoint"):
+        router_config(parse(["router", "--replica", "http://127.0.0.1:1", "--policy", "kv-events"]))
+    with pytest.raises(SystemExit, match="one --kv-events-endpoint per --replica"):
+        router_config(parse(["router", "--replica", "http://a:1", "--replica", "http://b:1", "--policy", "kv-events",
+                             "--kv-events-endpoint", "tcp://a:5557"]))  # fmt: skip
+    cfg = router_config(parse(["router", "--replica", "http://a:1/", "--policy", "kv-events",
+                               "--kv-events-endpoint", "tcp://a:5557", "--kv-events-topic", "kv"]))  # fmt: skip
+    assert cfg.kv_events_endpoints == {"http://a:1": "tcp://a:5557"} and cfg.kv_events_topic == "kv"
+
+
+def _stored(*hashes: int) -> BlockStored:
+    return BlockStored(list(hashes), None, [0] * BLOCK * len(hashes), BLOCK, None, "CPU", None)
+
+
+def test_index_drops_a_replica_on_clear_gap_and_restart():
+    index = KVIndex()
+    index.apply("a", 0, EventBatch(0, [AllBlocksCleared()]))
+    index.apply("a", 1, EventBatch(0, [_stored(1, 2, 3)]))
+    index.apply("b", 5, EventBatch(0, [_stored(1)]))  # joined mid-stream: taken as it comes
+    assert index.cached_prefix("a", [1, 2, 3, 4]) == 3 and index.cached_prefix("b", [1, 2]) == 1
+    index.apply("a", 2, EventBatch(0, [BlockRemoved([2], "CPU")]))
+    assert index.cached_prefix("a", [1, 2, 3]) == 1 and index.of("a").block_size == BLOCK
+    index.apply("a", 2, EventBatch(0, [_stored(9)]))  # a batch seen twice (replay and live) applies once
+    assert 9 not in index.of("a").hashes
+    index.apply("a", 5, EventBatch(0, [_stored(7)]))  # 3 and 4 were missed: what came before is unknown
+    assert index.of("a").hashes == {7}
+    index.restarted("a")  # the publisher started over
+    assert index.of("a").hashes == set() and index.of("a").last_seq is None
+    index.apply("a", 0, EventBatch(0, [_stored(4)]))
+    index.apply("a", 1, EventBatch(0, [AllBlocksCleared()]))
+    assert index.of("a").hashes == set() and index.of("b").hashes == {1}
