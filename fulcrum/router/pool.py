@@ -143,12 +143,19 @@ class Pool:
                     if resp.status == 200:
                         r.metrics = parse_metrics(await resp.text())
                         r.scraped_at = time.monotonic()
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        except asyncio.TimeoutError:
+            # a busy replica (or a busy router host) may answer one check late: two in a row take it out
+            if r.healthy and r.failures == 0:
+                r.failures = 1
+                return
+            ok = False
+        except (aiohttp.ClientError, ValueError):
             ok = False
         if ok and not r.healthy:
             log.info("replica %s is healthy: in the pool", r.url)
+        if ok:
             r.failures = 0
-        elif not ok:
+        else:
             self.mark_failed(r)
         r.healthy = ok
         if ok:
