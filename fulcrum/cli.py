@@ -95,7 +95,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help='publish KV-cache events over ZeroMQ, as vLLM\'s JSON: {"enable_kv_cache_events": true, "publisher": '
         '"zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv-events"} '
-        "(for fulcrum router --policy kv-events; data-parallel ranks add their rank to the ports)",
+        "(for fulcrum router --policy kv-events; data-parallel ranks add their rank to both ports: leave room)",
     )
     g.add_argument("--cpu-threads", type=int, default=None, help="CPU compute threads (default: one per core)")
     g.add_argument(

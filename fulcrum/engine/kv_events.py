@@ -133,7 +133,10 @@ class EventPublisher:
             self.dropped += 1
 
     def close(self, timeout: float = 2.0) -> None:
-        self._queue.put(None)
+        try:
+            self._queue.put(None, timeout=timeout)  # after what is queued: those batches still go out
+        except queue.Full:
+            log.warning("the KV-events queue is full at shutdown: %d batches not sent", self._queue.qsize())
         self._thread.join(timeout)
 
     def _run(self) -> None:

@@ -114,7 +114,7 @@ class Router:
         self.policy = make_policy(cfg, pool, self.kv_index)
         self.tokenizer = PromptTokenizer(cfg.model) if cfg.policy in NEEDS_TOKENS else None
         self.remembers = cfg.policy == "prefix" or (cfg.policy == "weighted" and self.kv_index is None)
-        self.metrics = RouterMetrics(pool)
+        self.metrics = RouterMetrics(pool, self.kv_index)
         self.sticky: dict[str, str] = {}
         self.session: aiohttp.ClientSession | None = None
 

@@ -49,12 +49,16 @@ def _paired(args, flag: str, values: list[str]) -> dict[str, str]:
     return dict(zip(replicas, values))
 
 
-def router_config(args):
+def router_config(args, backend_events: bool = False):
+    """`backend_events`: the replicas' backend gives each its events endpoints (fulcrum autoscale --backend local)."""
     from fulcrum.router.app import RouterConfig
 
     endpoints = _paired(args, "--kv-events-endpoint", args.kv_events_endpoint)
     replays = _paired(args, "--kv-events-replay-endpoint", args.kv_events_replay_endpoint)
-    if args.policy == "kv-events" and not endpoints and args.kv_events_port is None:
+    if args.policy == "kv-events" and not args.model:
+        raise SystemExit("fulcrum router: --policy kv-events needs --model (the replicas' tokenizer folder or Hub "
+                         "ID): the block hashes it looks up must be the ones the engines publish")  # fmt: skip
+    if args.policy == "kv-events" and not endpoints and args.kv_events_port is None and not backend_events:
         raise SystemExit("fulcrum router: --policy kv-events needs --kv-events-endpoint (one per --replica) "
                          "or --kv-events-port")  # fmt: skip
     return RouterConfig(
@@ -146,7 +150,8 @@ def scaler_config(args):
     )  # fmt: skip
 
 
-def make_backend(args):
+def make_backend(args, router_cfg=None):
+    """`router_cfg`: where a local backend writes each replica's KV-events endpoints (kv-events policy)."""
     serve_args = [a for arg in args.serve_arg for a in shlex.split(arg)]
     if args.backend == "ray":
         from fulcrum.router.ray_backend import RayBackend
@@ -154,7 +159,11 @@ def make_backend(args):
         return RayBackend(args.model_pos, serve_args, address=args.ray_address, num_cpus=args.ray_num_cpus)
     from fulcrum.router.backends import LocalBackend
 
-    return LocalBackend(args.model_pos, serve_args, log_dir=args.log_dir, drain_timeout=args.drain_timeout)
+    events = None
+    if router_cfg is not None and router_cfg.uses_kv_events and router_cfg.kv_events_port is None:
+        events = (router_cfg.kv_events_endpoints, router_cfg.kv_events_replay_endpoints)
+    return LocalBackend(args.model_pos, serve_args, log_dir=args.log_dir, drain_timeout=args.drain_timeout,
+                        kv_events=events)  # fmt: skip
 
 
 def _autoscale(args) -> int:
@@ -168,8 +177,11 @@ def _autoscale(args) -> int:
     pool = Pool([], interval=args.scrape_interval, stale_after=args.stale_after)
     if args.model is None and args.policy in ("prefix", "kv-events", "weighted"):
         args.model = args.model_pos
-    router = Router(pool, router_config(args))
-    autoscaler = Autoscaler(pool, make_backend(args), cfg)
+    if args.policy == "kv-events" and args.backend == "ray" and args.kv_events_port is None:
+        raise SystemExit("fulcrum autoscale: --backend ray with --policy kv-events needs --kv-events-port, and each "
+                         "replica's --serve-arg '--kv-events-config ...' on that port (one replica per node)")  # fmt: skip
+    router = Router(pool, router_config(args, backend_events=args.backend == "local"))
+    autoscaler = Autoscaler(pool, make_backend(args, router.cfg), cfg)
     uvicorn.run(build_app(router, autoscaler), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

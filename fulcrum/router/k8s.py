@@ -5,11 +5,13 @@ by a Prometheus adapter) or a KEDA ScaledObject (a Prometheus query)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import yaml
 
 PORT = 8000
+KV_EVENTS_PORT, KV_REPLAY_PORT = 5557, 5558  # kv-events policy: each replica pod publishes there (vLLM's defaults)
 
 
 @dataclass
@@ -44,13 +46,13 @@ def _probe(path: str, delay: int) -> dict:
 
 
 def _deployment(cfg: K8sConfig, name: str, component: str, command: list[str], replicas: int, resources: dict,
-                grace: int) -> dict:  # fmt: skip
+                grace: int, ports: tuple = ()) -> dict:  # fmt: skip
     labels = {"app.kubernetes.io/name": cfg.name, "app.kubernetes.io/component": component}
     container = {
         "name": component,
         "image": cfg.image,
         "command": command,
-        "ports": [{"name": "http", "containerPort": PORT}],
+        "ports": [{"name": "http", "containerPort": PORT}, *ports],
         "readinessProbe": _probe("/health", 5),
         "livenessProbe": {**_probe("/health", 60), "failureThreshold": 6},
         "resources": resources,
@@ -91,8 +93,17 @@ def render(cfg: K8sConfig) -> list[dict]:
              "--drain-timeout", str(cfg.drain_timeout), *cfg.serve_args]  # fmt: skip
     route = ["fulcrum", "router", "--discover", f"{replica_name}:{PORT}", "--host", "0.0.0.0", "--port", str(PORT),
              "--policy", cfg.policy]  # fmt: skip
-    if cfg.policy in ("prefix", "weighted"):
+    if cfg.policy in ("prefix", "kv-events", "weighted"):
         route += ["--model", cfg.model]
+    if cfg.policy == "kv-events":
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+                  "replay_endpoint": f"tcp://*:{KV_REPLAY_PORT}"}  # fmt: skip
+        serve += ["--kv-events-config", json.dumps(events)]
+        route += ["--kv-events-port", str(KV_EVENTS_PORT), "--kv-events-replay-port", str(KV_REPLAY_PORT)]
+        ports = ({"name": "kv-events", "containerPort": KV_EVENTS_PORT},
+                 {"name": "kv-replay", "containerPort": KV_REPLAY_PORT})  # fmt: skip
+    else:
+        ports = ()
     out = [
         _deployment(
             cfg,
@@ -102,6 +113,7 @@ def render(cfg: K8sConfig) -> list[dict]:
             cfg.replicas,
             {"requests": limits, "limits": limits},
             cfg.drain_timeout + 10,
+            ports,
         ),  # fmt: skip
         _service(cfg, replica_name, "replica", PORT, headless=True),
         _deployment(

@@ -1,17 +1,19 @@
 """The router's own /metrics: requests and retries per replica, decisions by reason, the prefix hit estimate
-(blocks the router believed cached over blocks routed), and each replica's health, in-flight count and load."""
+(blocks the router believed cached over blocks routed), and each replica's health, in-flight count and load;
+with KV-cache events, the blocks the index holds per replica and how often a replica's entries were dropped."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from fulcrum.router.kv_index import KVIndex
 from fulcrum.router.policies import Decision
 from fulcrum.router.pool import SATURATED, Pool, Replica
 
 
 class RouterMetrics:
-    def __init__(self, pool: Pool):
-        self.pool = pool
+    def __init__(self, pool: Pool, kv_index: KVIndex | None = None):
+        self.pool, self.kv_index = pool, kv_index
         self.registry = r = CollectorRegistry()
         self.requests = Counter("fulcrum_router:requests", "Requests sent to a replica", ["replica"], registry=r)
         self.served_total = Counter("fulcrum_router:served", "Requests a replica answered", ["replica"], registry=r)
@@ -32,6 +34,16 @@ class RouterMetrics:
             "fulcrum_router:replica_load", "Load as policies see it (-1: saturated)", ["replica"], registry=r
         )
         self.replicas = Gauge("fulcrum_router:replicas", "Replicas available", registry=r)
+        self.kv_blocks = Gauge(
+            "fulcrum_router:kv_index_blocks",
+            "Block hashes a replica holds, from its KV events",
+            ["replica"],
+            registry=r,
+        )
+        self.kv_drops = Gauge(
+            "fulcrum_router:kv_index_drops", "Times a replica's entries were dropped (restart, gap, failure)",
+            ["replica"], registry=r,
+        )  # fmt: skip
 
     def decided(self, d: Decision, retry: bool) -> None:
         self.requests.labels(d.replica.url).inc()
@@ -58,4 +70,8 @@ class RouterMetrics:
             load = r.load(self.pool.stale_after)
             self.load.labels(r.url).set(-1 if load == SATURATED else load)
         self.replicas.set(len(self.pool.available()))
+        if self.kv_index is not None:
+            for url, held in list(self.kv_index.replicas.items()):
+                self.kv_blocks.labels(url).set(len(held.hashes))
+                self.kv_drops.labels(url).set(held.drops)
         return self.registry

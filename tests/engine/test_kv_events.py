@@ -193,3 +193,14 @@ def test_a_taken_endpoint_fails_the_engine_start_with_its_name(small_engine):
     _, endpoint = small_engine
     with pytest.raises(InvalidRequestError, match="cannot bind tcp://127.0.0.1"):
         _engine(16 * 16, endpoint=endpoint)
+
+
+def test_data_parallel_ranks_publish_on_their_own_ports():
+    from fulcrum.config import EngineConfig
+    from fulcrum.engine.async_llm import data_parallel_configs
+
+    cfg = {"enable_kv_cache_events": True, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:6557"}
+    ranks = data_parallel_configs(EngineConfig(data_parallel_size=2, kv_events_config=cfg, cpu_bind="none"))
+    assert [c.kv_events_config["endpoint"] for c in ranks] == ["tcp://*:5557", "tcp://*:5558"]
+    assert [c.kv_events_config["replay_endpoint"] for c in ranks] == ["tcp://*:6557", "tcp://*:6558"]
+    assert cfg["endpoint"] == "tcp://*:5557"  # the caller's dict is left alone

@@ -82,10 +82,16 @@ def replica_pythonpath(monkeypatch):
 @pytest.mark.slow
 def test_local_backend_scales_up_under_a_step_and_down_after(tmp_path, monkeypatch):
     replica_pythonpath(monkeypatch)
-    step_load(LocalBackend(str(MODEL), SERVE_ARGS, log_dir=tmp_path, drain_timeout=30))
+    events = ({}, {})  # the local backend gives each replica its KV-events endpoints: the kv-events policy routes
+    seen = step_load(
+        LocalBackend(str(MODEL), SERVE_ARGS, log_dir=tmp_path, drain_timeout=30, kv_events=events),
+        policy="kv-events", kv_events_endpoints=events[0], kv_events_replay_endpoints=events[1],
+    )  # fmt: skip
+    assert len(events[0]) == 2 and all(seen[url] for url in events[0]), seen  # both replicas' blocks were indexed
 
 
-def step_load(backend):
+def step_load(backend, policy="least-load", **router_cfg) -> dict[str, int]:
+    """The step of load; returns the blocks the router's KV index saw per replica, most at any time."""
     cfg = ScalerConfig(min_replicas=1, max_replicas=2, target_concurrency=1, stable_window=6, panic_window=2, tick=0.5)
     made = {}
 
@@ -94,7 +100,8 @@ def step_load(backend):
         return made["a"]
 
     pool = Pool([])
-    with run_router([], pool=pool, autoscaler=autoscaler, policy="least-load") as r:
+    seen: dict[str, int] = {}
+    with run_router([], pool=pool, autoscaler=autoscaler, policy=policy, **router_cfg) as r:
         scaler = made["a"]
         deadline = time.time() + 120
         while not pool.available():
@@ -120,7 +127,11 @@ def step_load(backend):
             while len(pool.available()) < 2:
                 assert time.time() < deadline, f"no scale-up: {scaler.events}"
                 time.sleep(0.5)
-            time.sleep(3)  # the new replica takes some of the step
+            for _ in range(6):  # the new replica takes some of the step
+                if r.router.kv_index is not None:
+                    for url, held in list(r.router.kv_index.replicas.items()):
+                        seen[url] = max(seen.get(url, 0), len(held.hashes))
+                time.sleep(0.5)
             stop_heavy.set()
             deadline = time.time() + 120
             while not any(e.kind == "down" for e in scaler.events):
@@ -136,3 +147,4 @@ def step_load(backend):
         assert len(pool.available()) == 1
         failures = [x for x in results if x is not True]
         assert results and not failures, failures
+    return seen

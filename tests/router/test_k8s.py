@@ -51,3 +51,26 @@ def test_cli_writes_the_manifests(tmp_path):
     serve = docs[0]["spec"]["template"]["spec"]["containers"][0]["command"]
     assert serve[:2] == ["fulcrum", "serve"] and serve[-2:] == ["--block-size", "32"]
     assert docs[-1]["spec"]["maxReplicas"] == 8
+
+
+def test_kv_events_policy_publishes_on_each_pod_and_the_router_subscribes():
+    import json
+
+    docs = render(K8sConfig(policy="kv-events"))
+    for d in docs:
+        if not d["apiVersion"].startswith("keda.sh"):
+            kv.validate(d, K8S_VERSION, strict=True)
+    replica = docs[0]["spec"]["template"]["spec"]["containers"][0]
+    serve = replica["command"]
+    events = json.loads(serve[serve.index("--kv-events-config") + 1])
+    assert events["enable_kv_cache_events"] and events["endpoint"] == "tcp://*:5557"
+    assert {p["containerPort"] for p in replica["ports"]} == {8000, 5557, 5558}
+    route = docs[2]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert route[route.index("--kv-events-port") + 1] == "5557" and "--model" in route
+    # what the router's CLI makes of that command line: each discovered pod's events on its own address
+    from fulcrum.cli import build_parser
+    from fulcrum.router.app import _on_host
+    from fulcrum.router.cli import router_config
+
+    cfg = router_config(build_parser().parse_args(route[1:]))
+    assert cfg.policy == "kv-events" and _on_host("http://10.0.0.7:8000", cfg.kv_events_port) == "tcp://10.0.0.7:5557"

@@ -46,6 +46,7 @@ def events_router(servers, **kw):
     return run_router(
         [s.url for s, *_ in servers],
         policy="kv-events",
+        balance_margin=2,
         kv_events_endpoints={s.url: e for s, e, _ in servers},
         kv_events_replay_endpoints={s.url: r for s, _, r in servers},
         **kw,
@@ -81,15 +82,27 @@ def test_index_follows_the_cache_routes_to_the_holder_and_sees_evictions(event_r
             complete(client, prompt=SYSTEM + f"Question {i}?", stream=stream)
         assert r.requests_by_replica() == {holder: 4}
         assert r.decisions()["kv-events"] == 3
-        assert 'fulcrum_router:decisions_total{reason="kv-events"} 3.0' in httpx.get(f"{r.url}/metrics").text
+        text = httpx.get(f"{r.url}/metrics").text
+        assert 'fulcrum_router:decisions_total{reason="kv-events"} 3.0' in text
+        line = next(
+            x for x in text.splitlines() if x.startswith(f'fulcrum_router:kv_index_blocks{{replica="{holder}"}}')
+        )
+        assert float(line.split()[-1]) == len(index.of(holder).hashes) >= len(blocks)
+        holder_replica = r.router.pool.replicas[holder]
+        holder_replica.in_flight += 3  # the holder saturated: its load exceeds the other's by more than the margin
+        try:
+            complete(client, prompt=SYSTEM + "Guarded?", stream=True)
+        finally:
+            holder_replica.in_flight -= 3
+        assert r.decisions()["load-guard"] == 1 and r.requests_by_replica()[other] == 1
         # distinct prompts sent straight to the holder fill its 16 blocks: the shared prefix is evicted there
         for i in range(8):
             httpx.post(f"{holder}/v1/completions", timeout=60,
                        json={"model": "shakespeare", "prompt": f"{i} KING HENRY: Once more unto the breach, dear friends, {i} once more; "
                              f"or close the wall up with our English dead. {i}", "max_tokens": 2})  # fmt: skip
         wait_for(lambda: not set(blocks) & index.of(holder).hashes, "the evicted blocks stayed in the index")
-        complete(client, prompt=SYSTEM + "And now?")  # nobody holds it: least load decides
-        assert r.decisions()["no-prefix"] >= 1
+        complete(client, prompt=SYSTEM + "And now?")  # only the other replica (the guarded request) holds it now
+        assert r.requests_by_replica() == {holder: 4, other: 2} and r.decisions()["kv-events"] == 4
 
 
 def test_a_router_started_later_learns_the_cache_from_the_replay(event_replicas):
@@ -111,12 +124,15 @@ def test_cli_refuses_kv_events_without_endpoints():
     from fulcrum.router.cli import router_config
 
     parse = build_parser().parse_args
-    with pytest.raises(SystemExit, match="needs --kv-events-endpoint"):
+    with pytest.raises(SystemExit, match="needs --model"):
         router_config(parse(["router", "--replica", "http://127.0.0.1:1", "--policy", "kv-events"]))
+    m = ["--model", "tok"]
+    with pytest.raises(SystemExit, match="needs --kv-events-endpoint"):
+        router_config(parse(["router", "--replica", "http://127.0.0.1:1", "--policy", "kv-events", *m]))
     with pytest.raises(SystemExit, match="one --kv-events-endpoint per --replica"):
         router_config(parse(["router", "--replica", "http://a:1", "--replica", "http://b:1", "--policy", "kv-events",
-                             "--kv-events-endpoint", "tcp://a:5557"]))  # fmt: skip
-    cfg = router_config(parse(["router", "--replica", "http://a:1/", "--policy", "kv-events",
+                             "--kv-events-endpoint", "tcp://a:5557", *m]))  # fmt: skip
+    cfg = router_config(parse(["router", "--replica", "http://a:1/", "--policy", "kv-events", *m,
                                "--kv-events-endpoint", "tcp://a:5557", "--kv-events-topic", "kv"]))  # fmt: skip
     assert cfg.kv_events_endpoints == {"http://a:1": "tcp://a:5557"} and cfg.kv_events_topic == "kv"
 
@@ -142,3 +158,48 @@ def test_index_drops_a_replica_on_clear_gap_and_restart():
     index.apply("a", 0, EventBatch(0, [_stored(4)]))
     index.apply("a", 1, EventBatch(0, [AllBlocksCleared()]))
     assert index.of("a").hashes == set() and index.of("b").hashes == {1}
+
+
+@pytest.mark.slow
+def test_a_restarted_replica_starts_empty_in_the_index(tmp_path):
+    """SIGKILL a replica, restart it on the same port and endpoint: its old blocks leave the index (failed health
+    check, then its publisher's new sequence), and what it caches after the restart comes back in."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.router.conftest import replica_env
+    from tests.servers import MODEL
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    cfg = json.dumps({"enable_kv_cache_events": True, "endpoint": endpoint})
+    a = start_replica(tmp_path, "--kv-events-config", cfg)
+    restarted = None
+    try:
+        with run_router([a.url], policy="kv-events", kv_events_endpoints={a.url: endpoint}) as r:
+            index, client = r.router.kv_index, r.client()
+            first = SYSTEM + "Before the fall."
+            time.sleep(0.5)  # the subscription reaches the publisher
+            complete(client, prompt=first, max_tokens=1)
+            wait_for(lambda: set(prompt_blocks(r, first)) <= index.of(a.url).hashes, "the first prompt's blocks")
+            engine = a.engine_pid()
+            os.kill(a.proc.pid, signal.SIGKILL)
+            os.kill(engine, signal.SIGKILL)
+            wait_for(lambda: not r.router.pool.replicas[a.url].healthy, "the dead replica to leave the pool")
+            assert not index.of(a.url).hashes
+            cmd = [sys.executable, "-m", "fulcrum.cli", "serve", str(MODEL), "--port", str(a.port), "--kv-cache-memory",
+                   "0.05", "--served-model-name", "shakespeare", "--kv-events-config", cfg]  # fmt: skip
+            with replica_env(), open(tmp_path / "restarted.log", "w") as log:
+                restarted = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            wait_for(lambda: r.router.pool.replicas[a.url].healthy, "the restarted replica to rejoin", timeout=120)
+            second = "FALSTAFF: " + SYSTEM + "After the fall."
+            complete(client, prompt=second, max_tokens=1)
+            wait_for(lambda: set(prompt_blocks(r, second)) <= index.of(a.url).hashes, "the new blocks")
+            assert not set(prompt_blocks(r, first)) & index.of(a.url).hashes  # the old cache did not come back
+            assert index.of(a.url).drops >= 1
+    finally:
+        a.stop()
+        if restarted is not None:
+            restarted.send_signal(signal.SIGTERM)
+            restarted.wait(30)
