@@ -6,6 +6,7 @@ ends with an error event and [DONE]. Every request ends with its tokens or an er
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import socket
@@ -255,10 +256,12 @@ class Router:
             resp.release()
             r.in_flight -= 1
 
-    async def get(self, path: str) -> Response:
+    async def get(self, path: str, raw: bytes | None = None, headers: dict | None = None) -> Response:
+        """A request any replica answers alike (/v1/models, /tokenize): the first healthy one that does."""
         for r in self.pool.available():
             try:
-                async with self.session.get(f"{r.url}{path}", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                call = self.session.get if raw is None else functools.partial(self.session.post, data=raw)
+                async with call(f"{r.url}{path}", headers=headers, timeout=aiohttp.ClientTimeout(total=5)) as resp:
                     return Response(await resp.read(), resp.status, media_type=resp.headers.get("content-type"))
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
                 self.pool.mark_failed(r)
@@ -332,6 +335,26 @@ def build_app(router: Router, autoscaler=None) -> FastAPI:
     async def models():
         return await router.get("/v1/models")
 
+    async def any_replica(request: Request, path: str):
+        if router.cfg.api_key:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or token.strip() != router.cfg.api_key:
+                return JSONResponse(error_body(401, "invalid or missing API key"), status_code=401)
+        return await router.get(path, await request.body(), router._headers(request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await any_replica(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await any_replica(request, "/detokenize")
+
+    @app.get("/version")
+    async def version():
+        return await router.get("/version")
+
+    @app.get("/ping")
     @app.get("/health")
     async def health():
         n = len(router.pool.available())

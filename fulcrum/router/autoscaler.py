@@ -1,6 +1,7 @@
 """The SLO-driven autoscaler: Knative's scheme over the router's pool. Concurrency (requests in flight and
 queued) averaged over a stable window sets the replica count; a panic window reacts to a burst and, while it
-lasts, never scales down. A measured TTFT or ITL percentile over the SLO adds a replica; a replica is removed
+lasts, never scales down. A measured TTFT or ITL percentile over the SLO, or the replicas' KV caches nearly full,
+adds a replica; a replica is removed
 only when N-1 would hold the load, and it drains (no new requests, those in flight finish) before it stops."""
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class ScalerConfig:
     tick: float = 1.0
     drain_timeout: float = 60.0
     slo: SLO = field(default_factory=SLO)
+    # the replicas' mean KV-cache usage over the panic window above this adds one (a full cache preempts and
+    # queues before concurrency or latency show it); a scale-down must leave N-1 under it
+    kv_usage_limit: float = 0.9
 
 
 @dataclass
@@ -71,10 +75,16 @@ class Decider:
         self.cfg = cfg
         self.samples: deque[tuple[float, float]] = deque()  # (time, concurrency)
         self.latency: deque[tuple[float, Histogram, Histogram]] = deque()  # (time, ttft delta, itl delta)
+        self.kv_usage: deque[tuple[float, float]] = deque()  # (time, mean KV-cache usage of the replicas)
         self.panic_until = -math.inf
 
-    def observe(self, now: float, concurrency: float, ttft: Histogram | None = None, itl: Histogram | None = None):
+    def observe(self, now: float, concurrency: float, ttft: Histogram | None = None, itl: Histogram | None = None,
+                kv_usage: float | None = None):  # fmt: skip
         self.samples.append((now, concurrency))
+        if kv_usage is not None:
+            self.kv_usage.append((now, kv_usage))
+        while self.kv_usage and self.kv_usage[0][0] <= now - self.cfg.panic_window:
+            self.kv_usage.popleft()
         self.latency.append((now, ttft or Histogram(), itl or Histogram()))
         while self.samples and self.samples[0][0] < now - self.cfg.stable_window:
             self.samples.popleft()
@@ -113,11 +123,16 @@ class Decider:
         else:
             n, reason = want_stable, f"concurrency {stable:.1f} over {cfg.stable_window:g} s"
         violated = self.slo_violated()
+        usage = sum(u for _, u in self.kv_usage) / len(self.kv_usage) if self.kv_usage else 0.0
+        if usage > cfg.kv_usage_limit and not violated:
+            violated = f"KV cache usage {usage:.2f} > {cfg.kv_usage_limit:g} over {cfg.panic_window:g} s"
         if violated and n <= current:
             n, reason = current + 1, violated
         if n < current:
-            # one at a time, and only when N-1 would hold the load: at most the target each, and the SLO met
-            if violated or current - 1 <= 0 or stable / (current - 1) > target:
+            # one at a time, and only when N-1 would hold the load: at most the target each, the SLO met, and
+            # their KV caches under the limit with this one's share spread over them
+            if (violated or current - 1 <= 0 or stable / (current - 1) > target
+                    or usage * current / (current - 1) > cfg.kv_usage_limit):  # fmt: skip
                 n, reason = current, "N-1 would not hold the load"
             else:
                 n = current - 1
@@ -146,6 +161,11 @@ class Autoscaler:
             total += max(r.in_flight, seen)
         return total
 
+    def kv_usage(self) -> float | None:
+        """The mean KV-cache usage of the replicas in the pool (None before any answered)."""
+        seen = [r.metrics.kv_usage for r in self.pool.available() if r.scraped_at]
+        return sum(seen) / len(seen) if seen else None
+
     def _latency_deltas(self) -> tuple[Histogram, Histogram]:
         ttft, itl = Histogram(), Histogram()
         for url, r in self.pool.replicas.items():
@@ -161,7 +181,7 @@ class Autoscaler:
         while True:
             await asyncio.sleep(self.cfg.tick)
             now = time.monotonic()
-            self.decider.observe(now, self.concurrency(), *self._latency_deltas())
+            self.decider.observe(now, self.concurrency(), *self._latency_deltas(), kv_usage=self.kv_usage())
             if self._busy is not None and not self._busy.done():
                 continue  # one scale event at a time: a starting replica counts once it is up
             current = len(self.owned)

@@ -134,6 +134,8 @@ def add_scaling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--panic-threshold", type=float, default=2.0, help="panic at this many times the current pool")
     g.add_argument("--tick", type=float, default=1.0, help="seconds between decisions")
     g.add_argument("--drain-timeout", type=float, default=60.0, help="seconds a scale-down waits for in-flight work")
+    g.add_argument("--kv-usage-limit", type=float, default=0.9,
+                   help="the replicas' mean KV-cache usage over the panic window above this adds a replica")  # fmt: skip
 
 
 def scaler_config(args):
@@ -146,7 +148,7 @@ def scaler_config(args):
     return ScalerConfig(
         min_replicas=args.min_replicas, max_replicas=args.max_replicas, target_concurrency=args.target_concurrency,
         stable_window=args.stable_window, panic_window=args.panic_window, panic_threshold=args.panic_threshold,
-        tick=args.tick, drain_timeout=args.drain_timeout, slo=slo,
+        tick=args.tick, drain_timeout=args.drain_timeout, slo=slo, kv_usage_limit=args.kv_usage_limit,
     )  # fmt: skip
 
 

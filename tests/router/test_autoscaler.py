@@ -60,6 +60,21 @@ def test_panic_window_reacts_to_a_burst_and_holds_while_it_lasts():
     assert n == 5  # then down one at a time
 
 
+def test_full_kv_caches_add_a_replica_and_hold_the_way_down():
+    d = Decider(ScalerConfig(max_replicas=3, target_concurrency=8, stable_window=10, panic_window=2))
+    for t in range(3):
+        d.observe(t, 2, kv_usage=0.95)  # few requests, but long ones: the caches are full
+    n, reason = d.desired(2, 1)
+    assert n == 2 and "KV cache usage 0.95" in reason
+    for t in range(3, 30):
+        d.observe(t, 1, kv_usage=0.5)
+    n, reason = d.desired(29, 2)
+    assert n == 2 and reason == "N-1 would not hold the load"  # 0.5 over 2 is 1.0 on one: over the limit
+    for t in range(30, 40):
+        d.observe(t, 1, kv_usage=0.3)
+    assert d.desired(39, 2)[0] == 1
+
+
 def test_an_slo_breach_adds_a_replica():
     cfg = ScalerConfig(max_replicas=3, target_concurrency=8, stable_window=10, slo=parse_slo("ttft=0.2"))
     d = Decider(cfg)

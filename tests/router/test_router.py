@@ -39,7 +39,15 @@ def test_round_robin_streamed_and_not(replicas):
         assert any(c.choices and c.choices[0].delta.content for c in streamed)
         assert sorted(r.requests_by_replica().values()) == [3, 3]
         assert [m.id for m in client.models.list()] == ["shakespeare"]
-        assert httpx.get(f"{r.url}/health").status_code == 200
+        assert httpx.get(f"{r.url}/health").status_code == 200 and httpx.get(f"{r.url}/ping").status_code == 200
+        # the rest of fulcrum serve's API, answered by a replica
+        direct = httpx.post(f"{replicas[0].url}/tokenize", json={"prompt": PROMPT}).json()
+        routed = httpx.post(f"{r.url}/tokenize", json={"prompt": PROMPT})
+        assert routed.status_code == 200 and routed.json() == direct
+        text = httpx.post(f"{r.url}/detokenize", json={"tokens": direct["tokens"]}).json()
+        assert text["prompt"] == PROMPT
+        assert httpx.post(f"{r.url}/tokenize", json={"prompt": 3}).status_code == 400  # the replica's own check
+        assert httpx.get(f"{r.url}/version").json() == httpx.get(f"{replicas[0].url}/version").json()
         text = httpx.get(f"{r.url}/metrics").text
         assert 'fulcrum_router:decisions_total{reason="round-robin"} 6.0' in text
 
