@@ -66,16 +66,16 @@ class Prefix:
 
     def choose(self, candidates: list[Replica], hashes) -> Decision:
         matched = [(r, self.matched(r, hashes)) for r in candidates]
-        total = max(len(self.blocks(r, hashes)) for r in candidates)
         best = max(n for _, n in matched)
         least = self.pool.least_loaded(candidates)
         if best == 0:
-            return Decision(least, "no-prefix", 0, total)
+            return Decision(least, "no-prefix", 0, len(self.blocks(least, hashes)))
         choice = random.choice([r for r, n in matched if n == best])
         low, mine = least.load(self.pool.stale_after), choice.load(self.pool.stale_after)
         if mine == SATURATED and low < SATURATED or mine - low > self.balance_margin:
-            return Decision(least, "load-guard", self.matched(least, hashes), total)
-        return Decision(choice, self.reason, best, total)
+            return Decision(least, "load-guard", self.matched(least, hashes), len(self.blocks(least, hashes)))
+        # blocks counted at the chosen replica's block size, so the router's hit-rate estimate is in its units
+        return Decision(choice, self.reason, best, len(self.blocks(choice, hashes)))
 
 
 class KVEvents(Prefix):

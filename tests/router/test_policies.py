@@ -114,3 +114,25 @@ def test_remembered_blocks_are_bounded_by_the_replica_cache():
     a.metrics.num_blocks = 3
     a.remember([1, 2, 3, 4, 5])
     assert list(a.blocks) == [3, 4, 5]
+
+
+def test_kv_events_and_weighted_read_the_index_at_its_block_size():
+    from fulcrum.router.kv_index import KVIndex
+    from fulcrum.router.policies import KVEvents
+    from fulcrum.utils.kv_events import BlockStored, EventBatch
+
+    pool, (a, b) = pool_of(2)
+    tokens = list(range(40))
+    a.remember(hash_prefix_blocks(tokens, 4))  # what prefix would guess: ignored by the index-based policies
+    index = KVIndex()
+    blocks = hash_prefix_blocks(tokens, 8)  # the replica's events say 8-token blocks (its scrape said 4)
+    index.apply(b.url, 0, EventBatch(0.0, [BlockStored(blocks[:3], None, tokens[:24], 8, None, "CPU", None)]))
+    d = KVEvents(pool, index, balance_margin=2).choose([a, b], hashes_of(tokens))
+    assert (d.replica, d.reason, d.cached_blocks, d.prompt_blocks) == (b, "kv-events", 3, 5)
+    b.in_flight = 3
+    assert KVEvents(pool, index, balance_margin=2).choose([a, b], hashes_of(tokens)).reason == "load-guard"
+    w = Weighted(pool, prefix_weight=1.0, load_weight=0.1, index=index)
+    b.in_flight = 5  # 3/5 - 0.5 > 0 - 0
+    assert w.choose([a, b], hashes_of(tokens)).replica is b
+    b.in_flight = 7  # 0.6 - 0.7 < 0
+    assert w.choose([a, b], hashes_of(tokens)).replica is a
