@@ -109,9 +109,12 @@ class Subscriber:
                     log.info("KV events of %s restarted at sequence %d; its entries are dropped", self.url, seq)
                     self.index.restarted(self.url)
                 live_last = seq
+                # batches before this one that this router has not seen (a gap, or the start of a stream it joined
+                # late, after a restart too): the replay socket has them while they are buffered
                 r = self.index.of(self.url)
-                if self.replay_endpoint and r.last_seq is not None and seq > r.last_seq + 1:
-                    await self._replay(ctx, r.last_seq + 1, until=seq)
+                expected = 0 if r.last_seq is None else r.last_seq + 1
+                if self.replay_endpoint and seq > expected:
+                    await self._replay(ctx, expected, until=seq)
                 self.index.apply(self.url, seq, batch)
                 self.received += 1
         finally:
