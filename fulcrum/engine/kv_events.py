@@ -3,11 +3,11 @@
 
 The KV cache manager records BlockStored when a full block is registered under its hash, BlockRemoved when a
 cached block is evicted for reuse, AllBlocksCleared when the publisher starts (a restarted replica's old entries
-are gone). The engine core hands one step's events to `EventPublisher.publish`, which encodes the batch (msgspec msgpack,
-array-like structs tagged by class name, as vLLM) and hands it to a non-blocking PUB socket as [topic, 8-byte
+are gone). The engine core hands one step's events to `EventPublisher.publish`, which encodes the batch (msgspec msgpack, as
+vLLM) and hands it to a non-blocking PUB socket as [topic, 8-byte
 big-endian sequence number, payload], keeping the last `buffer_steps` batches for the replay socket (ROUTER: a
-request carrying a start sequence number is answered with every buffered batch from it, then an empty payload
-under sequence -1).
+request carrying a start sequence number is answered with every buffered batch from it as [topic, seq, payload],
+then [b"", sequence -1, b""]).
 """
 
 from __future__ import annotations
@@ -180,10 +180,11 @@ class EventPublisher:
                 client, start = frames[0], frames[-1]  # REQ clients put an empty delimiter between
                 envelope = [client, b""] if len(frames) > 2 else [client]
                 first = int.from_bytes(start, "big") if len(start) == 8 else 0
+                # as vLLM answers: each batch as the live stream has it (topic, seq, payload), then (b"", END_SEQ, b"")
                 for seq, payload in list(self._buffer):
                     if seq >= first:
-                        sock.send_multipart([*envelope, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
-                sock.send_multipart([*envelope, END_SEQ, b""], flags=zmq.NOBLOCK)
+                        sock.send_multipart([*envelope, self._topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
+                sock.send_multipart([*envelope, b"", END_SEQ, b""], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:
             if not self._stop.is_set():
                 log.warning("the KV-events replay socket stopped: %s", e)

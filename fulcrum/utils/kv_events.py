@@ -1,8 +1,11 @@
-"""The KV-cache event schema and wire format, as vLLM publishes them (vllm/distributed/kv_events.py): the engine
-encodes these, the router decodes them, and a consumer of vLLM's events reads ours.
+"""The KV-cache event schema and wire format, as vLLM publishes them (vllm/distributed/kv_events.py, checked
+against vLLM 0.32's own decoder): the engine encodes these, the router decodes them, and a consumer of vLLM's
+events reads ours.
 
-Each ZeroMQ message is [topic, 8-byte big-endian sequence number, payload]; the payload is an EventBatch in msgpack,
-its structs encoded as arrays in field order (so field order is the format) and events tagged by class name.
+Each ZeroMQ message is [topic, 8-byte big-endian sequence number, payload]. The payload is an EventBatch in msgpack:
+the batch an array [ts, events, data_parallel_rank?], each event a map tagged {"type": "BlockStored", ...} with
+fields left out at their defaults. Older vLLM releases (and its example subscriber) encoded events as arrays in
+field order, ["BlockStored", hashes, ...]: `decode` reads both, so the router fronts old and new vLLM alike.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Tagged with the class name: the first element of each encoded event says which it is."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """A map tagged with the class name under "type"."""
 
 
 class BlockStored(KVCacheEvent):
@@ -32,8 +35,7 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None  # "GPU" as vLLM names its device cache; "CPU" for a CPU engine's
     lora_name: str | None
-    # newer vLLM fields, trailing and optional: older decoders ignore them, newer ones find them
-    extra_keys: list | None = None
+    extra_keys: list | None = None  # optional fields of newer vLLM: left out when unset
     group_idx: int | None = None
 
 
@@ -51,5 +53,51 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-def decoder() -> msgspec.msgpack.Decoder:
-    return msgspec.msgpack.Decoder(KVEventBatch)
+class _Legacy(msgspec.Struct, array_like=True, gc=False, tag=True):
+    """Older vLLM's events: arrays in field order, the tag first; trailing fields it lacked are optional here."""
+
+
+class _LegacyBlockStored(_Legacy, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+
+
+class _LegacyBlockRemoved(_Legacy, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class _LegacyAllBlocksCleared(_Legacy, tag="AllBlocksCleared"):
+    pass
+
+
+class _LegacyBatch(EventBatch):
+    events: list[_LegacyBlockStored | _LegacyBlockRemoved | _LegacyAllBlocksCleared]
+
+
+def _modern(ev):
+    if isinstance(ev, _LegacyBlockStored):
+        return BlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id, ev.medium,
+                           None)  # fmt: skip
+    if isinstance(ev, _LegacyBlockRemoved):
+        return BlockRemoved(ev.block_hashes, ev.medium)
+    return AllBlocksCleared()
+
+
+class decoder:  # noqa: N801 (used like msgspec's Decoder)
+    """Payload -> KVEventBatch, from today's encoding or older vLLM's."""
+
+    def __init__(self):
+        self._new = msgspec.msgpack.Decoder(KVEventBatch)
+        self._old = msgspec.msgpack.Decoder(_LegacyBatch)
+
+    def decode(self, payload: bytes) -> KVEventBatch:
+        try:
+            return self._new.decode(payload)
+        except msgspec.ValidationError:
+            old = self._old.decode(payload)  # raises when it is neither
+            return KVEventBatch(old.ts, [_modern(e) for e in old.events], old.data_parallel_rank)

@@ -117,10 +117,11 @@ def test_replay_returns_the_buffered_batches_from_a_sequence(small_engine):
     dec = decoder()
     try:
         while sock.poll(2000):
-            _, seq, payload = sock.recv_multipart()
+            _, topic, seq, payload = sock.recv_multipart()  # the live stream's frames, after the envelope
             if seq == END_SEQ:
-                assert payload == b""
+                assert payload == b"" and topic == b""
                 break
+            assert topic == b"kv"
             seqs.append(int.from_bytes(seq, "big"))
             replayed.apply(dec.decode(payload))
         else:
@@ -133,40 +134,54 @@ def test_replay_returns_the_buffered_batches_from_a_sequence(small_engine):
     assert replayed.held == set(llm.core.kv.cached)  # the whole history rebuilds the cache's state
 
 
-class VllmBlockStored(msgspec.Struct, array_like=True, tag="BlockStored"):
-    """A consumer written against an older vLLM: no medium, no lora_name."""
+class VllmBlockStored(msgspec.Struct, tag="BlockStored"):
+    """A consumer of vLLM 0.32's events: maps tagged by "type", newer optional fields we never set."""
 
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list | None = None
+    group_idx: int | None = None
+    locality: str | None = None
 
 
-class VllmBlockRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+class VllmBlockRemoved(msgspec.Struct, tag="BlockRemoved"):
     block_hashes: list[int]
+    medium: str | None
+    ownership: str | None = None
 
 
-class VllmCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+class VllmCleared(msgspec.Struct, tag="AllBlocksCleared"):
     pass
 
 
 class VllmBatch(msgspec.Struct, array_like=True):
     ts: float
     events: list[VllmBlockStored | VllmBlockRemoved | VllmCleared]
+    data_parallel_rank: int | None = None
 
 
-def test_the_payload_decodes_with_older_vllm_schemas():
+def test_the_payload_decodes_as_vllm_reads_it_and_older_vllm_payloads_decode_here():
     from fulcrum.utils.kv_events import EventBatch
 
-    batch = EventBatch(
-        1.5, [BlockStored([7, 8], None, list(range(32)), 16, None, "GPU", None), BlockRemoved([7], "GPU")]
-    )
-    raw = msgspec.msgpack.encode(batch)
-    old = msgspec.msgpack.decode(raw, type=VllmBatch)
-    assert old.events[0].block_hashes == [7, 8] and old.events[0].block_size == 16
-    assert old.events[1].block_hashes == [7]
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(EventBatch(2.0, [AllBlocksCleared()])), type=VllmBatch)
+    stored = BlockStored([2**64 - 5, 8], None, list(range(32)), 16, None, "GPU", None)
+    raw = msgspec.msgpack.encode(EventBatch(1.5, [AllBlocksCleared(), stored, BlockRemoved([8], "GPU")]))
+    got = msgspec.msgpack.decode(raw, type=VllmBatch)
+    assert isinstance(got.events[0], VllmCleared)
+    assert got.events[1].block_hashes == [2**64 - 5, 8] and got.events[1].block_size == 16
+    assert got.events[1].medium == "GPU" and got.events[2].block_hashes == [8]
+    # an older vLLM's batch: events as arrays in field order, tag first, without medium
+    old = msgspec.msgpack.encode([2.0, [["BlockStored", [1, 2], None, list(range(32)), 16, None], ["BlockRemoved", [1]],
+                                        ["AllBlocksCleared"]]])  # fmt: skip
+    batch = decoder().decode(old)
+    assert [type(e) for e in batch.events] == [BlockStored, BlockRemoved, AllBlocksCleared]
+    assert batch.events[0].block_hashes == [1, 2] and batch.events[1].block_hashes == [1]
+    with pytest.raises(msgspec.DecodeError):
+        decoder().decode(b"\xc1")
 
 
 def test_config_is_checked():
