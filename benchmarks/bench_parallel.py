@@ -123,7 +123,6 @@ CONFIGS = {
 MOE_CONFIGS = {
     "TP=1 (2 threads)": dict(cpu_threads=2),
     "TP=1 (1 thread)": dict(cpu_threads=1),
-    "TP=1 (1 thread)": dict(cpu_threads=1),
     "TP=2, experts sliced": dict(tensor_parallel_size=2, cpu_threads=1),
     "TP=2, EP (whole experts)": dict(tensor_parallel_size=2, enable_expert_parallel=True, cpu_threads=1),
 }
