@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 import uvicorn
 
@@ -85,6 +88,29 @@ def run_router(urls, pool_kw=None, autoscaler=None, pool=None, **cfg):
     router = Router(pool, RouterConfig(**cfg))
     with serve_router(router, build_app(router, autoscaler(pool) if autoscaler else None)) as running:
         yield running
+
+
+@contextlib.contextmanager
+def router_process(tmp_path, *flags):
+    """`fulcrum router FLAGS` as a process of its own on a free loopback port, up (its /health 200) before it is
+    yielded as its base URL; stopped after."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "fulcrum.cli", "router", "--port", str(port), *flags]
+    with open(tmp_path / "router.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "router.log").read_text()
+            assert time.time() < deadline, "the router did not come up"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            time.sleep(0.3)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 @contextlib.contextmanager

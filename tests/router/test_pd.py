@@ -5,7 +5,6 @@ prompts skip the prefill engine; failures fall back to a local prefill; no engin
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -23,7 +22,7 @@ from fulcrum.router.app import RouterConfig, build_app
 from fulcrum.router.pd import PDConfig, PDRouter
 from fulcrum.router.pool import Pool
 from fulcrum.utils.serve_process import free_port
-from tests.router.conftest import serve_router, start_replica
+from tests.router.conftest import router_process, serve_router, start_replica
 from tests.servers import MODEL
 
 TEXT = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. " * 2
@@ -164,21 +163,9 @@ def test_the_cli_runs_pd_mode_through_the_openai_client(engines, tmp_path):
     import openai
 
     prefill, decode = engines
-    port = free_port()
-    cmd = [sys.executable, "-m", "fulcrum.cli", "router", "--port", str(port), "--prefill", prefill.url,
-           "--decode", decode.url, "--model", str(MODEL), "--pd-min-prompt-tokens", "16"]  # fmt: skip
-    with open(tmp_path / "router.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "router.log").read_text()
-            assert time.time() < deadline, "the router did not come up"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            time.sleep(0.3)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+    flags = ["--prefill", prefill.url, "--decode", decode.url, "--model", str(MODEL), "--pd-min-prompt-tokens", "16"]
+    with router_process(tmp_path, *flags) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
         prompt = TEXT + " FRIAR: These violent delights have violent ends"
         ref = completion(prefill.url, prompt, max_tokens=8)
         out = client.completions.create(model="shakespeare", prompt=prompt, max_tokens=8, temperature=0)
@@ -186,13 +173,7 @@ def test_the_cli_runs_pd_mode_through_the_openai_client(engines, tmp_path):
         chunks = client.completions.create(model="shakespeare", prompt=prompt, max_tokens=8, temperature=0,
                                            stream=True)  # fmt: skip
         assert "".join(c.choices[0].text for c in chunks if c.choices) == ref
-        assert (
-            'fulcrum_router:pd_requests_total{path="disaggregated"} 2.0'
-            in httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        )
-    finally:
-        proc.terminate()
-        proc.wait(30)
+        assert 'fulcrum_router:pd_requests_total{path="disaggregated"} 2.0' in httpx.get(f"{url}/metrics").text
     bad = subprocess.run([sys.executable, "-m", "fulcrum.cli", "router", "--prefill", prefill.url],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode != 0 and "pd mode takes --prefill URL and --decode URL" in bad.stderr

@@ -3,14 +3,11 @@ streamed and not."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import httpx
 
-from fulcrum.utils.serve_process import free_port
-from tests.router.conftest import run_router
+from tests.router.conftest import router_process, run_router
 from tests.servers import MODEL
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?"
@@ -132,27 +129,10 @@ def test_discover_finds_replicas_by_dns(replicas):
 
 
 def test_the_cli_runs_the_router(replicas, tmp_path):
-    port = free_port()
-    cmd = [sys.executable, "-m", "fulcrum.cli", "router", "--port", str(port), "--policy", "prefix", "--model",
-           str(MODEL), *[a for s in replicas for a in ("--replica", s.url)]]  # fmt: skip
-    with open(tmp_path / "router.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "router.log").read_text()
-            assert time.time() < deadline, "the router did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+    flags = ["--policy", "prefix", "--model", str(MODEL), *[a for s in replicas for a in ("--replica", s.url)]]
+    with router_process(tmp_path, *flags) as url:
         import openai
 
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         assert complete(client, stream=True)
-        assert "fulcrum_router:decisions_total" in httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    finally:
-        proc.terminate()
-        proc.wait(30)
+        assert "fulcrum_router:decisions_total" in httpx.get(f"{url}/metrics").text
