@@ -60,8 +60,6 @@ class ModelRunner:
         self.world_size, self.pp_size, self.rank = ps.world_size, ps.pp_size, ps.rank
         # this runner's own place: a draft built before the target's ranks joined is a whole model, first and last
         self.first_stage, self.last_stage = ps.is_first_stage, ps.is_last_stage
-        # micro-batches per stage in flight in one step: more overlap the stages better, fewer keep batches large
-        self.microbatches_per_stage = 1
         self.config = engine_config
         self.model_config = model_config
         self.device = torch.device(engine_config.device)
@@ -305,8 +303,9 @@ class ModelRunner:
     def _run(self, scheduled: list[ScheduledRequest]) -> tuple[list[StepInputs], list[torch.Tensor | None]]:
         """Rank 0's part: the step's inputs (split into micro-batches under pipeline parallelism), sent to the other
         ranks, then its own forward."""
-        parts = self.pp_size * self.microbatches_per_stage if self.pp_size > 1 else 1
-        steps = [step_inputs.build(g, self.block_size, self.decode_rows) for g in step_inputs.split(scheduled, parts)]
+        # one micro-batch per pipeline stage, so that each stage has one to work on while the next takes its last
+        groups = step_inputs.split(scheduled, self.pp_size)
+        steps = [step_inputs.build(g, self.block_size, self.decode_rows) for g in groups]
         if self.world_size > 1:
             parallel_state.broadcast_control(("step", [si.for_other_ranks() for si in steps]))
         return steps, self.forward_logits(steps)

@@ -3,7 +3,7 @@ block tables, as plain lists (what rank 0 broadcasts to the other ranks of a par
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -41,10 +41,7 @@ class StepInputs:
     last_idx: list[int] = field(default_factory=list)  # every request's last row
 
     def for_other_ranks(self) -> StepInputs:
-        return StepInputs(
-            self.ids, self.positions, self.slots, self.query_lens, self.prefills, self.prefill_tables,
-            self.decode_idx, self.decode_tables, self.decode_ctx, self.logits_rows, self.num_prompt_rows,
-        )  # fmt: skip
+        return replace(self, spans=[], last_idx=[])
 
 
 def build(scheduled: list[ScheduledRequest], block_size: int, decode_rows: int) -> StepInputs:
