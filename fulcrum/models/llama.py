@@ -13,12 +13,14 @@ from transformers import PretrainedConfig
 from fulcrum.config import rope_parameters
 from fulcrum.distributed import parallel_state
 from fulcrum.distributed.parallel_state import layer_range
+from fulcrum.kernels.cpu_decode_stack import DecodeStack, LayerTensors
 from fulcrum.layers.activation import SiluAndMul
 from fulcrum.layers.attention import Attention, AttentionMetadata
 from fulcrum.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from fulcrum.layers.layernorm import RMSNorm
 from fulcrum.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fulcrum.layers.rotary import RotaryEmbedding
+from fulcrum.quant.base import UnquantizedLinearMethod
 from fulcrum.utils.hf_config import head_dim as config_head_dim
 from fulcrum.utils.hf_config import layer_sliding_windows
 
@@ -99,6 +101,54 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def fused_decode_stack(layers: list[nn.Module]) -> DecodeStack | None:
+    """The decode-stack plan of Llama-shaped layers (RMSNorms, fused QKV with rope, paged attention, SwiGLU MLP),
+    with dense weights on one tensor-parallel rank; None for anything else (quantized or split weights, q/k norms,
+    other layer classes), which keeps the modules."""
+    if not layers or any(type(x) is not LlamaDecoderLayer for x in layers):
+        return None
+    tensors = []
+    for x in layers:
+        sa, mlp = x.self_attn, x.mlp
+        linears = (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = (x.input_layernorm, x.post_attention_layernorm)
+        if (
+            sa.qk_norm
+            or type(mlp.act) is not SiluAndMul
+            or any(type(n) is not RMSNorm or n.eps != norms[0].eps for n in norms)
+            or any(type(lin.quant_method) is not UnquantizedLinearMethod or lin.tp_size != 1 for lin in linears)
+            or sa.attn.k_cache is None
+        ):
+            return None
+        tensors.append(
+            LayerTensors(
+                x.input_layernorm.weight,
+                sa.qkv_proj.weight,
+                sa.qkv_proj.bias,
+                sa.o_proj.weight,
+                sa.o_proj.bias,
+                x.post_attention_layernorm.weight,
+                mlp.gate_up_proj.weight,
+                mlp.gate_up_proj.bias,
+                mlp.down_proj.weight,
+                mlp.down_proj.bias,
+                sa.attn.k_cache,
+                sa.attn.v_cache,
+                sa.attn.k_scales,
+                sa.attn.v_scales,
+                sa.attn.scale,
+                sa.attn.sliding_window,
+            )  # fmt: skip
+        )
+    a = layers[0].self_attn
+    eps, softcaps = layers[0].input_layernorm.eps, {x.self_attn.attn.logit_softcap for x in layers}
+    if len(softcaps) > 1 or any(x.input_layernorm.eps != eps for x in layers):
+        return None
+    if not DecodeStack.supported(tensors, a.head_dim, a.num_heads // a.num_kv_heads):
+        return None
+    return DecodeStack(tensors, a.num_heads, a.num_kv_heads, a.head_dim, eps, softcaps.pop())
+
+
 class MissingLayer(nn.Module):
     """A decoder layer another pipeline stage holds: no weights here, and never run."""
 
@@ -125,6 +175,7 @@ class LlamaModel(nn.Module):
         self.norm = family.final_norm(cfg, dtype) if ps.is_last_stage else None
         self.rotary_emb = family.rotary(cfg)
         self.first_stage = ps.is_first_stage
+        self._stack: DecodeStack | None | bool = None  # the fused decode plan; False: these layers do not fit it
 
     def local_layers(self) -> list[nn.Module]:
         return list(self.layers[self.start : self.end])
@@ -139,9 +190,26 @@ class LlamaModel(nn.Module):
         """`hidden`: the previous pipeline stage's output, in place of the embedding after the first stage."""
         x = self.embed(input_ids) if self.first_stage else hidden
         rope = self.ropes(positions, x.dtype)
-        for layer in self.layers[self.start : self.end]:
-            x = layer(rope, x, meta)
+        stack = self._decode_stack(meta, x)
+        if stack is not None:  # a decode-only step: every layer in one call, the same kernels the modules call
+            x = stack.run(x, rope[0], rope[1], meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
+        else:
+            for layer in self.layers[self.start : self.end]:
+                x = layer(rope, x, meta)
         return x if self.norm is None else self.norm(x)
+
+    def _decode_stack(self, meta: AttentionMetadata, x: torch.Tensor) -> DecodeStack | None:
+        """The fused plan when this step can take it: decodes only, few enough rows, and layers that fit (built at
+        the first such step, once the cache is attached; again if the cache moved)."""
+        if self._stack is False or meta.prefills or meta.decode_token_idx is None or meta.slot_mapping is None:
+            return None
+        if self._stack is None or self._stack.cache_ptr != self.layers[self.start].self_attn.attn.k_cache.data_ptr():
+            self._stack = fused_decode_stack(self.local_layers()) or False
+            if self._stack is False:
+                return None
+        if not 0 < x.shape[0] <= self._stack.max_rows or x.dtype != self._stack.dtype or x.device.type != "cpu":
+            return None
+        return self._stack
 
 
 class LlamaForCausalLM(nn.Module):

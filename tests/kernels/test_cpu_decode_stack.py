@@ -1,0 +1,73 @@
+"""The fused decode stack (kernels/cpu_decode_stack.py): a decode step of Llama-shaped layers in one C++ call gives
+the tokens and logprobs the layer modules give, for every layer variant it takes (biases, sliding windows, GQA and
+MQA, odd head sizes, tied embeddings, int8/fp8 caches, bf16), at every row count up to the GEMV's limit and past it
+(where the modules run); models it does not fit keep their modules."""
+
+import pytest
+import torch
+
+from fulcrum import LLM, SamplingParams
+from fulcrum.kernels import cpu_decode_stack, cpu_gemv
+from fulcrum.kernels.cpu_decode_stack import DecodeStack
+from tests.engine.test_llm_parity import random_prompts
+
+pytestmark = pytest.mark.skipif(not cpu_decode_stack.available(), reason="CPU kernels need AVX2 and a compiler")
+
+
+def run(llm: LLM, prompts, fused: bool, max_tokens: int = 10):
+    """Greedy tokens and their logprobs, with the fused stack on or off for this engine's model."""
+    model = llm.core.runner.model.model
+    model._stack = None if fused else False
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    used = isinstance(model._stack, DecodeStack)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    lps = [[lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    return tokens, lps, used
+
+
+def assert_same(a, b, atol):
+    assert a[0] == b[0]
+    for x, y in zip(a[1], b[1]):
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=atol, rtol=0), (x, y)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama3-rope-tied-mqa", "llama-bias-headdim", "mistral-sliding", "qwen2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_equals_the_layer_modules(family, dtype, tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir(family)), dtype=dtype, kv_cache_memory=16 << 20, block_size=8)
+    limit = cpu_gemv.MAX_ROWS[cpu_gemv.level()][getattr(torch, dtype)]
+    # 1 row, a few rows, and more rows than the GEMV takes (those steps run the modules, the tail fused)
+    for count in (1, 5, limit + 3):
+        prompts = random_prompts(count, 3, 30, seed=count)
+        fused = run(llm, prompts, True)
+        assert fused[2], "the fused stack was not used"
+        # the same kernels in the same order: equal, bar the bf16 SwiGLU kernel's ulp against PyTorch's ops
+        assert_same(fused, run(llm, prompts, False), 1e-5 if dtype == "float32" else 0.05)
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_fused_decode_reads_a_quantized_cache_as_the_modules_do(kv, tiny_model_dir):
+    # no prefix caching: the second run's prompts would read the first's quantized k/v instead of computing them
+    llm = LLM(
+        model=str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory=16 << 20, kv_cache_dtype=kv,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    prompts = random_prompts(4, 3, 40, seed=3)
+    fused = run(llm, prompts, True)
+    assert fused[2]
+    assert_same(fused, run(llm, prompts, False), 1e-5)
+
+
+@pytest.mark.parametrize("family, kw", [("qwen3", {}), ("llama", {"quantization": "int8"}), ("gemma2", {})])
+def test_models_the_stack_does_not_fit_keep_their_modules(family, kw, tiny_model_dir):
+    """q/k norms, quantized weights and other layer classes are not the driver's: those engines still generate."""
+    llm = LLM(model=str(tiny_model_dir(family)), dtype="float32", kv_cache_memory=16 << 20, **kw)
+    tokens, _, used = run(llm, random_prompts(2, 3, 20), True)
+    assert not used and all(len(t) == 10 for t in tokens)
+
+
+def test_the_switch_turns_it_off(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("FULCRUM_FUSED_DECODE", "0")
+    llm = LLM(model=str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory=16 << 20)
+    assert not run(llm, random_prompts(2, 3, 20), True)[2]
