@@ -99,6 +99,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--cpu-threads", type=int, default=None, help="CPU compute threads (default: one per core)")
     g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step through the layer modules (no fused CPU decode stack), as vLLM's flag keeps eager mode",
+    )
+    g.add_argument(
         "--cpu-bind",
         default="auto",
         help="where CPU compute threads run: auto (thread i on the i-th allowed core), none (the OS decides), "
@@ -181,6 +186,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         quantization_group_size=args.quantization_group_size,
         kv_cache_dtype=args.kv_cache_dtype,
         cpu_bind=args.cpu_bind,
+        enforce_eager=args.enforce_eager,
         speculative_config=args.speculative_config,
         data_parallel_size=args.data_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -183,6 +183,9 @@ class EngineConfig:
     # to the i-th allowed core, "none" leaves placement to the OS, "0-3,6" pins to those cores (kernels/cpu_threads)
     cpu_threads: int | None = None
     cpu_bind: str = "auto"
+    # vLLM's switch for eager PyTorch: here it keeps decode steps on the layer modules instead of the fused decode
+    # stack (kernels/cpu_decode_stack.py), which otherwise runs a CPU decode step's layers in one C++ call
+    enforce_eager: bool = False
     # weight-only quantization at load time (int8 per channel, int4 per group of quantization_group_size inputs)
     quantization: str | None = None
     quantization_group_size: int = 128

@@ -76,6 +76,9 @@ class ModelRunner:
                 getattr(model_config.hf_config, "quantization_config", None),
             ),
         )
+        stack = getattr(self.model, "model", None)
+        if engine_config.enforce_eager and hasattr(stack, "fused_decode"):
+            stack.fused_decode = False  # decode steps on the layer modules
         if self.device.type == "cpu":
             move_parameters_to_huge_pages(self.model)  # a decode step streams them all: fewer TLB misses
         self.vocab_size = model_config.hf_config.vocab_size

@@ -38,6 +38,9 @@ typedef int64_t (*attn_fn)(int64_t, int64_t, const void*, const void*, const voi
                            const int64_t*, const int64_t*, void*, int64_t, int64_t, int64_t, int64_t, int64_t,
                            int64_t, float, int64_t, float);
 typedef void (*act_fn)(int64_t, const void*, void*, int64_t, int64_t, int64_t);
+// BLAS's sgemm (Fortran calling convention), the one torch's fp32 F.linear calls: for more rows than the GEMV takes
+typedef void (*sgemm_fn)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                         const int*, const float*, const int*, const float*, float*, const int*);
 
 // one layer's pointers, in this order (the Python side fills an int64 array of LAYER_FIELDS per layer)
 enum { IN_NORM, QKV_W, QKV_B, O_W, O_B, POST_NORM, GU_W, GU_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE, K_SCALES, V_SCALES,
@@ -49,17 +52,33 @@ static void add_into(T* x, const T* t, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = T(float(x[i]) + float(t[i]));
 }
 
+// y [M, O] = x [M, I] @ w [O, I]^T + bias: the GEMV kernel up to `gemv_rows` rows, BLAS's sgemm past them (fp32)
+template <typename T>
+static void linear(const int64_t* fns, int64_t gemv_rows, const T* x, const void* w, const void* bias, T* y,
+                   int64_t M, int64_t I, int64_t O) {
+  if (M <= gemv_rows || sizeof(T) != 4) return ((gemv_fn)fns[0])(x, w, bias, y, M, I, O);
+  const int m = int(O), n = int(M), k = int(I);
+  const float one = 1.f, zero = 0.f;
+  // row-major y^T = w x^T is column-major y: w read as the transpose of a column-major [I, O]
+  ((sgemm_fn)fns[5])("T", "N", &m, &n, &k, &one, (const float*)w, &k, (const float*)x, &k, &zero, (float*)y, &m);
+  if (bias)
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t o = 0; o < O; ++o) y[r * O + o] = T(float(y[r * O + o]) + float(((const T*)bias)[o]));
+}
+
 template <typename T>
 static int64_t run(const int64_t* fns, const int64_t* layers, const float* scales, int64_t L, const int64_t* dims,
                    float eps, float softcap, T* x, const void* cos, const void* sin, const int64_t* slots,
                    const int64_t* tables, const int64_t* ctx_lens, int64_t width, int64_t M, T* scratch) {
-  const gemv_fn gemv = (gemv_fn)fns[0];
   const norm_fn norm = (norm_fn)fns[1];
   const rope_fn rope = (rope_fn)fns[2];
   const attn_fn attn = (attn_fn)fns[3];
   const act_fn act = (act_fn)fns[4];
   const int64_t hidden = dims[0], H = dims[1], KVH = dims[2], hd = dims[3], inter = dims[4], bs = dims[5],
-                kind = dims[6];
+                kind = dims[6], gemv_rows = dims[7];
+  auto gemv = [&](const T* in, const void* w, const void* b, T* out, int64_t M, int64_t I, int64_t O) {
+    linear(fns, gemv_rows, in, w, b, out, M, I, O);
+  };
   const int64_t bf16 = sizeof(T) == 2;
   const int64_t qs = H * hd, kvs = KVH * hd, qkv_n = qs + 2 * kvs;
   // scratch: h [M, hidden], qkv [M, qkv_n], q [M, qs], o [M, qs], t [M, hidden], gu [M, 2 inter], a [M, inter]
@@ -96,7 +115,7 @@ static int64_t run(const int64_t* fns, const int64_t* layers, const float* scale
   return 0;
 }
 
-// dims: hidden, heads, kv heads, head_dim, intermediate, block size, cache kind. x [M, hidden] is the residual
+// dims: hidden, heads, kv heads, head_dim, intermediate, block size, cache kind, the GEMV's most rows. x [M, hidden] is the residual
 // stream, updated in place; scratch holds M * (2 hidden + qkv + 2 q + 3 intermediate) values of x's dtype.
 extern "C" int64_t fulcrum_decode_stack(int64_t bf16, const int64_t* fns, const int64_t* layers, const float* scales,
                                         int64_t L, const int64_t* dims, float eps, float softcap, void* x,
@@ -111,6 +130,7 @@ extern "C" int64_t fulcrum_decode_stack(int64_t bf16, const int64_t* fns, const 
 """
 
 LAYER_FIELDS = 15  # the C++ enum's count
+MAX_ROWS = 4096  # decode rows of one fused step at most, where sgemm takes the GEMV's place
 
 
 def enabled() -> bool:
@@ -135,6 +155,15 @@ def available() -> bool:
 
 def _address(fn) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+@functools.cache
+def blas_sgemm() -> int:
+    """The address of the sgemm_ torch's CPU library exports (MKL's, the one its fp32 F.linear calls), or 0."""
+    try:
+        return _address(ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")).sgemm_)
+    except (OSError, AttributeError):
+        return 0
 
 
 @dataclass
@@ -171,7 +200,9 @@ class DecodeStack:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps, self.softcap = eps, softcap or 0.0
         self.kind = cpu_ext.KV_CACHE_KINDS.get(first.k_cache.dtype, 0)
-        self.max_rows = cpu_gemv.MAX_ROWS[cpu_gemv.level()].get(self.dtype, 0)
+        self.gemv_rows = cpu_gemv.MAX_ROWS[cpu_gemv.level()].get(self.dtype, 0)
+        # past the GEMV's rows fp32 takes BLAS's sgemm; bf16 keeps the modules there (their oneDNN matmul)
+        self.max_rows = MAX_ROWS if self.dtype == torch.float32 and blas_sgemm() else self.gemv_rows
         self._layers = layers  # keeps every pointer below alive
         self.cache_ptr = first.k_cache.data_ptr()
 
@@ -187,17 +218,26 @@ class DecodeStack:
         self.table = torch.tensor(rows, dtype=torch.int64)
         self.scales = torch.tensor([x.scale for x in layers], dtype=torch.float32)
         self.dims = torch.tensor(
-            [self.hidden, num_heads, num_kv_heads, head_dim, self.inter, first.k_cache.shape[1], self.kind],
+            [
+                self.hidden,
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                self.inter,
+                first.k_cache.shape[1],
+                self.kind,
+                self.gemv_rows,
+            ],
             dtype=torch.int64,
         )
         self.fns = torch.tensor(
             [_address(cpu_gemv._module()[self.dtype]), _address(cpu_norm._module()), _address(cpu_rope._module()),
-             _address(cpu_attention._module(bool(self.kind))["decode"]), _address(cpu_act._module())],
+             _address(cpu_attention._module(bool(self.kind))["decode"]), _address(cpu_act._module()), blas_sgemm()],
             dtype=torch.int64,
         )  # fmt: skip
         qkv = (num_heads + 2 * num_kv_heads) * head_dim
-        per_row = 2 * self.hidden + qkv + 2 * num_heads * head_dim + 3 * self.inter
-        self.scratch = torch.empty(max(self.max_rows, 1) * per_row, dtype=self.dtype)
+        self.per_row = 2 * self.hidden + qkv + 2 * num_heads * head_dim + 3 * self.inter
+        self.scratch = torch.empty(max(self.gemv_rows, 1) * self.per_row, dtype=self.dtype)  # grown for more rows
 
     @staticmethod
     def supported(layers: list[LayerTensors], head_dim: int, group: int) -> bool:
@@ -228,6 +268,8 @@ class DecodeStack:
         """The residual stream after every layer, for x [M, hidden] (M <= max_rows, one decode token per row):
         a new tensor; the cache gets each row's k and v at its slot."""
         x = x.contiguous().clone()
+        if self.scratch.numel() < x.shape[0] * self.per_row:
+            self.scratch = torch.empty(x.shape[0] * self.per_row, dtype=self.dtype)
         slots = slot_mapping.to(torch.int64).contiguous()
         tables, lens = block_tables.to(torch.int64).contiguous(), context_lens.to(torch.int64).contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()

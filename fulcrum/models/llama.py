@@ -13,6 +13,7 @@ from transformers import PretrainedConfig
 from fulcrum.config import rope_parameters
 from fulcrum.distributed import parallel_state
 from fulcrum.distributed.parallel_state import layer_range
+from fulcrum.kernels import cpu_decode_stack
 from fulcrum.kernels.cpu_decode_stack import DecodeStack, LayerTensors
 from fulcrum.layers.activation import SiluAndMul
 from fulcrum.layers.attention import Attention, AttentionMetadata
@@ -176,6 +177,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = family.rotary(cfg)
         self.first_stage = ps.is_first_stage
         self._stack: DecodeStack | None | bool = None  # the fused decode plan; False: these layers do not fit it
+        self.fused_decode = cpu_decode_stack.enabled()  # off: decode steps run the modules (--enforce-eager)
 
     def local_layers(self) -> list[nn.Module]:
         return list(self.layers[self.start : self.end])
@@ -201,7 +203,13 @@ class LlamaModel(nn.Module):
     def _decode_stack(self, meta: AttentionMetadata, x: torch.Tensor) -> DecodeStack | None:
         """The fused plan when this step can take it: decodes only, few enough rows, and layers that fit (built at
         the first such step, once the cache is attached; again if the cache moved)."""
-        if self._stack is False or meta.prefills or meta.decode_token_idx is None or meta.slot_mapping is None:
+        if (
+            not self.fused_decode
+            or self._stack is False
+            or meta.prefills
+            or meta.decode_token_idx is None
+            or meta.slot_mapping is None
+        ):
             return None
         if self._stack is None or self._stack.cache_ptr != self.layers[self.start].self_attn.attn.k_cache.data_ptr():
             self._stack = fused_decode_stack(self.local_layers()) or False

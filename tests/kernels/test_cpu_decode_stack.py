@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not cpu_decode_stack.available(), reason="CPU ke
 def run(llm: LLM, prompts, fused: bool, max_tokens: int = 10):
     """Greedy tokens and their logprobs, with the fused stack on or off for this engine's model."""
     model = llm.core.runner.model.model
-    model._stack = None if fused else False
+    model.fused_decode, model._stack = fused, None
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     used = isinstance(model._stack, DecodeStack)
@@ -67,7 +67,11 @@ def test_models_the_stack_does_not_fit_keep_their_modules(family, kw, tiny_model
     assert not used and all(len(t) == 10 for t in tokens)
 
 
-def test_the_switch_turns_it_off(tiny_model_dir, monkeypatch):
+def test_enforce_eager_and_the_environment_turn_it_off(tiny_model_dir, monkeypatch):
+    folder = str(tiny_model_dir("llama"))
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=16 << 20, enforce_eager=True)
+    assert not llm.core.runner.model.model.fused_decode
     monkeypatch.setenv("FULCRUM_FUSED_DECODE", "0")
-    llm = LLM(model=str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory=16 << 20)
-    assert not run(llm, random_prompts(2, 3, 20), True)[2]
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=16 << 20)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not isinstance(llm.core.runner.model.model._stack, DecodeStack)
