@@ -67,50 +67,92 @@ static inline void for_each_token(const C* cache, const int64_t* table, int64_t 
   }
 }
 
+// VW vectors in, one out: lane j holds the sum of vector j's lanes, so that a head scores VW keys per vector. A
+// transpose that adds as it goes: in-lane unpacks and shuffles first (cheap), the 128-bit lanes crossed only at the
+// end, about 2 shuffles and 1 add per vector where a horizontal sum of each takes 4 shuffles and 4 adds.
+#if defined(__AVX512F__)
+static inline vf vsum_each(vf* v) {
+  vf x[8], y[4], z[2];
+  for (int j = 0; j < 8; ++j)  // per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3
+    x[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j)  // per 128-bit lane: the lane's sums of a, b, c, d
+    y[j] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * j], x[2 * j + 1], 0x44), _mm512_shuffle_ps(x[2 * j], x[2 * j + 1], 0xEE));
+  for (int j = 0; j < 2; ++j)  // 128-bit lanes 0+1 and 2+3 of two vectors
+    z[j] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * j], y[2 * j + 1], 0x88), _mm512_shuffle_f32x4(y[2 * j], y[2 * j + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+#else
+static inline vf vsum_each(vf* v) {  // AVX2's in-lane hadd twice, then the two 128-bit halves
+  const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+}
+#endif
+
 // q and out of T; the cache of C: T itself (ksc, vsc null), int8 or fp8 with the head's scales (stride `sstride`
-// between slots), which multiply each key's scores and each value's weight.
+// between slots), which multiply each key's scores and each value's weight. `scores` holds g rows of n rounded up
+// to whole vectors.
 template <typename T, typename C, int HD>
 static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, const c10::Half* vsc,
                    int64_t sstride, const int64_t* table, int64_t start, int64_t ctx, int64_t bs, int64_t kv_stride,
                    int64_t g, float scale, float softcap, float* scores, T* out, int64_t q_stride) {
   constexpr float factor = load_factor<C>();
+  constexpr bool quantized = !std::is_same_v<C, T>;
   constexpr int NV = num_vectors<HD>();
-  const int64_t n = ctx - start;
+  const int64_t n = ctx - start, np = (n + VW - 1) / VW * VW;
   // queries of the group in fp32, scaled: [g][C] vectors (from L1 when they outnumber the registers)
   vf qv[16][NV];
   for (int64_t h = 0; h < g; ++h)
     for (int c = 0; c < NV; ++c) qv[h][c] = vmul(vload_head<HD>(q + h * q_stride, c), vset1(scale));
-  // scores [g, n]: each key is read and widened once, then scored against the g heads
-  for_each_token(kc, table, start, ctx, bs, kv_stride, [&](int64_t i, const C* k, int64_t slot) {
-    vf kv[NV];
-    for (int c = 0; c < NV; ++c) kv[c] = vload_head<HD>(k, c);
-    const float ks = ksc ? float(ksc[slot * sstride]) * factor : 1.f;
+  // scores [g, np], VW keys at a time: each key read and widened once, its g partial products summed lane-wise
+  // with the VW-1 others of its chunk into one vector of VW scores; a last, partial chunk repeats its last key
+  // and its lanes past the end are set to -inf, which the softmax turns into zero weights
+  const C* keys[VW];
+  alignas(64) float kscale[VW];
+  int64_t filled = 0, chunk = 0;
+  auto score_chunk = [&]() {
+    for (int64_t j = filled; j < VW; ++j) keys[j] = keys[filled - 1], kscale[j] = kscale[filled - 1];
+    vf kv[VW][NV];
+    for (int j = 0; j < VW; ++j)
+      for (int c = 0; c < NV; ++c) kv[j][c] = vload_head<HD>(keys[j], c);
     for (int64_t h = 0; h < g; ++h) {
-      vf acc = vmul(qv[h][0], kv[0]);
-      for (int c = 1; c < NV; ++c) acc = vfmadd(qv[h][c], kv[c], acc);
-      scores[h * n + i] = vsum(acc) * ks;
+      vf part[VW];
+      for (int j = 0; j < VW; ++j) {
+        vf a = vmul(qv[h][0], kv[j][0]);
+        for (int c = 1; c < NV; ++c) a = vfmadd(qv[h][c], kv[j][c], a);
+        part[j] = a;
+      }
+      vf sc = vsum_each(part);
+      if constexpr (quantized) sc = vmul(sc, vload(kscale));
+      vstore(scores + h * np + chunk * VW, sc);
+      for (int64_t j = filled; j < VW; ++j) scores[h * np + chunk * VW + j] = -INFINITY;
     }
+    ++chunk, filled = 0;
+  };
+  for_each_token(kc, table, start, ctx, bs, kv_stride, [&](int64_t, const C* k, int64_t slot) {
+    keys[filled] = k;
+    if constexpr (quantized) kscale[filled] = float(ksc[slot * sstride]) * factor;
+    if (++filled == VW) score_chunk();
   });
-  // Gemma 2's soft cap on the scaled scores, cap * tanh(score / cap), before the softmax
+  if (filled) score_chunk();
+  // Gemma 2's soft cap on the scaled scores, cap * tanh(score / cap), before the softmax (not on the padding)
   if (softcap > 0)
-    for (int64_t t = 0; t < g * n; ++t) scores[t] = softcap * std::tanh(scores[t] / softcap);
-  // softmax per head, in place (the tail past the last full vector in scalar code)
+    for (int64_t h = 0; h < g; ++h)
+      for (int64_t t = 0; t < n; ++t) scores[h * np + t] = softcap * std::tanh(scores[h * np + t] / softcap);
+  // softmax per head in place, unnormalised: the sum's inverse scales the output instead of every weight
+  float inv[16];
   for (int64_t h = 0; h < g; ++h) {
-    float* s = scores + h * n;
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-    const vf m = vset1(mx);
+    float* s = scores + h * np;
+    vf m = vset1(-INFINITY);
+    for (int64_t t = 0; t < np; t += VW) m = vmax(m, vload(s + t));
+    const vf mx = vset1(vmax_all(m));
     vf sum = vzero();
-    int64_t t = 0;
-    for (; t + VW <= n; t += VW) {
-      vf e = vexp(vsub(vload(s + t), m));
+    for (int64_t t = 0; t < np; t += VW) {
+      const vf e = vexp(vsub(vload(s + t), mx));
       vstore(s + t, e);
       sum = vadd(sum, e);
     }
-    float total = vsum(sum);
-    for (; t < n; ++t) total += (s[t] = std::exp(s[t] - mx));
-    const float inv = 1.0f / total;
-    for (t = 0; t < n; ++t) s[t] *= inv;
+    inv[h] = 1.0f / vsum(sum);
   }
   // out [g, HD]: one value read, g weighted sums; groups of up to 4 heads keep their sums in registers
   for (int64_t h0 = 0; h0 < g; h0 += 4) {
@@ -120,15 +162,16 @@ static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, c
     for_each_token(vc, table, start, ctx, bs, kv_stride, [&](int64_t i, const C* v, int64_t slot) {
       vf vv[NV];
       for (int c = 0; c < NV; ++c) vv[c] = vload_head<HD>(v, c);
-      const float vs = vsc ? float(vsc[slot * sstride]) * factor : 1.f;
+      float vs = 1.f;
+      if constexpr (quantized) vs = float(vsc[slot * sstride]) * factor;
       for (int64_t h = 0; h < hn; ++h) {
-        const vf p = vset1(scores[(h0 + h) * n + i] * vs);
+        const vf p = vset1(quantized ? scores[(h0 + h) * np + i] * vs : scores[(h0 + h) * np + i]);
         for (int c = 0; c < NV; ++c) acc[h][c] = vfmadd(p, vv[c], acc[h][c]);
       }
     });
     for (int64_t h = 0; h < hn; ++h) {
       alignas(64) float tmp[NV * VW];
-      for (int c = 0; c < NV; ++c) vstore(tmp + VW * c, acc[h][c]);
+      for (int c = 0; c < NV; ++c) vstore(tmp + VW * c, vmul(acc[h][c], vset1(inv[h0 + h])));
       for (int d = 0; d < HD; ++d) store(out + (h0 + h) * q_stride + d, tmp[d]);
     }
   }
@@ -142,7 +185,7 @@ static void run(const T* qp, const C* kp, const C* vp, const c10::Half* ks, cons
   int64_t max_ctx = 0;
   for (int64_t i = 0; i < D; ++i) max_ctx = std::max(max_ctx, lp[i]);
   at::parallel_for(0, D * KVH, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> scores(g * max_ctx);
+    std::vector<float> scores(g * (max_ctx + VW));  // each head's row rounded up to whole vectors
     for (int64_t task = b; task < e; ++task) {
       const int64_t i = task / KVH, kvh = task % KVH, ctx = lp[i];
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
