@@ -1,14 +1,18 @@
 """The CPU connector: KV blocks pulled between engine processes over ZeroMQ (TCP, or any ZMQ transport), one
-frame of raw tensor bytes per block and cache tensor, never a pickle.
+frame of raw tensor bytes per block and cache tensor, never a pickle. It is also the control channel the other
+connectors (shared memory, torch.distributed) subclass: they keep its messages and bookkeeping and replace only
+where the bytes go (`_ship`, `_land`).
 
 A producer answers pulls on a ROUTER socket from a thread of its own; a consumer pulls from a worker thread with
 one DEALER socket per producer. A pull is [b"pull", msgpack header] -> [b"ok", header, frame per block...] or
 [b"err", message]; the consumer then sends [b"release", header] so that the producer frees the blocks at once
-instead of at the lease's end. Tensors are read and written outside the GIL (torch copies), beside the step loop:
-only blocks the core reserved for the transfer are touched."""
+instead of at the lease's end. The header's "via" names the data path ("inline": these frames); every producer
+serves inline pulls, so a ZmqConnector consumer can pull from any producer. Tensors are read and written outside
+the GIL (torch copies), beside the step loop: only blocks the core reserved for the transfer are touched."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -29,6 +33,8 @@ _dec = msgspec.msgpack.Decoder(dict)
 
 
 class ZmqConnector(KVConnector):
+    transport = "zmq"  # what the handshake calls this connector's data path (config.CONNECTORS)
+
     def __init__(
         self,
         caches: list[tuple[torch.Tensor, int]],
@@ -55,6 +61,8 @@ class ZmqConnector(KVConnector):
         self._done = threading.Event()
         self._threads: list[threading.Thread] = []
         self._address = None
+        self._host = host
+        self._nonces = itertools.count(1)
         if produce:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
@@ -72,6 +80,10 @@ class ZmqConnector(KVConnector):
     def block_nbytes(self) -> int:
         return sum(c.select(axis, 0).numel() * c.element_size() for c, axis in self.caches)
 
+    def handshake(self) -> dict:
+        """What a producer adds to kv_transfer_params and a consumer to its describe(), for config.check_transport."""
+        return {"kv_transport": self.transport}
+
     # -- producer ---------------------------------------------------------------------------------
 
     def offer(self, transfer_id: str, block_ids: list[int]) -> None:
@@ -83,7 +95,11 @@ class ZmqConnector(KVConnector):
             if self._reading.get(transfer_id):
                 return False
             self._offered.pop(transfer_id, None)
-            return True
+        self._drop(transfer_id)
+        return True
+
+    def _drop(self, transfer_id: str) -> None:
+        """The transfer ended (released, expired or withdrawn): free what the data path kept for it."""
 
     def released(self) -> list[str]:
         out = []
@@ -106,9 +122,14 @@ class ZmqConnector(KVConnector):
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     continue
                 if kind == b"release":
+                    self._drop(str(head.get("id")))
                     self._released.append(str(head.get("id")))
                 elif kind == b"pull":
                     sock.send_multipart([ident, *self._answer(head)], copy=False)
+                else:
+                    reply = self._control(kind, head)
+                    if reply is not None:
+                        sock.send_multipart([ident, *reply], copy=False)
         except zmq.ZMQError as e:
             if not self._stop.is_set():
                 log.error("the KV producer socket failed: %s", e)
@@ -130,21 +151,43 @@ class ZmqConnector(KVConnector):
             why = "unknown or expired transfer" if offered is None else "blocks outside the transfer"
             return [b"err", _enc.encode({"nonce": head.get("nonce"), "error": f"{why}: {tid}"})]
         try:
-            # one copy of the blocks per cache tensor, in host memory (a device cache is gathered there first, then
-            # copied down once): the bytes leave from our copy, so the lease may end as soon as this returns
-            copies = [torch.stack([c.select(axis, b) for b in blocks]).cpu() if blocks else None
-                      for c, axis in self.caches]  # fmt: skip
-            frames = [copy[i] for i in range(len(blocks)) for copy in copies]
+            frames, extra, nbytes = self._ship(tid, blocks, head)
+        except Exception as e:  # the data path failed (a pair gone, no room): this pull's, the consumer falls back
+            log.warning("KV pull of %s failed on the producer: %s", tid, e)
+            return [b"err", _enc.encode({"nonce": head.get("nonce"), "error": f"{type(e).__name__}: {e}"})]
         finally:
             with self._lock:
                 self._reading[tid] -= 1
                 if not self._reading[tid]:
                     del self._reading[tid]
-        nbytes = sum(f.numel() * f.element_size() for f in frames)
         self.stats.bytes_sent += nbytes
         self.stats.blocks_sent += len(blocks)
-        header = _enc.encode({"nonce": head.get("nonce"), "blocks": len(blocks), "bytes": nbytes})
-        return [b"ok", header, *(memoryview(f.view(torch.uint8).numpy()) for f in frames)]
+        header = _enc.encode({"nonce": head.get("nonce"), "blocks": len(blocks), "bytes": nbytes, **extra})
+        return [b"ok", header, *frames]
+
+    def _ship(self, tid: str, blocks: list[int], head: dict) -> tuple[list, dict, int]:
+        """Copy `blocks` out of the cache for the pull `head` (the lease may end as soon as this returns): the
+        frames to answer with, header fields for the consumer's `_land`, the bytes moved."""
+        if head.get("via", "inline") != "inline":
+            raise ValueError(f"this producer ({type(self).__name__}) does not serve {head.get('via')!r} pulls")
+        copies = self._gather(blocks, "cpu")
+        frames = [copy[i] for i in range(len(blocks)) for copy in copies]
+        nbytes = sum(f.numel() * f.element_size() for f in frames)
+        return [memoryview(f.view(torch.uint8).numpy()) for f in frames], {"via": "inline"}, nbytes
+
+    def _gather(self, blocks: list[int], device: str | None = None) -> list[torch.Tensor]:
+        """One contiguous copy of the blocks per cache tensor, [blocks, *block shape], on `device` (None: the
+        cache's own; a device cache bound for the host is gathered on the device, then copied down once)."""
+        out = []
+        for c, axis in self.caches:
+            shape = [len(blocks), *c.select(axis, 0).shape]
+            t = torch.stack([c.select(axis, b) for b in blocks]) if blocks else c.new_empty(shape)
+            out.append(t if device is None else t.to(device))
+        return out
+
+    def _control(self, kind: bytes, head: dict) -> list | None:
+        """A message other than pull and release (a subclass's, e.g. pairing): its reply, or None for none."""
+        return None
 
     # -- consumer ---------------------------------------------------------------------------------
 
@@ -173,19 +216,17 @@ class ZmqConnector(KVConnector):
 
     def _work(self, key: tuple[str, int], jobs: queue.Queue) -> None:
         sock = None
-        nonce = 0
         while not self._stop.is_set():
             job = jobs.get()
             if job is None:
                 break
-            nonce += 1
             t0 = time.perf_counter()
             try:
                 if sock is None:
                     sock = self._ctx.socket(zmq.DEALER)
                     sock.setsockopt(zmq.LINGER, 0)
                     sock.connect(f"tcp://{key[0]}:{key[1]}")
-                n = self._pull(sock, job, nonce)
+                n = self._pull(sock, job)
                 result = PullResult(job.request_id, True, num_bytes=n, seconds=time.perf_counter() - t0)
                 if job.local_block_ids:  # a release-only pull moves nothing: not a transfer
                     with self._lock:
@@ -197,26 +238,51 @@ class ZmqConnector(KVConnector):
                 if sock is not None:
                     sock.close(0)  # a late answer must not meet the next pull
                     sock = None
+                self._reset(key)
                 result = PullResult(job.request_id, False, error=str(e) or type(e).__name__)
             self._results.append(result)
             self._done.set()
         if sock is not None:
             sock.close(0)
 
-    def _pull(self, sock: zmq.Socket, job: PullJob, nonce: int) -> int:
-        sock.send_multipart([b"pull", _enc.encode({"id": job.transfer_id, "blocks": job.remote_block_ids,
-                                                   "nonce": nonce})])  # fmt: skip
+    def _ask(self, sock: zmq.Socket, kind: bytes, head: dict, where: str) -> tuple[bytes, dict, list]:
+        """Send one request on the control channel and wait for its answer: (kind, header, frames)."""
+        nonce = next(self._nonces)
+        sock.send_multipart([kind, _enc.encode({**head, "nonce": nonce})])
         deadline = time.monotonic() + self.pull_timeout_s
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1):
-                raise TimeoutError(f"no answer from {job.host}:{job.port} in {self.pull_timeout_s:g} s")
+                raise TimeoutError(f"no answer from {where} in {self.pull_timeout_s:g} s")
             kind, head, *frames = sock.recv_multipart(copy=False)
             info = _dec.decode(head.bytes)
             if info.get("nonce") == nonce:
-                break  # an answer to an earlier, timed-out pull is dropped
-        if kind.bytes != b"ok":
+                return kind.bytes, info, frames  # an answer to an earlier, timed-out request is dropped
+
+    def _pull_head(self, sock: zmq.Socket, job: PullJob) -> dict:
+        """The pull header's data-path fields (a subclass may set up its path here, over `sock`)."""
+        return {"via": "inline"}
+
+    def _reset(self, key: tuple[str, int]) -> None:
+        """A pull to this producer failed: forget what the data path set up with it."""
+
+    def _pull(self, sock: zmq.Socket, job: PullJob) -> int:
+        head = {"id": job.transfer_id, "blocks": job.remote_block_ids, **self._pull_head(sock, job)}
+        kind, info, frames = self._ask(sock, b"pull", head, f"{job.host}:{job.port}")
+        if kind != b"ok":
             raise RuntimeError(f"the producer refused the pull: {info.get('error')}")
+        try:
+            total = self._land(job, info, frames)
+        finally:
+            sock.send_multipart([b"release", _enc.encode({"id": job.transfer_id})])  # done with them, whatever came
+        if job.cancelled:
+            raise RuntimeError("cancelled")
+        return total
+
+    def _land(self, job: PullJob, info: dict, frames: list) -> int:
+        """Write the answer's blocks into `job.local_block_ids` (none once the job is cancelled): bytes moved."""
+        if info.get("via", "inline") != "inline":
+            raise RuntimeError(f"the producer answered a {info.get('via')!r} pull this connector cannot read")
         if len(frames) != len(job.local_block_ids) * len(self.caches):
             raise RuntimeError(f"the producer sent {len(frames)} frames for {len(job.local_block_ids)} blocks")
         total, i = 0, 0
@@ -242,9 +308,19 @@ class ZmqConnector(KVConnector):
             if srcs and not job.cancelled:
                 ids = torch.tensor(job.local_block_ids[: len(srcs)], device=c.device)
                 c.index_copy_(axis, ids, torch.stack(srcs).to(c.device).movedim(0, axis))
-        sock.send_multipart([b"release", _enc.encode({"id": job.transfer_id})])  # done with them, whatever came
-        if job.cancelled:
-            raise RuntimeError("cancelled")
+        return total
+
+    def _scatter(self, job: PullJob, copies: list[torch.Tensor]) -> int:
+        """Write one [blocks, *block shape] tensor per cache into the job's blocks (a data path's `_land`)."""
+        total = 0
+        for (c, axis), src in zip(self.caches, copies):
+            want = [len(job.local_block_ids), *c.select(axis, 0).shape]
+            if list(src.shape) != want or src.dtype != c.dtype:
+                raise RuntimeError(f"blocks of shape {list(src.shape)} {src.dtype} where this cache has {want}")
+            if not job.cancelled and job.local_block_ids:
+                ids = torch.tensor(job.local_block_ids, device=c.device)
+                c.index_copy_(axis, ids, src.to(c.device).movedim(0, axis))
+            total += src.numel() * src.element_size()
         return total
 
     def close(self) -> None:
@@ -254,3 +330,8 @@ class ZmqConnector(KVConnector):
         for t in self._threads:
             t.join(2)
         self._ctx.destroy(linger=0)
+        with self._lock:
+            ended = list(self._offered)
+            self._offered.clear()
+        for tid in ended:
+            self._drop(tid)
