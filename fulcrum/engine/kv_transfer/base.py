@@ -42,6 +42,7 @@ class ConnectorStats:
     pulls: int = 0  # completed
     pull_seconds: float = 0.0
     pull_seconds_each: list[float] = field(default_factory=list)
+    pulls_via: dict[str, int] = field(default_factory=dict)  # completed pulls by data path (inline, shm, p2p)
 
 
 class KVConnector(abc.ABC):
@@ -55,6 +56,11 @@ class KVConnector(abc.ABC):
     @abc.abstractmethod
     def address(self) -> tuple[str, int] | None:
         """Where consumers pull from (producers only)."""
+
+    def handshake(self) -> dict:
+        """What the producer adds to kv_transfer_params and the consumer to its description (its data path), for
+        config.transport_problem."""
+        return {}
 
     # -- producer ---------------------------------------------------------------------------------
 

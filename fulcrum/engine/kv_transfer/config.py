@@ -12,8 +12,11 @@ from fulcrum.utils.hashing import hash_prefix_blocks
 # vLLM's role names, and the short ones of `--kv-role`
 ROLES = {"kv_producer": "kv_producer", "kv_consumer": "kv_consumer", "kv_both": "kv_both",
          "producer": "kv_producer", "consumer": "kv_consumer", "both": "kv_both"}  # fmt: skip
-# the CPU connector's names: ours, and the spelling a vLLM user reaches for first
-CONNECTORS = ("ZmqConnector", "CpuConnector", "fulcrum")
+# each connector's names (ours, and the spelling a vLLM user reaches for first) and the data path it names:
+# zmq (TCP frames), shm (/dev/shm segments, one host), torch.distributed (send/recv: NCCL on CUDA, gloo on CPU)
+CONNECTORS = {"ZmqConnector": "zmq", "CpuConnector": "zmq", "fulcrum": "zmq",
+              "SharedMemoryConnector": "shm", "ShmConnector": "shm",
+              "TorchDistributedConnector": "torch.distributed", "P2pNcclConnector": "torch.distributed"}  # fmt: skip
 EXTRA_KEYS = ("lease_timeout_s", "pull_timeout_s", "max_held_fraction")
 # the fields of kv_transfer_params that describe the producer's cache, checked against the consumer's own
 LAYOUT_FIELDS = ("block_size", "kv_dtype", "model", "kv_layout")
@@ -37,6 +40,10 @@ class KVTransferConfig:
     # nobody pulls (a consumer gone, a client that never decodes) cannot starve the producer's own requests
     max_held_fraction: float = 0.5
     kv_connector_extra_config: dict = field(default_factory=dict)
+
+    @property
+    def transport(self) -> str:
+        return CONNECTORS[self.kv_connector]
 
     @property
     def produces(self) -> bool:
@@ -109,6 +116,23 @@ def layout_differences(local: dict, remote: dict) -> list[str]:
     return out
 
 
+def transport_problem(local: dict, params: dict) -> str | None:
+    """Why this consumer cannot pull what the producer offers, or None. Every producer answers ZMQ pulls (the
+    inline frames), so a ZmqConnector consumer takes any; the others need their own kind on the other side, and
+    shared memory the same host. Refused, not quietly moved over TCP: SharedMemoryConnector says the pair shares
+    a host, and a pair that does not is a deployment mistake a fallback would hide in the throughput."""
+    mine, theirs = local.get("kv_transport", "zmq"), params.get("kv_transport", "zmq")
+    if mine == "zmq":
+        return None
+    if theirs != mine:
+        return (f"this engine pulls KV over {mine}, the prefill engine offers {theirs}: start both with the same "
+                "kv_connector, or this one with ZmqConnector (it pulls from any)")  # fmt: skip
+    if mine == "shm" and params.get("host_id") != local.get("host_id"):
+        return (f"SharedMemoryConnector needs the prefill engine on this host (its host {params.get('host_id')!r}, "
+                f"this one {local.get('host_id')!r}); between hosts use ZmqConnector")  # fmt: skip
+    return None
+
+
 def check_remote_prefill(params: dict, local: dict | None, prompt_ids: list[int]) -> None:
     """The consumer's half of the handshake, run in the frontend so that a refusal is a 400 before anything is
     queued. `local`: this engine's cache description (None when it was not started as a KV consumer)."""
@@ -146,6 +170,9 @@ def check_remote_prefill(params: dict, local: dict | None, prompt_ids: list[int]
             f"kv_transfer_params is for a prompt of {n} tokens, this request's has {len(prompt_ids)}",
             "kv_transfer_params",
         )
+    problem = transport_problem(local, params)
+    if problem:
+        raise KVTransferError(problem, "kv_transfer_params")
     theirs, mine = params.get("block_hashes"), block_hashes(prompt_ids, local["block_size"])
     if theirs != mine[: len(theirs) if isinstance(theirs, list) else None]:
         first = (

@@ -25,6 +25,8 @@ import xxhash
 from fulcrum.engine.kv_cache import KVCacheManager
 from fulcrum.engine.kv_transfer.base import KVConnector, PullJob
 from fulcrum.engine.kv_transfer.config import KVTransferConfig, block_hashes
+from fulcrum.engine.kv_transfer.p2p_connector import TorchDistConnector
+from fulcrum.engine.kv_transfer.shm_connector import SharedMemoryConnector
 from fulcrum.engine.kv_transfer.zmq_connector import ZmqConnector
 from fulcrum.engine.request import Request, RequestStatus
 from fulcrum.errors import InvalidRequestError
@@ -58,6 +60,10 @@ def cache_layout(runner) -> tuple[list, dict]:
     return caches, layout
 
 
+# config.CONNECTORS' data paths
+CONNECTOR_CLASSES = {"zmq": ZmqConnector, "shm": SharedMemoryConnector, "torch.distributed": TorchDistConnector}
+
+
 @dataclass
 class Lease:
     holder: str  # the id the blocks are held under in the KV cache manager
@@ -82,7 +88,7 @@ class KVTransfer:
             raise InvalidRequestError("KV transfer does not support sliding-window models yet", "kv_role")
         self.cfg, self.kv = cfg, kv
         caches, kv_layout = cache_layout(runner)
-        self.connector: KVConnector = ZmqConnector(
+        self.connector: KVConnector = CONNECTOR_CLASSES[cfg.transport](
             caches, cfg.produces, cfg.consumes, cfg.kv_ip, cfg.kv_port, cfg.pull_timeout_s
         )
         self.engine_id = secrets.token_hex(6)
@@ -100,7 +106,7 @@ class KVTransfer:
 
     def describe(self) -> dict:
         """For the frontend's handshake check (messages.CoreReady.kv_transfer)."""
-        return {"role": self.cfg.kv_role, **self.layout}
+        return {"role": self.cfg.kv_role, **self.layout, **self.connector.handshake()}
 
     # -- producer ---------------------------------------------------------------------------------
 
@@ -133,6 +139,7 @@ class KVTransfer:
             # what the blocks hold: a consumer refuses them for any other prompt (it would cache them as its own)
             "block_hashes": block_hashes(req.prompt_token_ids, self.kv.block_size)[: len(block_ids)],
             **self.layout,
+            **self.connector.handshake(),
         }
 
     def _trim(self, keep: str) -> None:

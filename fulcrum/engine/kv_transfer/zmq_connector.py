@@ -32,6 +32,10 @@ _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(dict)
 
 
+class PullEnded(RuntimeError):
+    """A pull that ended with the data path intact (refused, or cancelled): nothing to reset."""
+
+
 class ZmqConnector(KVConnector):
     transport = "zmq"  # what the handshake calls this connector's data path (config.CONNECTORS)
 
@@ -235,14 +239,16 @@ class ZmqConnector(KVConnector):
                         self.stats.blocks_received += len(job.local_block_ids)
                         self.stats.pull_seconds += result.seconds
             except Exception as e:  # any failure is this request's: it prefills locally instead
-                if sock is not None:
-                    sock.close(0)  # a late answer must not meet the next pull
-                    sock = None
-                self._reset(key)
+                if not isinstance(e, PullEnded):
+                    if sock is not None:
+                        sock.close(0)  # a late answer must not meet the next pull
+                        sock = None
+                    self._reset(key)
                 result = PullResult(job.request_id, False, error=str(e) or type(e).__name__)
             self._results.append(result)
             self._done.set()
         if sock is not None:
+            self._leave(sock, key)
             sock.close(0)
 
     def _ask(self, sock: zmq.Socket, kind: bytes, head: dict, where: str) -> tuple[bytes, dict, list]:
@@ -266,17 +272,24 @@ class ZmqConnector(KVConnector):
     def _reset(self, key: tuple[str, int]) -> None:
         """A pull to this producer failed: forget what the data path set up with it."""
 
+    def _leave(self, sock: zmq.Socket, key: tuple[str, int]) -> None:
+        """The consumer closes: tell this producer so that it frees what the data path keeps for us."""
+
     def _pull(self, sock: zmq.Socket, job: PullJob) -> int:
         head = {"id": job.transfer_id, "blocks": job.remote_block_ids, **self._pull_head(sock, job)}
         kind, info, frames = self._ask(sock, b"pull", head, f"{job.host}:{job.port}")
         if kind != b"ok":
-            raise RuntimeError(f"the producer refused the pull: {info.get('error')}")
+            raise PullEnded(f"the producer refused the pull: {info.get('error')}")
         try:
             total = self._land(job, info, frames)
+            if job.local_block_ids and not job.cancelled:
+                via = str(info.get("via", "inline"))
+                with self._lock:
+                    self.stats.pulls_via[via] = self.stats.pulls_via.get(via, 0) + 1
         finally:
             sock.send_multipart([b"release", _enc.encode({"id": job.transfer_id})])  # done with them, whatever came
         if job.cancelled:
-            raise RuntimeError("cancelled")
+            raise PullEnded("cancelled")
         return total
 
     def _land(self, job: PullJob, info: dict, frames: list) -> int:
