@@ -57,9 +57,30 @@ def prefill(pair, rid, ids):
     return out.kv_transfer_params
 
 
+def ask(host: str, port: int, kind: bytes, head: dict) -> tuple[bytes, dict]:
+    """One control message to a producer, as a consumer that then vanishes (no release): its answer."""
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.connect(f"tcp://{host}:{port}")
+        s.send_multipart([kind, msgspec.msgpack.encode(head)])
+        assert s.poll(5000)
+        kind, info = s.recv_multipart()
+        return kind, msgspec.msgpack.decode(info)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def pooled(core) -> list[str]:
+    """The producer's released segments, kept for reuse (any other left in /dev/shm is a leak)."""
+    conn = core.kv_transfer.connector
+    return conn.pooled() if isinstance(conn, SharedMemoryConnector) else []
+
+
 def settled(pair) -> bool:
     settle(pair["prefill"], until=lambda: all_free(pair["prefill"]))
-    return all_free(pair["prefill"]) and all_free(pair["decode"]) and live_segments() == []
+    clean = live_segments() == pooled(pair["prefill"])
+    return all_free(pair["prefill"]) and all_free(pair["decode"]) and clean
 
 
 def test_prefill_then_decode_equals_one_engine(pair, plain, tok):
@@ -73,7 +94,7 @@ def test_prefill_then_decode_equals_one_engine(pair, plain, tok):
     toks, out = run(d, "d-1", ids, params=params)
     assert toks == ref and out.finish_reason == "length"
     # a second prompt: its pull reuses the pair's process group (torch.distributed)
-    ids2 = tok("JULIET: " + TEXT)["input_ids"]
+    ids2 = tok("JULIET: " + TEXT[: len(TEXT) // 2])["input_ids"]  # no shared prefix, fewer blocks
     ref2, _ = run(plain, "ref-1b", ids2)
     params2 = prefill(pair, "p-1b", ids2)
     toks, _ = run(d, "d-1b", ids2, params=params2)
@@ -87,6 +108,8 @@ def test_prefill_then_decode_equals_one_engine(pair, plain, tok):
     )
     via = {"SharedMemoryConnector": "shm", "TorchDistributedConnector": "p2p"}[pair["name"]]
     assert d.kv_transfer.connector.stats.pulls_via.get(via, 0) >= 2  # the blocks took this connector's path
+    if pair["name"] == "SharedMemoryConnector":  # the first pull's segment, released, served the second
+        assert len(pooled(pair["prefill"])) == 1
     if pair["name"] == "TorchDistributedConnector":
         assert len(d.kv_transfer.connector._in) == 1 and len(pair["prefill"].kv_transfer.connector._out) == 1
     assert settled(pair)
@@ -133,17 +156,10 @@ def test_shm_consumer_killed_after_the_answer_segment_goes_with_the_lease(tok):
     try:
         ids = tok("HAMLET: To be, or not to be, that is the question: Whether tis nobler in the mind")["input_ids"]
         params = run(p, "p-5", ids, PREFILL, {"do_remote_decode": True})[1].kv_transfer_params
-        ctx = zmq.Context()
-        s = ctx.socket(zmq.DEALER)
-        s.connect(f"tcp://{params['remote_host']}:{params['remote_port']}")
         head = {"id": params["remote_request_id"], "blocks": params["remote_block_ids"], "nonce": 1, "via": "shm"}
-        s.send_multipart([b"pull", msgspec.msgpack.encode(head)])
-        assert s.poll(5000)
-        kind, info = s.recv_multipart()
-        info = msgspec.msgpack.decode(info)
+        kind, info = ask(params["remote_host"], params["remote_port"], b"pull", head)  # gone without a release
         assert kind == b"ok" and info["via"] == "shm" and os.path.exists(info["path"])
         assert os.path.getsize(info["path"]) == sum(info["sizes"]) == info["bytes"] > 0
-        ctx.destroy(linger=0)  # gone without a release
         settle(p, until=lambda: all_free(p), timeout=3)
         assert all_free(p) and not os.path.exists(info["path"]) and live_segments() == []
     finally:
@@ -158,15 +174,9 @@ def test_shm_producer_close_unlinks_answered_segments():
     cons = SharedMemoryConnector([(torch.zeros_like(cache), 2)], False, True)
     try:
         prod.offer("t1", [1, 3])
-        ctx = zmq.Context()
-        s = ctx.socket(zmq.DEALER)
-        s.connect(f"tcp://{prod.address[0]}:{prod.address[1]}")
-        s.send_multipart([b"pull", msgspec.msgpack.encode({"id": "t1", "blocks": [1, 3], "nonce": 1, "via": "shm"})])
-        assert s.poll(5000)
-        info = msgspec.msgpack.decode(s.recv_multipart()[1])
+        _, info = ask(*prod.address, b"pull", {"id": "t1", "blocks": [1, 3], "nonce": 1, "via": "shm"})
         seg = torch.from_file(info["path"], size=info["bytes"] // 4, dtype=torch.float32).view(2, 2, 2, 16, 4)
         assert torch.equal(seg.movedim(0, 2), cache[:, :, [1, 3]])  # the bytes are the blocks', in order
-        ctx.destroy(linger=0)
         assert os.path.exists(info["path"])
     finally:
         prod.close()
@@ -185,13 +195,7 @@ def test_torch_distributed_pair_ends_when_its_consumer_never_joins(tok):
     try:
         conn = p.kv_transfer.connector
         assert conn.backend == "gloo"
-        ctx = zmq.Context()
-        s = ctx.socket(zmq.DEALER)
-        s.connect(f"tcp://{conn.address[0]}:{conn.address[1]}")
-        s.send_multipart([b"pair", msgspec.msgpack.encode({"nonce": 1})])
-        assert s.poll(5000)
-        kind, info = s.recv_multipart()
-        info = msgspec.msgpack.decode(info)
+        kind, info = ask(*conn.address, b"pair", {"nonce": 1})
         assert kind == b"ok" and info["backend"] == "gloo" and info["pair"] in conn._out
         deadline = time.time() + 10
         while info["pair"] in conn._out and time.time() < deadline:
@@ -201,11 +205,8 @@ def test_torch_distributed_pair_ends_when_its_consumer_never_joins(tok):
         params = run(p, "p-6", ids, PREFILL, {"do_remote_decode": True})[1].kv_transfer_params
         head = {"id": params["remote_request_id"], "blocks": params["remote_block_ids"], "nonce": 2, "via": "p2p",
                 "pair": info["pair"]}  # fmt: skip
-        s.send_multipart([b"pull", msgspec.msgpack.encode(head)])
-        assert s.poll(5000)
-        kind, err = s.recv_multipart()
-        assert kind == b"err" and b"pair again" in err
-        ctx.destroy(linger=0)
+        kind, err = ask(*conn.address, b"pull", head)
+        assert kind == b"err" and "pair again" in err["error"]
         settle(p, until=lambda: all_free(p), timeout=4)
         assert all_free(p)
     finally:

@@ -1,12 +1,15 @@
 """The one-host connector: a pull's blocks go through a file in /dev/shm (tmpfs) instead of TCP frames, with the
 ZMQ connector's control channel, leases and releases unchanged.
 
-The producer copies the requested blocks once, straight from its cache into a fresh segment (one per pull, one
+The producer copies the requested blocks once, straight from its cache into a segment (one per pull, one
 [blocks, *block shape] run per cache tensor), and answers with the segment's name; the consumer maps it read-only
-and copies once into its cache. The producer owns every segment and unlinks it when the transfer ends: on the
-consumer's release, on the lease's expiry or early end (a consumer killed before it released), and on close; a
-segment left by a producer that was killed is swept by the next producer started on the host (the file names
-carry the creator's pid). Unlinking a segment a consumer still maps is safe: the pages live until it unmaps.
+and copies once into its cache. The producer owns every segment. A segment the consumer released (its release
+names it: it has unmapped it) goes back to a small pool for the next pull, up to `POOL_BYTES` (a fresh tmpfs
+segment costs a page fault and a zeroed page per 4 KiB, the larger part of a pull's time); every other end of a
+transfer unlinks its segments: the lease's expiry or early end (a consumer killed before it released, or two
+consumers of one transfer: only the one that released gives its segment back), and close, which unlinks the pool
+too. Segments a killed producer left are swept by the next producer started on the host (the names carry the
+creator's pid). Unlinking a segment a consumer still maps is safe: the pages live until it unmaps.
 
 Where /dev/shm has no room for a segment, the answer falls back to inline frames (the consumer reads either)."""
 
@@ -29,6 +32,7 @@ from fulcrum.engine.kv_transfer.zmq_connector import ZmqConnector
 log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 PREFIX = "fulcrum-kv-"
+POOL_BYTES = 64 << 20  # released segments kept for reuse, at most
 
 
 def host_id() -> str:
@@ -67,6 +71,7 @@ class SharedMemoryConnector(ZmqConnector):
         super().__init__(*args, **kw)
         self._dir = shm_dir
         self._segments: dict[str, list[str]] = {}  # transfer -> its segments' paths
+        self._pool: dict[str, int] = {}  # released segments, reusable: path -> size
         self._seq = 0
         if self._address is not None:
             swept = sweep_dead_segments(shm_dir)
@@ -81,22 +86,26 @@ class SharedMemoryConnector(ZmqConnector):
     def _ship(self, tid: str, blocks: list[int], head: dict) -> tuple[list, dict, int]:
         if head.get("via") != "shm" or not blocks:  # a release-only pull moves nothing: no segment for it
             return super()._ship(tid, blocks, {**head, "via": "inline"} if head.get("via") == "shm" else head)
-        with self._lock:
-            self._seq += 1
-            path = os.path.join(self._dir, f"{PREFIX}{os.getpid()}-{id(self):x}-{self._seq}")
         sizes = [len(blocks) * c.select(axis, 0).numel() * c.element_size() for c, axis in self.caches]
         total = sum(sizes)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        with self._lock:
+            path = min((p for p, n in self._pool.items() if n >= total), key=self._pool.get, default=None)
+            if path is not None:
+                del self._pool[path]
+            else:
+                self._seq += 1
+                path = os.path.join(self._dir, f"{PREFIX}{os.getpid()}-{id(self):x}-{self._seq}")
+            self._segments.setdefault(tid, []).append(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            with self._lock:
-                self._segments.setdefault(tid, []).append(path)
-            try:
-                # reserve the pages now: a write past a full tmpfs through a mapping is SIGBUS, this is ENOSPC
-                os.posix_fallocate(fd, 0, total)
-            except OSError as e:
-                self._unlink(tid, path)
-                log.warning("no room in %s for %d bytes (%s): this pull goes inline", self._dir, total, e)
-                return super()._ship(tid, blocks, {**head, "via": "inline"})
+            if os.fstat(fd).st_size < total:
+                try:
+                    # reserve the pages now: a write past a full tmpfs through a mapping is SIGBUS, this is ENOSPC
+                    os.posix_fallocate(fd, 0, total)
+                except OSError as e:
+                    self._unlink(tid, path)
+                    log.warning("no room in %s for %d bytes (%s): this pull goes inline", self._dir, total, e)
+                    return super()._ship(tid, blocks, {**head, "via": "inline"})
             with mmap.mmap(fd, total) as mm:
                 buf = torch.frombuffer(mm, dtype=torch.uint8)
                 offset = 0
@@ -122,9 +131,19 @@ class SharedMemoryConnector(ZmqConnector):
                 if not paths:
                     del self._segments[tid]
 
-    def _drop(self, transfer_id: str) -> None:
+    def _drop(self, transfer_id: str, release: dict | None = None) -> None:
+        done = release.get("path") if release else None
         with self._lock:
             paths = self._segments.pop(transfer_id, [])
+            if done in paths and not self._stop.is_set():
+                paths.remove(done)
+                with contextlib.suppress(OSError):
+                    size = os.stat(done).st_size
+                    if sum(self._pool.values()) + size <= POOL_BYTES:
+                        self._pool[done] = size
+                        done = None
+                if done is not None:
+                    paths.append(done)
         for path in paths:
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -133,13 +152,25 @@ class SharedMemoryConnector(ZmqConnector):
         super().close()
         with self._lock:
             left = list(self._segments)
+            pooled, self._pool = list(self._pool), {}
         for tid in left:  # answered pulls whose transfer the core had already let go
             self._drop(tid)
+        for path in pooled:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def pooled(self) -> list[str]:
+        """Released segments kept for reuse (the tests tell them from leaked ones)."""
+        with self._lock:
+            return sorted(self._pool)
 
     # -- consumer ---------------------------------------------------------------------------------
 
     def _pull_head(self, sock, job: PullJob) -> dict:
         return {"via": "shm"}
+
+    def _released_head(self, info: dict) -> dict:
+        return {"path": info["path"]} if info.get("via") == "shm" else {}
 
     def _land(self, job: PullJob, info: dict, frames: list) -> int:
         if info.get("via") != "shm":
@@ -154,7 +185,7 @@ class SharedMemoryConnector(ZmqConnector):
                 raise RuntimeError(f"segment {path} holds {total} bytes, the answer describes {sizes}")
             if not job.local_block_ids:
                 return 0
-            with mmap.mmap(fd, total, access=mmap.ACCESS_READ) as mm, warnings.catch_warnings():
+            with mmap.mmap(fd, sum(sizes), access=mmap.ACCESS_READ) as mm, warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # a read-only mapping; torch only reads it
                 buf = torch.frombuffer(mm, dtype=torch.uint8)
                 copies, offset = [], 0

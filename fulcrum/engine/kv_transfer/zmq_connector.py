@@ -102,8 +102,9 @@ class ZmqConnector(KVConnector):
         self._drop(transfer_id)
         return True
 
-    def _drop(self, transfer_id: str) -> None:
-        """The transfer ended (released, expired or withdrawn): free what the data path kept for it."""
+    def _drop(self, transfer_id: str, release: dict | None = None) -> None:
+        """The transfer ended (`release`: the consumer's release message, when it said so; None: expired,
+        withdrawn or closed): free what the data path kept for it."""
 
     def released(self) -> list[str]:
         out = []
@@ -126,7 +127,7 @@ class ZmqConnector(KVConnector):
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     continue
                 if kind == b"release":
-                    self._drop(str(head.get("id")))
+                    self._drop(str(head.get("id")), head)
                     self._released.append(str(head.get("id")))
                 elif kind == b"pull":
                     sock.send_multipart([ident, *self._answer(head)], copy=False)
@@ -280,17 +281,23 @@ class ZmqConnector(KVConnector):
         kind, info, frames = self._ask(sock, b"pull", head, f"{job.host}:{job.port}")
         if kind != b"ok":
             raise PullEnded(f"the producer refused the pull: {info.get('error')}")
+        release = {"id": job.transfer_id}
         try:
             total = self._land(job, info, frames)
+            release.update(self._released_head(info))  # `_land` returned: done with what it read the blocks from
             if job.local_block_ids and not job.cancelled:
                 via = str(info.get("via", "inline"))
                 with self._lock:
                     self.stats.pulls_via[via] = self.stats.pulls_via.get(via, 0) + 1
         finally:
-            sock.send_multipart([b"release", _enc.encode({"id": job.transfer_id})])  # done with them, whatever came
+            sock.send_multipart([b"release", _enc.encode(release)])  # done with the blocks, whatever came
         if job.cancelled:
             raise PullEnded("cancelled")
         return total
+
+    def _released_head(self, info: dict) -> dict:
+        """What the release of a landed answer tells the producer besides the transfer (a subclass's data path)."""
+        return {}
 
     def _land(self, job: PullJob, info: dict, frames: list) -> int:
         """Write the answer's blocks into `job.local_block_ids` (none once the job is cancelled): bytes moved."""
