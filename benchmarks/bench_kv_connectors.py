@@ -25,13 +25,13 @@ from benchmarks.common import cpu_summary, model_folder  # noqa: E402
 CONNECTORS = ("ZmqConnector", "SharedMemoryConnector", "TorchDistributedConnector")
 
 
-def engine(folder: str, role: str, connector: str, dtype: str, kv_mb: int):
+def engine(folder: str, role: str, connector: str, dtype: str, kv_mb: int, max_len: int):
     from fulcrum.config import EngineConfig
     from fulcrum.engine.core import EngineCore
 
     cfg = {"kv_role": role, "kv_connector": connector, "lease_timeout_s": 60, "pull_timeout_s": 60}
     return EngineCore(EngineConfig(model=folder, dtype=dtype, kv_cache_memory=kv_mb << 20, cpu_threads=1,
-                                   cpu_bind="none", kv_transfer_config=cfg))  # fmt: skip
+                                   cpu_bind="none", max_model_len=max_len, kv_transfer_config=cfg))  # fmt: skip
 
 
 def run(core, rid: str, ids: list[int], params: dict) -> tuple[float, object]:
@@ -49,8 +49,8 @@ def run(core, rid: str, ids: list[int], params: dict) -> tuple[float, object]:
     return time.perf_counter() - t0, last
 
 
-def producer(conn, folder: str, connector: str, dtype: str, kv_mb: int) -> None:
-    core = engine(folder, "kv_producer", connector, dtype, kv_mb)
+def producer(conn, folder: str, connector: str, dtype: str, kv_mb: int, max_len: int) -> None:
+    core = engine(folder, "kv_producer", connector, dtype, kv_mb, max_len)
     conn.send("ready")
     while True:
         if not conn.poll(0.01):
@@ -70,9 +70,11 @@ def measure(args, folder: Path, connector: str, vocab: int) -> list[dict]:
 
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=producer, args=(there, str(folder), connector, args.dtype, args.kv_mb), daemon=True)
+    max_len = max(args.prompt_len) + 16
+    proc = ctx.Process(target=producer, args=(there, str(folder), connector, args.dtype, args.kv_mb, max_len),
+                       daemon=True)  # fmt: skip
     proc.start()
-    consumer = engine(str(folder), "kv_consumer", connector, args.dtype, args.kv_mb)
+    consumer = engine(str(folder), "kv_consumer", connector, args.dtype, args.kv_mb, max_len)
     here.recv()
     g = torch.Generator().manual_seed(1)
     rows = []

@@ -78,7 +78,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-transfer-config",
         type=_kv_transfer_config,
         default=None,
-        help='P/D disaggregation, as vLLM\'s JSON: {"kv_connector": "ZmqConnector", "kv_role": "kv_producer" | '
+        help='P/D disaggregation, as vLLM\'s JSON: {"kv_connector": "ZmqConnector" (TCP) | "SharedMemoryConnector" '
+        '(one host) | "TorchDistributedConnector" (NCCL on CUDA, gloo on CPU), "kv_role": "kv_producer" | '
         '"kv_consumer" | "kv_both", "kv_ip": "127.0.0.1", "kv_port": 0, "lease_timeout_s": 30, "pull_timeout_s": 10, '
         '"max_held_fraction": 0.5}',
     )

@@ -206,7 +206,8 @@ class EngineConfig:
     # k, "model": the draft's folder, "prompt_lookup_min"/"max": n-gram sizes, "disable_by_batch_size"}, or its JSON
     # text; checked in full by fulcrum.engine.spec.SpeculativeConfig when the engine starts
     speculative_config: dict | None = None
-    # P/D disaggregation, as vLLM's kv_transfer_config: {"kv_connector": "ZmqConnector", "kv_role": "kv_producer" |
+    # P/D disaggregation, as vLLM's kv_transfer_config: {"kv_connector": "ZmqConnector" | "SharedMemoryConnector" |
+    # "TorchDistributedConnector" (kv_transfer.config.CONNECTORS has the aliases), "kv_role": "kv_producer" |
     # "kv_consumer" | "kv_both", "kv_ip", "kv_port", "lease_timeout_s", "pull_timeout_s"}, or its JSON text;
     # checked in full by fulcrum.engine.kv_transfer.KVTransferConfig when the engine starts
     kv_transfer_config: dict | None = None

@@ -47,6 +47,12 @@ def pair(request):
     }
     yield made
     made["decode"].shutdown()
+    conn = made["prefill"].kv_transfer.connector
+    if name == "TorchDistributedConnector":  # the consumer's close said unpair: the producer's group goes
+        deadline = time.time() + 3
+        while conn._out and time.time() < deadline:
+            time.sleep(0.05)
+        assert conn._out == {}
     made["prefill"].shutdown()
     assert live_segments() == []
 

@@ -12,7 +12,9 @@ recv that fails or times out (pull_timeout_s) ends it, and the next pull pairs a
 The limit: a producer keeps one group (a TCPStore, a gloo connection or an NCCL communicator with its buffers) per
 consumer it has served, until that consumer closes or a send to it fails. That fits a fixed fleet of a few decode
 engines per prefill engine; a consumer killed without closing leaves its idle group on the producer until the
-producer's next send to it fails or the producer closes. Consumers that come and go belong on ZMQ or shared memory.
+producer's next send to it fails or the producer closes. Consumers that come and go belong on ZMQ or shared memory. With NCCL, a peer that dies
+mid-transfer trips NCCL's watchdog, which by default ends the surviving process too (TORCH_NCCL_ASYNC_ERROR_HANDLING):
+NCCL's failure model, not gloo's, which only times out. Written for CUDA, run here on gloo only.
 """
 
 from __future__ import annotations
@@ -146,9 +148,12 @@ class TorchDistConnector(ZmqConnector):
         bufs = []
         for c, axis in self.caches:  # all of them, even once cancelled: the producer's sends must be matched
             buf = c.new_empty([n, *c.select(axis, 0).shape])
-            group.recv([buf], 0, int(info["tag"])).wait()
+            group.recv([buf], 0, int(info["tag"])).wait()  # NCCL: the current stream waits, not this thread
             bufs.append(buf)
-        return self._scatter(job, bufs)
+        moved = self._scatter(job, bufs)
+        if self.backend == "nccl":  # the pull is done when the blocks are in, not when their copy is queued
+            torch.cuda.current_stream(self.caches[0][0].device).synchronize()
+        return moved
 
     def _reset(self, key: tuple[str, int]) -> None:
         self._in.pop(key, None)
