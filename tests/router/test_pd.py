@@ -5,6 +5,7 @@ prompts skip the prefill engine; failures fall back to a local prefill; no engin
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -248,6 +249,36 @@ def test_client_gone_mid_stream_frees_blocks_on_both(engines, pd):
             if line.startswith("data: "):
                 break  # one event, then the client hangs up
     idle(prefill.url, decode.url)
+
+
+def test_pd_over_shared_memory_between_processes(tmp_path):
+    """Two engine processes of this host moving the blocks through /dev/shm: the answer equals one engine's, and the
+    producer's segments are gone once it stops (its one released segment stays pooled while it runs)."""
+
+    def flags(role):
+        cfg = {"kv_connector": "SharedMemoryConnector", "kv_role": role, "lease_timeout_s": 2, "pull_timeout_s": 5}
+        return ("--cpu-threads", "1", "--cpu-bind", "none", "--kv-transfer-config", json.dumps(cfg))
+
+    with ThreadPoolExecutor(2) as ex:
+        prefill, decode = ex.map(lambda r: start_replica(tmp_path, *flags(r)), ["kv_producer", "kv_consumer"])
+    pid = prefill.engine_pid()
+    try:
+        pools = [Pool([e.url], interval=0.1) for e in (prefill, decode)]
+        router = PDRouter(*pools, RouterConfig(policy="least-load", model=MODEL), PDConfig(min_prompt_tokens=24))
+        prompt = "HORATIO: Now cracks a noble heart. Good night, sweet prince, and flights of angels sing thee. " * 2
+        with serve_router(router, build_app(router)) as running:
+            ref = completion(prefill.url, prompt)
+            before = metrics(decode.url)
+            assert completion(running.url, prompt) == ref
+            after = metrics(decode.url)
+        assert after["fulcrum:kv_transfer_pulls_total"] == before["fulcrum:kv_transfer_pulls_total"] + 1
+        assert after["fulcrum:kv_transfer_fallbacks_total"] == before["fulcrum:kv_transfer_fallbacks_total"]
+        idle(prefill.url, decode.url)
+        assert len(glob.glob(f"/dev/shm/fulcrum-kv-{pid}-*")) == 1  # the released one, pooled
+    finally:
+        prefill.stop()
+        decode.stop()
+    assert glob.glob(f"/dev/shm/fulcrum-kv-{pid}-*") == []
 
 
 def test_decode_engine_killed_mid_pull(engines):
