@@ -156,6 +156,25 @@ def test_a_zmq_consumer_pulls_from_any_producer(pair, plain, tok):
     assert settled(pair)
 
 
+def test_a_zmq_producer_given_to_this_consumer_means_a_local_prefill(pair, plain, tok):
+    """Past the frontend's refusal (the core alone): the producer refuses a pull over a path it lacks, and the
+    request prefills locally with the right tokens; nothing is held on either side."""
+    ids = tok(TEXT + " ROMEO: He jests at scars that never felt a wound")["input_ids"]
+    ref, _ = run(plain, "ref-z", ids)
+    z = make_core("producer", lease_timeout_s=1.0)
+    try:
+        params = run(z, "pz", ids, PREFILL, {"do_remote_decode": True})[1].kv_transfer_params
+        d = pair["decode"]
+        before = d.stats().kv_transfer_fallbacks
+        toks, _ = run(d, "d-z", ids, params=params)
+        assert toks == ref and d.stats().kv_transfer_fallbacks == before + 1
+        settle(z, until=lambda: all_free(z))
+        assert all_free(z)
+    finally:
+        z.shutdown()
+    assert settled(pair)
+
+
 def test_shm_consumer_killed_after_the_answer_segment_goes_with_the_lease(tok):
     """A consumer that got its segment's name and died before it released: the lease's end unlinks it."""
     p = make_core("producer", kv_connector="ShmConnector", lease_timeout_s=1.0)
