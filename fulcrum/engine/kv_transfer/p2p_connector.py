@@ -23,6 +23,7 @@ import datetime
 import itertools
 import logging
 import queue
+import socket
 import threading
 from dataclasses import dataclass, field
 
@@ -34,6 +35,13 @@ from fulcrum.engine.kv_transfer.base import PullJob
 from fulcrum.engine.kv_transfer.zmq_connector import ZmqConnector, _enc
 
 log = logging.getLogger(__name__)
+
+
+def route_to(host: str) -> str:
+    """This host's address on the route to `host` (a UDP socket's connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
 
 
 @dataclass
@@ -58,14 +66,19 @@ class TorchDistConnector(ZmqConnector):
     def _timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.pull_timeout_s)
 
-    def _group(self, store, rank: int):
+    def _group(self, store, rank: int, local_ip: str):
+        """This side of a pair's group; gloo listens on `local_ip`, the address the peer reaches (the host name
+        may resolve to a loopback address only this host can use)."""
         prefix = dist.PrefixStore("kv", store)
         if self.backend == "nccl":
             torch.cuda.set_device(self.caches[0][0].device)
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self._timeout()
             return dist.ProcessGroupNCCL(prefix, rank, 2, opts)
-        return dist.ProcessGroupGloo(prefix, rank, 2, self._timeout())
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = self._timeout()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_ip)]
+        return dist.ProcessGroupGloo(prefix, rank, 2, opts)
 
     # -- producer ---------------------------------------------------------------------------------
 
@@ -91,7 +104,7 @@ class TorchDistConnector(ZmqConnector):
 
     def _send_loop(self, pid: int, pair: Pair) -> None:
         try:
-            pair.group = self._group(pair.store, 0)
+            pair.group = self._group(pair.store, 0, self._host)
             pair.ready.set()
             while not self._stop.is_set():
                 try:
@@ -137,7 +150,7 @@ class TorchDistConnector(ZmqConnector):
                 raise RuntimeError(f"the producer's cache moves over {info.get('backend')}, this one's over "
                                    f"{self.backend}")  # fmt: skip
             store = dist.TCPStore(job.host, int(info["store_port"]), 2, False, timeout=self._timeout())
-            self._in[key] = (self._group(store, 1), store, int(info["pair"]))
+            self._in[key] = (self._group(store, 1, route_to(job.host)), store, int(info["pair"]))
         return {"via": "p2p", "pair": self._in[key][2]}
 
     def _land(self, job: PullJob, info: dict, frames: list) -> int:
