@@ -156,9 +156,9 @@ def test_a_zmq_consumer_pulls_from_any_producer(pair, plain, tok):
     assert settled(pair)
 
 
-def test_a_zmq_producer_given_to_this_consumer_means_a_local_prefill(pair, plain, tok):
-    """Past the frontend's refusal (the core alone): the producer refuses a pull over a path it lacks, and the
-    request prefills locally with the right tokens; nothing is held on either side."""
+def test_a_zmq_producer_given_to_this_consumer_means_a_local_prefill(pair, plain, tok, caplog):
+    """Past the frontend's refusal (the core alone): the producer refuses a pull (or pairing) over a path it lacks
+    at once, not at the pull timeout, and the request prefills locally with the right tokens; nothing is held."""
     ids = tok(TEXT + " ROMEO: He jests at scars that never felt a wound")["input_ids"]
     ref, _ = run(plain, "ref-z", ids)
     z = make_core("producer", lease_timeout_s=1.0)
@@ -166,8 +166,10 @@ def test_a_zmq_producer_given_to_this_consumer_means_a_local_prefill(pair, plain
         params = run(z, "pz", ids, PREFILL, {"do_remote_decode": True})[1].kv_transfer_params
         d = pair["decode"]
         before = d.stats().kv_transfer_fallbacks
-        toks, _ = run(d, "d-z", ids, params=params)
+        with caplog.at_level("WARNING", logger="fulcrum.engine.kv_transfer.engine"):
+            toks, _ = run(d, "d-z", ids, params=params)
         assert toks == ref and d.stats().kv_transfer_fallbacks == before + 1
+        assert "refused" in caplog.text and "no answer" not in caplog.text
         settle(z, until=lambda: all_free(z))
         assert all_free(z)
     finally:

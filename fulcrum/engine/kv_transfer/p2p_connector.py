@@ -89,7 +89,7 @@ class TorchDistConnector(ZmqConnector):
                 pair.sends.put(None)
             return None
         if kind != b"pair":
-            return None
+            return super()._control(kind, head)
         try:
             store = dist.TCPStore(self._host, 0, 2, True, timeout=self._timeout(), wait_for_workers=False)
         except Exception as e:

@@ -191,8 +191,10 @@ class ZmqConnector(KVConnector):
         return out
 
     def _control(self, kind: bytes, head: dict) -> list | None:
-        """A message other than pull and release (a subclass's, e.g. pairing): its reply, or None for none."""
-        return None
+        """A message other than pull and release (a subclass's, e.g. pairing): its reply, or None for none. One
+        this producer does not know is refused at once, so that a consumer of another kind falls back now rather
+        than at its pull timeout."""
+        return [b"err", _enc.encode({"nonce": head.get("nonce"), "error": f"unknown message {kind!r} here"})]
 
     # -- consumer ---------------------------------------------------------------------------------
 
