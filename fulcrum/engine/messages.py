@@ -44,6 +44,7 @@ class SchedulerStats(msgspec.Struct):
     kv_transfer_bytes_received: int = 0
     kv_transfer_blocks_received: int = 0
     kv_transfer_pulls: int = 0
+    kv_transfer_inline_pulls: int = 0  # of those, the ones whose bytes came as TCP frames (shm's ENOSPC fallback too)
     kv_transfer_seconds: float = 0.0
     kv_transfer_fallbacks: int = 0
     kv_transfer_leases_expired: int = 0

@@ -123,6 +123,10 @@ class ServerMetrics:
                                                    ["model_name"], registry=r),
             "kv_transfer_pulls": Counter("fulcrum:kv_transfer_pulls", "KV pulls completed", ["model_name"],
                                          registry=r),
+            "kv_transfer_inline_pulls": Counter("fulcrum:kv_transfer_inline_pulls",
+                                                "KV pulls whose bytes came as TCP frames (ZmqConnector, or a "
+                                                "shared-memory pull with /dev/shm full)", ["model_name"],
+                                                registry=r),
             "kv_transfer_seconds": Counter("fulcrum:kv_transfer_time_seconds", "Seconds spent in KV pulls",
                                            ["model_name"], registry=r),
             "kv_transfer_fallbacks": Counter("fulcrum:kv_transfer_fallbacks",

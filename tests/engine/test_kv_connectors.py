@@ -114,6 +114,7 @@ def test_prefill_then_decode_equals_one_engine(pair, plain, tok):
     )
     via = {"SharedMemoryConnector": "shm", "TorchDistributedConnector": "p2p"}[pair["name"]]
     assert d.kv_transfer.connector.stats.pulls_via.get(via, 0) >= 2  # the blocks took this connector's path
+    assert after.kv_transfer_inline_pulls == 0
     if pair["name"] == "SharedMemoryConnector":  # the first pull's segment, released, served the second
         assert len(pooled(pair["prefill"])) == 1
     if pair["name"] == "TorchDistributedConnector":
@@ -150,7 +151,7 @@ def test_a_zmq_consumer_pulls_from_any_producer(pair, plain, tok):
         check_remote_prefill(params, z.kv_transfer.describe(), ids)
         toks, _ = run(z, "z-4", ids, params=params)
         assert toks == ref and z.stats().kv_transfer_blocks_received == len(params["remote_block_ids"])
-        assert z.kv_transfer.connector.stats.pulls_via == {"inline": 1}
+        assert z.kv_transfer.connector.stats.pulls_via == {"inline": 1} and z.stats().kv_transfer_inline_pulls == 1
     finally:
         z.shutdown()
     assert settled(pair)

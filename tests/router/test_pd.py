@@ -273,6 +273,7 @@ def test_pd_over_shared_memory_between_processes(tmp_path):
             after = metrics(decode.url)
         assert after["fulcrum:kv_transfer_pulls_total"] == before["fulcrum:kv_transfer_pulls_total"] + 1
         assert after["fulcrum:kv_transfer_fallbacks_total"] == before["fulcrum:kv_transfer_fallbacks_total"]
+        assert after["fulcrum:kv_transfer_inline_pulls_total"] == 0  # the bytes took /dev/shm, not TCP
         idle(prefill.url, decode.url)
         assert len(glob.glob(f"/dev/shm/fulcrum-kv-{pid}-*")) == 1  # the released one, pooled
     finally:

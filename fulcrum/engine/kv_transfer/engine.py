@@ -270,6 +270,7 @@ class KVTransfer:
             kv_transfer_bytes_received=s.bytes_received,
             kv_transfer_blocks_received=s.blocks_received,
             kv_transfer_pulls=s.pulls,
+            kv_transfer_inline_pulls=s.pulls_via.get("inline", 0),
             kv_transfer_seconds=s.pull_seconds,
             kv_transfer_fallbacks=self.fallbacks,
             kv_transfer_leases_expired=self.leases_expired,
