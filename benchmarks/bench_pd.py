@@ -11,7 +11,7 @@ prefix hit carries over from the last). Reported per setup: the short requests' 
 TPOT p99, goodput under --slo, throughput; for pd, the KV transfer time per pulled request against the prefill
 leg's time, from the engines' and the router's /metrics. Medians over rounds, with min-max.
 
-    python benchmarks/bench_pd.py [--rounds 3] [--num-prompts 48] [--long-len 900]
+    python benchmarks/bench_pd.py [--rounds 3] [--num-prompts 48] [--long-len 900] [--kv-connector ZmqConnector]
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--pd-min-prompt-tokens", type=int, default=128)
     p.add_argument("--slo", default="ttft=2s,tpot=100ms")
+    p.add_argument("--kv-connector", default="ZmqConnector",
+                   help="the pd pair's connector: ZmqConnector, SharedMemoryConnector, TorchDistributedConnector")  # fmt: skip
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "fulcrum-bench" / "pd"),
                    help="each run's JSON (every request's timings)")  # fmt: skip
     p.add_argument("--log", default=str(Path(__file__).parent / "results" / "cpu-pd.log"))
@@ -107,13 +109,18 @@ def main() -> None:
     lines.append(
         f"long-prefill: {args.num_prompts} requests, {args.long_fraction:.0%} of {args.long_len} tokens, the rest "
         f"{args.short_len}; {args.output_len} output tokens; concurrency {args.concurrency}; SLO {args.slo}; "
-        f"pd threshold {args.pd_min_prompt_tokens} tokens; every engine 1 thread on its own core (0 or 1)"
+        f"pd threshold {args.pd_min_prompt_tokens} tokens; {args.kv_connector}; every engine 1 thread on its own core "
+        "(0 or 1)"
     )
     runs: dict[str, list[dict]] = {"pd": [], "colocated": []}
     transfer: list[tuple[float, float, float]] = []  # per pd round: pull s/request, prefill leg s/request, KB/pull
     with contextlib.ExitStack() as stack:
-        P = stack.enter_context(fulcrum_server(BUNDLED, *flags, "--cpu-bind", "0", "--kv-role", "producer"))
-        D = stack.enter_context(fulcrum_server(BUNDLED, *flags, "--cpu-bind", "1", "--kv-role", "consumer"))
+
+        def kv(role: str) -> tuple[str, str]:
+            return "--kv-transfer-config", json.dumps({"kv_connector": args.kv_connector, "kv_role": role})
+
+        P = stack.enter_context(fulcrum_server(BUNDLED, *flags, "--cpu-bind", "0", *kv("kv_producer")))
+        D = stack.enter_context(fulcrum_server(BUNDLED, *flags, "--cpu-bind", "1", *kv("kv_consumer")))
         C1 = stack.enter_context(fulcrum_server(BUNDLED, *flags, "--cpu-bind", "0"))
         C2 = stack.enter_context(fulcrum_server(BUNDLED, *flags, "--cpu-bind", "1"))
         pd = stack.enter_context(router("--prefill", P, "--decode", D, "--model", str(BUNDLED),
