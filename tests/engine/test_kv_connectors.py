@@ -241,6 +241,34 @@ def test_torch_distributed_pair_ends_when_its_consumer_never_joins(tok):
         p.shutdown()
 
 
+def test_torch_distributed_one_pair_per_consumer(plain, tok):
+    """Two decode engines pulling from one prefill engine: a group each, both answers right, both groups gone once
+    the consumers close."""
+    p = make_core("producer", kv_connector="TorchDistributedConnector", lease_timeout_s=2.0)
+    decodes = [make_core("consumer", kv_connector="TorchDistributedConnector", pull_timeout_s=2.0) for _ in "ab"]
+    try:
+        for i, d in enumerate(decodes):
+            ids = tok(f"{'ROMEO' if i else 'JULIET'}: " + TEXT)["input_ids"]
+            ref, _ = run(plain, f"ref-two-{i}", ids)
+            params = run(p, f"p-two-{i}", ids, PREFILL, {"do_remote_decode": True})[1].kv_transfer_params
+            toks, _ = run(d, f"d-two-{i}", ids, params=params)
+            assert toks == ref and d.kv_transfer.connector.stats.pulls_via == {"p2p": 1}
+        assert len(p.kv_transfer.connector._out) == 2
+    finally:
+        for d in decodes:
+            d.shutdown()
+    conn = p.kv_transfer.connector
+    deadline = time.time() + 3
+    while conn._out and time.time() < deadline:
+        time.sleep(0.05)
+    try:
+        assert conn._out == {}
+        settle(p, until=lambda: all_free(p))
+        assert all_free(p)
+    finally:
+        p.shutdown()
+
+
 def test_handshake_refuses_data_paths_that_cannot_meet(pair, tok):
     ids = tok("FALSTAFF: If sack and sugar be a fault, God help the wicked!")["input_ids"]
     params = prefill(pair, "p-7", ids)
