@@ -85,7 +85,7 @@ class ZmqConnector(KVConnector):
         return sum(c.select(axis, 0).numel() * c.element_size() for c, axis in self.caches)
 
     def handshake(self) -> dict:
-        """What a producer adds to kv_transfer_params and a consumer to its describe(), for config.check_transport."""
+        """What a producer adds to kv_transfer_params and a consumer to its describe(), for config.transport_problem."""
         return {"kv_transport": self.transport}
 
     # -- producer ---------------------------------------------------------------------------------
