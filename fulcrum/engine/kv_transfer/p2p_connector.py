@@ -12,9 +12,10 @@ recv that fails or times out (pull_timeout_s) ends it, and the next pull pairs a
 The limit: a producer keeps one group (a TCPStore, a gloo connection or an NCCL communicator with its buffers) per
 consumer it has served, until that consumer closes or a send to it fails. That fits a fixed fleet of a few decode
 engines per prefill engine; a consumer killed without closing leaves its idle group on the producer until the
-producer's next send to it fails or the producer closes. Consumers that come and go belong on ZMQ or shared memory. With NCCL, a peer that dies
-mid-transfer trips NCCL's watchdog, which by default ends the surviving process too (TORCH_NCCL_ASYNC_ERROR_HANDLING):
-NCCL's failure model, not gloo's, which only times out. Written for CUDA, run here on gloo only.
+producer's next send to it fails or the producer closes. Consumers that come and go belong on ZMQ or shared
+memory. With NCCL, a peer that dies mid-transfer trips NCCL's watchdog, which by default ends the surviving
+process too (TORCH_NCCL_ASYNC_ERROR_HANDLING): NCCL's failure model, not gloo's, which only times out. Written for
+CUDA, run here on gloo only.
 """
 
 from __future__ import annotations
