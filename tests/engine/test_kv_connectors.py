@@ -18,7 +18,12 @@ import zmq
 from fulcrum.config import DEFAULT_MODEL, EngineConfig
 from fulcrum.engine.core import EngineCore
 from fulcrum.engine.kv_transfer import KVTransferConfig, KVTransferError, check_remote_prefill
-from fulcrum.engine.kv_transfer.shm_connector import PREFIX, SharedMemoryConnector, live_segments, sweep_dead_segments
+from fulcrum.engine.kv_transfer.shm_connector import (
+    SharedMemoryConnector,
+    live_segments,
+    own_prefix,
+    sweep_dead_segments,
+)
 from fulcrum.utils.tokenizer import load_tokenizer
 from tests.engine.test_kv_transfer import GREEDY, PREFILL, TEXT, all_free, make_core, run, settle
 
@@ -211,9 +216,14 @@ def test_shm_producer_close_unlinks_answered_segments():
         cons.close()
     assert not os.path.exists(info["path"])
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = f"/dev/shm/{PREFIX}{int(dead.stdout)}-0-1"
-    open(stale, "wb").close()
-    assert sweep_dead_segments() >= 1 and not os.path.exists(stale)
+    stale = f"/dev/shm/{own_prefix(int(dead.stdout))}0-1"
+    elsewhere = f"/dev/shm/fulcrum-kv-0another-{int(dead.stdout)}-0-1"  # another host's (a container's) name
+    for path in (stale, elsewhere):
+        open(path, "wb").close()
+    try:
+        assert sweep_dead_segments() >= 1 and not os.path.exists(stale) and os.path.exists(elsewhere)
+    finally:
+        os.unlink(elsewhere)
 
 
 def test_torch_distributed_pair_ends_when_its_consumer_never_joins(tok):

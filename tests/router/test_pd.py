@@ -275,11 +275,11 @@ def test_pd_over_shared_memory_between_processes(tmp_path):
         assert after["fulcrum:kv_transfer_fallbacks_total"] == before["fulcrum:kv_transfer_fallbacks_total"]
         assert after["fulcrum:kv_transfer_inline_pulls_total"] == 0  # the bytes took /dev/shm, not TCP
         idle(prefill.url, decode.url)
-        assert len(glob.glob(f"/dev/shm/fulcrum-kv-{pid}-*")) == 1  # the released one, pooled
+        assert len(glob.glob(f"/dev/shm/fulcrum-kv-*-{pid}-*")) == 1  # the released one, pooled
     finally:
         prefill.stop()
         decode.stop()
-    assert glob.glob(f"/dev/shm/fulcrum-kv-{pid}-*") == []
+    assert glob.glob(f"/dev/shm/fulcrum-kv-*-{pid}-*") == []
 
 
 def test_decode_engine_killed_mid_pull(engines):

@@ -25,6 +25,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import xxhash
 
 from fulcrum.engine.kv_transfer.base import PullJob
 from fulcrum.engine.kv_transfer.zmq_connector import ZmqConnector
@@ -43,12 +44,23 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def host_prefix() -> str:
+    """The names of this host's segments: a tag of the host name (containers that share /dev/shm but not a pid
+    namespace must not sweep each other's)."""
+    return f"{PREFIX}{xxhash.xxh32_hexdigest(socket.gethostname().encode())}-"
+
+
+def own_prefix(pid: int | None = None) -> str:
+    """The names of one process's segments (this one's by default)."""
+    return f"{host_prefix()}{os.getpid() if pid is None else pid}-"
+
+
 def sweep_dead_segments(directory: str = SHM_DIR) -> int:
-    """Unlink segments whose producer process is gone (killed before it could clean up): how many."""
-    n = 0
-    for path in glob.glob(os.path.join(directory, PREFIX + "*")):
+    """Unlink this host's segments whose producer process is gone (killed before it could clean up): how many."""
+    n, mine = 0, host_prefix()
+    for path in glob.glob(os.path.join(directory, mine + "*")):
         try:
-            pid = int(os.path.basename(path)[len(PREFIX) :].split("-")[0])
+            pid = int(os.path.basename(path)[len(mine) :].split("-")[0])
             os.kill(pid, 0)
         except ProcessLookupError:
             with contextlib.suppress(OSError):
@@ -61,7 +73,7 @@ def sweep_dead_segments(directory: str = SHM_DIR) -> int:
 
 def live_segments(directory: str = SHM_DIR) -> list[str]:
     """This process's segments (the tests count them)."""
-    return sorted(glob.glob(os.path.join(directory, f"{PREFIX}{os.getpid()}-*")))
+    return sorted(glob.glob(os.path.join(directory, own_prefix() + "*")))
 
 
 class SharedMemoryConnector(ZmqConnector):
@@ -94,7 +106,7 @@ class SharedMemoryConnector(ZmqConnector):
                 del self._pool[path]
             else:
                 self._seq += 1
-                path = os.path.join(self._dir, f"{PREFIX}{os.getpid()}-{id(self):x}-{self._seq}")
+                path = os.path.join(self._dir, f"{own_prefix()}{id(self):x}-{self._seq}")
             self._segments.setdefault(tid, []).append(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
