@@ -55,14 +55,23 @@ static inline vf vload_head(const P* p, int c) {
 
 
 // Calls fn(i, row, slot) for the cached tokens start..ctx-1 in order (i counts from 0; slot: the token's cache
-// slot), walking the block table once instead of dividing every position by the block size.
+// slot), walking the block table once instead of dividing every position by the block size. While a block is
+// read, the next block's `head_bytes` of each token are prefetched: blocks lie anywhere in the cache, where the
+// hardware prefetchers do not follow.
 template <typename C, typename Fn>
 static inline void for_each_token(const C* cache, const int64_t* table, int64_t start, int64_t ctx, int64_t bs,
-                                  int64_t kv_stride, Fn fn) {
+                                  int64_t kv_stride, Fn fn, int64_t head_bytes = 64) {
   int64_t i = 0;
   for (int64_t blk = start / bs, off = start % bs; blk * bs < ctx; ++blk, off = 0) {
     const C* base = cache + table[blk] * bs * kv_stride;
     const int64_t stop = std::min(bs, ctx - blk * bs);
+    if ((blk + 1) * bs < ctx) {
+      const char* next = (const char*)(cache + table[blk + 1] * bs * kv_stride);
+      const int64_t rows = std::min(bs, ctx - (blk + 1) * bs);
+      for (int64_t j = 0; j < rows; ++j)
+        for (int64_t b = 0; b < head_bytes; b += 64)
+          _mm_prefetch(next + j * kv_stride * int64_t(sizeof(C)) + b, _MM_HINT_T0);
+    }
     for (int64_t j = off; j < stop; ++j) fn(i++, base + j * kv_stride, table[blk] * bs + j);
   }
 }
@@ -133,7 +142,7 @@ static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, c
     keys[filled] = k;
     if constexpr (quantized) kscale[filled] = float(ksc[slot * sstride]) * factor;
     if (++filled == VW) score_chunk();
-  });
+  }, HD * int64_t(sizeof(C)));
   if (filled) score_chunk();
   // Gemma 2's soft cap on the scaled scores, cap * tanh(score / cap), before the softmax (not on the padding)
   if (softcap > 0)
@@ -168,7 +177,7 @@ static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, c
         const vf p = vset1(quantized ? scores[(h0 + h) * np + i] * vs : scores[(h0 + h) * np + i]);
         for (int c = 0; c < NV; ++c) acc[h][c] = vfmadd(p, vv[c], acc[h][c]);
       }
-    });
+    }, HD * int64_t(sizeof(C)));
     for (int64_t h = 0; h < hn; ++h) {
       alignas(64) float tmp[NV * VW];
       for (int c = 0; c < NV; ++c) vstore(tmp + VW * c, vmul(acc[h][c], vset1(inv[h0 + h])));
