@@ -140,9 +140,7 @@ def enabled() -> bool:
 @functools.cache
 def _module():
     # the driver itself needs no vector ISA (its loops are the residual adds); it runs where the kernels it calls run
-    lvl = cpu_ext.best("avx512_bf16", "avx512", "avx2")
-    name = "fulcrum_cpu_decode_stack" if lvl == "avx512_bf16" else f"fulcrum_cpu_decode_stack_{lvl}"
-    lib = cpu_ext.load(name, _SOURCE, lvl)
+    lib = cpu_ext.load_at("fulcrum_cpu_decode_stack", _SOURCE, cpu_ext.best("avx512_bf16", "avx512", "avx2"))
     if lib is None:
         return None
     P, I64, F32 = cpu_ext.PTR, cpu_ext.I64, cpu_ext.F32

@@ -262,6 +262,12 @@ def load(name: str, source: str, level: str = "avx512_bf16", extra_flags: tuple[
         return None
 
 
+def load_at(base: str, source: str, level: str) -> ctypes.CDLL | None:
+    """`load` for a kernel built at one of several levels: its library is `base` at avx512_bf16 (the first level these
+    kernels were written for) and `base_<level>` below it."""
+    return load(base if level == "avx512_bf16" else f"{base}_{level}", source, level)
+
+
 def bind(fn, restype, *argtypes):
     """Give a ctypes function its signature (pointers are passed as ints, None for NULL) and return it."""
     fn.restype, fn.argtypes = restype, list(argtypes)

@@ -191,8 +191,7 @@ def _source(lvl: str) -> str:
 @functools.cache
 def _module():
     lvl = level()
-    name = "fulcrum_cpu_gemv" if lvl == "avx512_bf16" else f"fulcrum_cpu_gemv_{lvl}"
-    lib = cpu_ext.load(name, _source(lvl), lvl)
+    lib = cpu_ext.load_at("fulcrum_cpu_gemv", _source(lvl), lvl)
     if lib is None:
         return None
     P, I64 = cpu_ext.PTR, cpu_ext.I64

@@ -55,9 +55,7 @@ MAX_ELEMENTS = 16 * 4096
 @functools.cache
 def _module():
     # plain C++ loops: built with each level's flags, the compiler vectorises them for that level
-    lvl = cpu_ext.best("avx512_bf16", "avx512", "avx2")
-    name = "fulcrum_cpu_norm" if lvl == "avx512_bf16" else f"fulcrum_cpu_norm_{lvl}"
-    lib = cpu_ext.load(name, _SOURCE, lvl)
+    lib = cpu_ext.load_at("fulcrum_cpu_norm", _SOURCE, cpu_ext.best("avx512_bf16", "avx512", "avx2"))
     if lib is None:
         return None
     P, I64 = cpu_ext.PTR, cpu_ext.I64
