@@ -29,20 +29,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import BUNDLED, cpu_summary, fulcrum_server  # noqa: E402
+from fulcrum.router.scrape import sample_totals  # noqa: E402
 from fulcrum.utils.serve_process import free_port  # noqa: E402
 
 
 def scrape(url: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            key = s.name + ("{" + s.labels["path"] + "}" if "path" in s.labels else "")
-            out[key] = out.get(key, 0.0) + s.value
-    return out
+        return sample_totals(r.read().decode(), split_by="path")
 
 
 @contextlib.contextmanager

@@ -54,6 +54,17 @@ class ReplicaMetrics:
     itl: Histogram = field(default_factory=Histogram)
 
 
+def sample_totals(text: str, split_by: str | None = None) -> dict[str, float]:
+    """Every sample of a /metrics text by name, its values summed over label sets; with `split_by`, a sample carrying
+    that label is kept apart as `name{value}`."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.name + ("{" + s.labels[split_by] + "}" if split_by in s.labels else "")
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
 def _suffix(name: str) -> str | None:
     for p in PREFIXES:
         if name.startswith(p):

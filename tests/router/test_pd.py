@@ -17,11 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from fulcrum.router.app import RouterConfig, build_app
 from fulcrum.router.pd import PDConfig, PDRouter
 from fulcrum.router.pool import Pool
+from fulcrum.router.scrape import sample_totals
 from fulcrum.utils.serve_process import free_port
 from tests.router.conftest import router_process, serve_router, start_replica
 from tests.servers import MODEL
@@ -55,12 +55,7 @@ def pd(engines):
 def metrics(url: str) -> dict[str, float]:
     """An engine's /metrics: sample name -> value (summed over labels)."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
+        return sample_totals(r.read().decode())
 
 
 def post(url: str, path: str, body: dict) -> httpx.Response:
