@@ -120,7 +120,10 @@ static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, c
   alignas(64) float kscale[VW];
   int64_t filled = 0, chunk = 0;
   auto score_chunk = [&]() {
-    for (int64_t j = filled; j < VW; ++j) keys[j] = keys[filled - 1], kscale[j] = kscale[filled - 1];
+    for (int64_t j = filled; j < VW; ++j) {
+      keys[j] = keys[filled - 1];
+      if constexpr (quantized) kscale[j] = kscale[filled - 1];
+    }
     vf kv[VW][NV];
     for (int j = 0; j < VW; ++j)
       for (int c = 0; c < NV; ++c) kv[j][c] = vload_head<HD>(keys[j], c);

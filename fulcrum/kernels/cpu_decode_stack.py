@@ -240,7 +240,7 @@ class DecodeStack:
     @staticmethod
     def supported(layers: list[LayerTensors], head_dim: int, group: int) -> bool:
         """Whether every kernel the driver calls exists here and takes these layers' tensors."""
-        if not (enabled() and layers and available()):
+        if not (layers and available()):
             return False
         first = layers[0]
         dtype = first.qkv_weight.dtype
@@ -265,7 +265,7 @@ class DecodeStack:
             block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """The residual stream after every layer, for x [M, hidden] (M <= max_rows, one decode token per row):
         a new tensor; the cache gets each row's k and v at its slot."""
-        x = x.contiguous().clone()
+        x = x.clone(memory_format=torch.contiguous_format)  # updated in place: the caller's tensor stays as it was
         if self.scratch.numel() < x.shape[0] * self.per_row:
             self.scratch = torch.empty(x.shape[0] * self.per_row, dtype=self.dtype)
         slots = slot_mapping.to(torch.int64).contiguous()
