@@ -34,9 +34,29 @@ log = logging.getLogger(__name__)
 # thread. The library's libgomp.so.1 resolves to the one torch has already loaded (same soname), so torch's
 # ops and these kernels share one thread pool.
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+# Software prefetch for a weight stream (needs <immintrin.h> and <cstdint> before it); in PRELUDE, and in any source
+# that writes its own headers
+PREFETCH = r"""
+// A weight stream read once (a GEMV's rows) asks for the line STREAM_AHEAD bytes on: on Intel server cores the
+// hardware prefetchers alone kept a bf16 GEMV at ~60% of a plain read of the same bytes, and 3-4 KB ahead brought it
+// to ~95% (measured; figures in the commit that added it).
+constexpr int STREAM_AHEAD = 4096;
+static inline void prefetch_stream(const void* p) { _mm_prefetch((const char*)p + STREAM_AHEAD, _MM_HINT_T0); }
+// the same for a loop step that reads BYTES of the stream at p, `at` bytes into it: one request a cache line, so a
+// step of less than a line asks on every 64th byte only
+template <int64_t BYTES>
+static inline void prefetch_span(const void* p, int64_t at) {
+  if (BYTES >= 64) {
+    for (int64_t b = 0; b < BYTES; b += 64) prefetch_stream((const char*)p + b);
+  } else if (at % 64 == 0) {
+    prefetch_stream(p);
+  }
+}
+"""
 # Headers and helpers every kernel source starts with: loads and stores that widen bf16 to fp32 and round
 # fp32 back to the tensor's dtype (round to nearest even, as `.to()` does).
-PRELUDE = r"""
+PRELUDE = (
+    r"""
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
@@ -53,6 +73,8 @@ static inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-b
 static inline void store(float* y, float v) { *y = v; }
 static inline void store(c10::BFloat16* y, float v) { *y = c10::BFloat16(v); }
 """
+    + PREFETCH
+)
 
 ISA_FLAGS = {
     "none": ["-O2", "-fopenmp"],  # code that needs no vector ISA (thread placement)

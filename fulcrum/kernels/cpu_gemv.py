@@ -45,6 +45,8 @@ static void rows_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias
     for (int m = 0; m < M; ++m) acc[m] = acc2[m] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i < I64; i += 64) {
+      prefetch_stream(wr + i);
+      prefetch_stream(wr + i + 32);
       __m512bh wv = (__m512bh)_mm512_loadu_si512((const void*)(wr + i));
       __m512bh wv2 = (__m512bh)_mm512_loadu_si512((const void*)(wr + i + 32));
       for (int m = 0; m < M; ++m) {
@@ -74,6 +76,7 @@ static void rows_f32(const float* x, const float* w, const float* bias, Out* y, 
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t i = 0; i < I16; i += 16) {
+      prefetch_stream(wr + i);
       __m512 wv = _mm512_loadu_ps(wr + i);
       for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * I + i), acc[m]);
     }
@@ -102,6 +105,7 @@ static void rows(const T* x, const T* w, const T* bias, Out* y, int64_t I, int64
     vf acc[M], acc2[M];  // two chains per input row hide the FMA latency
     for (int m = 0; m < M; ++m) acc[m] = acc2[m] = vzero();
     for (int64_t i = 0; i < IV; i += 2 * VW) {
+      prefetch_span<2 * VW * sizeof(T)>(wr + i, i * sizeof(T));
       const vf wv = vload(wr + i), wv2 = vload(wr + i + VW);
       for (int m = 0; m < M; ++m) {
         acc[m] = vfmadd(wv, vload(x + m * I + i), acc[m]);

@@ -79,6 +79,7 @@ static void rows_i8(const float* x, const int8_t* w, const float* scale, const T
     vf acc[M], acc2[M];  // two chains per input row hide the FMA latency
     for (int m = 0; m < M; ++m) acc[m] = acc2[m] = vzero();
     for (int64_t i = 0; i < IV; i += 2 * VW) {
+      prefetch_span<2 * VW>(wr + i, i);
       const vf wv = vload_w<FP8>(wr + i), wv2 = vload_w<FP8>(wr + i + VW);
       for (int m = 0; m < M; ++m) {
         acc[m] = vfmadd(wv, vload(x + m * I + i), acc[m]);
@@ -112,6 +113,7 @@ static void rows_i4(const float* x, const uint8_t* w, const float* scale, const 
       vf lo_acc[M], hi_acc[M];
       for (int m = 0; m < M; ++m) lo_acc[m] = hi_acc[m] = vzero();
       for (int64_t c = g * G; c < (g + 1) * G; c += 32) {
+        prefetch_span<16>(wr + c / 2, c / 2);
         for (int j = 0; j < 16; j += VW) {
           vf lo, hi;
           vload_u4(wr + c / 2 + j, lo, hi);

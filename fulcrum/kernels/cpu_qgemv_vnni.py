@@ -27,7 +27,9 @@ _SOURCE = (
 #include <cmath>
 #include <cstdint>
 #include <vector>
-
+"""
+    + cpu_ext.PREFETCH
+    + r"""
 using B = c10::BFloat16;
 
 // The input rows as int8 blocks of 32: q [M, I], scale per block s [M, I/32], each block's integer sum, and (for int4's
@@ -95,6 +97,7 @@ static void rows_i8(const QX& qx, int64_t m0, const int8_t* w, const float* scal
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t c = 0; c < nc; ++c) {
+      prefetch_stream(wr + c * 64);
       const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512((const void*)(wr + c * 64)), flip);  // w + 128
       for (int m = 0; m < M; ++m) {
         const int64_t mm = m0 + m;
@@ -123,6 +126,7 @@ static void rows_i4(const QX& qx, int64_t m0, const uint8_t* w, const float* sca
     __m256 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t c = 0; c < nc; ++c) {
+      prefetch_span<32>(wr + c * 32, c * 32);
       const __m256i b = _mm256_loadu_si256((const __m256i*)(wr + c * 32));
       const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
       const __m256 ws = _mm256_set_m128(_mm_set1_ps(sr[(c * 64 + 32) >> gshift]), _mm_set1_ps(sr[(c * 64) >> gshift]));
