@@ -42,7 +42,9 @@ BUILDS += [("qgemv", "avx2"), ("qgemv", "avx512"), ("qgemv_vnni", "avx512_bf16")
 def test_compiles_at_every_level(kernel, level, tmp_path):
     src = tmp_path / f"{kernel}.cpp"
     src.write_text(SOURCES[kernel](level))
-    cmd = cpu_ext.compile_command(str(src), str(tmp_path / f"{kernel}.o"), [*cpu_ext.ISA_FLAGS[level], *EXTRA_FLAGS.get(kernel, [])], link=False)
+    cmd = cpu_ext.compile_command(
+        str(src), str(tmp_path / f"{kernel}.o"), [*cpu_ext.ISA_FLAGS[level], *EXTRA_FLAGS.get(kernel, [])], link=False
+    )
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
 
