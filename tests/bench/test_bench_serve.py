@@ -163,8 +163,11 @@ def test_ctrl_c_while_the_server_does_not_answer(tmp_path):
         url = f"http://127.0.0.1:{silent.getsockname()[1]}"
         cmd = [sys.executable, "-m", "fulcrum.cli", "bench", "serve", "--base-url", url, "--quiet"]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        time.sleep(4)
+        # its first connection comes after its Ctrl-C handler is set; a fixed sleep was too short for a slow start
+        silent.settimeout(60)
+        conn, _ = silent.accept()
         t0 = time.time()
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=30)
+        conn.close()
         assert proc.returncode == 130 and time.time() - t0 < 5
