@@ -167,7 +167,7 @@ def main() -> None:
         results["matmul_floor"] = {**floor, "ratio": dt / floor["floor_s"]}
         print(
             f"matmul floor: {floor['matmul_flops'] / 1e12:.2f} TFLOP of weight matmuls at "
-            f"{floor['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s (F.linear, measured now) = {floor['floor_s']:.1f} s; "
+            f"{floor['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s (the engine's linear, measured now) = {floor['floor_s']:.1f} s; "
             f"fulcrum took {dt:.1f} s = {dt / floor['floor_s']:.2f}x the floor",
             flush=True,
         )

@@ -140,7 +140,8 @@ def matmul_floor(model, reqs, dtype: str) -> dict:
 
     Every prompt token and every fed-back output token (all but the last of each request) goes through each
     layer's linear weights once; the LM head runs once per generated token. Attention's FLOPs are not counted,
-    so the floor is a lower bound. The rate is F.linear's best over a prefill-sized and a batched-decode-sized
+    so the floor is a lower bound. The rate is the engine's dense linear's best (F.linear, or oneDNN's prepacked
+    weight on AMX) over a prefill-sized and a batched-decode-sized
     [m, hidden] @ [hidden, intermediate], measured now, in the run it is compared with."""
     from fulcrum.probe.machine import measure_matmul_flops
 

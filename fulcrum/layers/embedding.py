@@ -8,7 +8,7 @@ from torch import nn
 
 from fulcrum.distributed.parallel_state import tp_all_gather, tp_all_reduce, tp_rank, tp_size
 from fulcrum.errors import WeightShapeError
-from fulcrum.kernels import cpu_gemv
+from fulcrum.quant.base import UnquantizedLinearMethod
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -51,6 +51,10 @@ class VocabParallelEmbedding(nn.Module):
         return tp_all_reduce(y)
 
 
+# the head's method when it is not quantized (stateless; the packed weight lives on the head)
+DENSE = UnquantizedLinearMethod()
+
+
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the given hidden states; with tied embeddings the weight is the embedding's. A `quant_method`
     (fulcrum.quant) quantizes it after loading (or loads it as a quantized checkpoint stores it); a tied embedding
@@ -65,8 +69,9 @@ class ParallelLMHead(VocabParallelEmbedding):
                 quant_method.create_weights(self, hidden_size, [self.per_rank], dtype or torch.get_default_dtype())
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        method = getattr(self, "quant_method", None)
-        logits = method.apply(self, hidden, None) if method is not None else cpu_gemv.linear(hidden, self.weight)
+        # unquantized: the GEMV for few rows, oneDNN's packed copy of the weight for many on AMX (finish_loading)
+        method = getattr(self, "quant_method", None) or DENSE
+        logits = method.apply(self, hidden, None)
         if self.tp_size > 1:
             logits = tp_all_gather(logits)
         return logits[..., : self.vocab_size]

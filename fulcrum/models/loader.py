@@ -16,6 +16,7 @@ from torch import nn
 from fulcrum.config import CHECKPOINT_QUANTIZATIONS, ModelConfig
 from fulcrum.errors import ModelLoadError, WeightLoadError, WeightShapeError
 from fulcrum.gguf_folder import GGUF_LINK
+from fulcrum.layers.embedding import DENSE, ParallelLMHead
 from fulcrum.layers.linear import copy_checked
 from fulcrum.models.gguf import gguf_weights
 from fulcrum.models.registry import model_class
@@ -152,6 +153,8 @@ def finish_loading(model: nn.Module) -> None:
     model's own hook runs (a tied embedding reading the quantized head's table)."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
+        if method is None and isinstance(module, ParallelLMHead):
+            method = DENSE  # an unquantized head is prepacked as the linears are (on AMX)
         if method is not None:
             method.process_weights_after_loading(module)
     if hasattr(model, "after_loading"):

@@ -27,6 +27,7 @@ from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec
 from fulcrum.plan.roofline import OnlineQuant, attention_flops, layer_matrices, weight_bytes_read
 from fulcrum.quant import kv as kv_quant
 from fulcrum.quant import method_factory
+from fulcrum.quant.base import UnquantizedLinearMethod
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MATRIX_BYTES = 16 << 20  # bandwidth probe: weight matrices of this size, read one after another like layers
@@ -47,12 +48,16 @@ def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return cpu_gemv.linear(x, w) if x.device.type == "cpu" else F.linear(x, w)
 
 
-def quantized_linear(w: torch.Tensor, quant: OnlineQuant) -> tuple[nn.Module, Callable]:
-    """`w` [out, in] quantized as the engine quantizes a loaded weight (fulcrum.quant's method for `quant`), and
-    y = x W^T through that method: its quantized GEMV for few rows, dequantize + F.linear for many."""
+def quantized_linear(w: torch.Tensor, quant: OnlineQuant | None) -> tuple[nn.Module, Callable]:
+    """`w` [out, in] processed as the engine processes a loaded weight (fulcrum.quant's method for `quant`; the
+    unquantized one, which prepacks for oneDNN on AMX, without it), and y = x W^T through that method: its
+    (quantized) GEMV for few rows, the dense matmul for many."""
     layer = nn.Module()
     layer.weight = nn.Parameter(w, requires_grad=False)
-    method = method_factory(quant.method, quant.group_size)("model.layers.0.mlp.down_proj")
+    if quant is None:
+        method = UnquantizedLinearMethod()
+    else:
+        method = method_factory(quant.method, quant.group_size)("model.layers.0.mlp.down_proj")
     method.process_weights_after_loading(layer)
     return layer, lambda x: method.apply(layer, x, None)
 
@@ -112,11 +117,12 @@ def measure_bandwidth(
 def measure_matmul_flops(
     dtype: str, m: int, k: int, n: int, repeats: int = 5, quant: OnlineQuant | None = None
 ) -> float:
-    """FLOP/s of [m, k] @ [k, n], the shape of a prefill's MLP matmul; with `quant`, through the engine's
-    quantized layer (for a prefill: the weight dequantized for the call, then the dense matmul)."""
+    """FLOP/s of [m, k] @ [k, n], the shape of a prefill's MLP matmul, through the engine's linear method: F.linear
+    (oneDNN's prepacked weight on AMX); with `quant`, the quantized layer (for a prefill: the weight dequantized for
+    the call, then the dense matmul)."""
     dt = TORCH_DTYPES[dtype]
     a, b = torch.randn(m, k).to(dt), torch.randn(n, k).to(dt)
-    matmul = quantized_linear(b, quant)[1] if quant else (lambda x: F.linear(x, b))
+    matmul = quantized_linear(b, quant)[1]
     reps = max(1, int(2e9 // (2 * m * k * n)))  # at least ~2 GFLOP per timing, so short shapes are measurable
 
     def run():

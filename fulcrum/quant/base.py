@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fulcrum.kernels import cpu_gemv
+from fulcrum.kernels import cpu_gemv, cpu_prepack
 
 
 class LinearMethod:
@@ -31,4 +31,11 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer, x, bias):
+        packed = getattr(layer, "packed_weight", None)
+        if packed is not None and x.dtype == layer.weight.dtype and x.numel() >= cpu_prepack.MIN_ROWS * x.shape[-1]:
+            return cpu_prepack.linear(x, packed, bias)
         return cpu_gemv.linear(x, layer.weight, bias)
+
+    def process_weights_after_loading(self, layer):
+        # AMX machines: oneDNN's blocked copy for many rows; the plain weight stays for the GEMV and the decode stack
+        layer.packed_weight = cpu_prepack.pack(layer.weight)

@@ -1,0 +1,62 @@
+"""oneDNN's prepacked weights on AMX machines: the same outputs as F.linear at every row count, the GEMV kept for
+few rows, and nothing packed below the amx level or when turned off."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fulcrum.kernels import cpu_prepack
+from fulcrum.quant.base import UnquantizedLinearMethod
+
+needs_amx = pytest.mark.skipif(not cpu_prepack.supported(), reason="AMX (under FULCRUM_CPU_ISA) and oneDNN only")
+
+
+def _layer(out_features, in_features, dtype):
+    layer = nn.Module()
+    layer.weight = nn.Parameter(torch.randn(out_features, in_features, dtype=dtype) * 0.05, requires_grad=False)
+    method = UnquantizedLinearMethod()
+    method.process_weights_after_loading(layer)
+    return layer, method
+
+
+@needs_amx
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 4, 5, 16, 300])
+def test_packed_linear_matches_f_linear(dtype, rows):
+    torch.manual_seed(rows)
+    layer, method = _layer(1152, 896, dtype)
+    assert layer.packed_weight is not None
+    bias = torch.randn(1152, dtype=dtype)
+    x = torch.randn(rows, 896, dtype=dtype)
+    got = method.apply(layer, x, bias)
+    want = F.linear(x.float(), layer.weight.float(), bias.float())
+    assert got.dtype == dtype and got.shape == (rows, 1152)
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    # leading dims are kept, as F.linear keeps them
+    assert method.apply(layer, x.reshape(1, rows, 896), None).shape == (1, rows, 1152)
+
+
+@needs_amx
+def test_a_weight_that_would_not_fit_stays_unpacked(monkeypatch):
+    monkeypatch.setattr(cpu_prepack, "_mem_available", lambda: cpu_prepack.RESERVE_BYTES)
+    layer, method = _layer(64, 64, torch.bfloat16)
+    assert layer.packed_weight is None
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(method.apply(layer, x, None), F.linear(x, layer.weight))
+
+
+@pytest.mark.parametrize("env", [{"FULCRUM_CPU_ISA": "avx512_bf16"}, {"FULCRUM_CPU_PREPACK": "0"}])
+def test_nothing_is_packed_below_amx_or_when_turned_off(env):
+    code = (
+        "import torch; from fulcrum.kernels import cpu_prepack; "
+        "print(cpu_prepack.supported(), cpu_prepack.pack(torch.randn(64, 64, dtype=torch.bfloat16)) is None)"
+    )
+    res = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["False", "True"]
