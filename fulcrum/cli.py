@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from fulcrum.config import DEFAULT_MODEL, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANTIZATIONS
+from fulcrum.defaults import DEFAULT_MODEL, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANTIZATIONS
 from fulcrum.sampling_params import DEFAULT_MAX_TOKENS
 
 

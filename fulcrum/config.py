@@ -9,6 +9,14 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from fulcrum.defaults import (  # noqa: F401  (re-exported: the engine imports them from here)
+    CHECKPOINT_QUANTIZATIONS,
+    DEFAULT_MODEL,
+    INT4_GROUP_SIZES,
+    KV_CACHE_DTYPES,
+    ONLINE_QUANTIZATIONS,
+    QUANTIZATIONS,
+)
 from fulcrum.errors import InvalidRequestError, ModelLoadError
 from fulcrum.model_source import resolve_model
 
@@ -21,19 +29,6 @@ DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
-
-# Weight-only quantization methods (fulcrum/quant) and int4's group sizes: online (a full-precision checkpoint
-# quantized at load time), or read from a checkpoint's quantization_config (its quant_method, as named there)
-ONLINE_QUANTIZATIONS = ("int8", "int4", "fp8")
-CHECKPOINT_QUANTIZATIONS = ("gptq", "awq", "compressed-tensors")
-QUANTIZATIONS = ONLINE_QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS
-INT4_GROUP_SIZES = (32, 64, 128)
-# What the KV cache stores: "auto" is the model's dtype; fp8 (e4m3) and int8 hold one byte per value with an fp16
-# scale per token and KV head (fulcrum/quant/kv.py). "fp8_e4m3" is vLLM's other name for fp8.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
-
-# The model that ships in the repository; every command uses it when no model is given.
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-shakespeare-target"
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig) -> torch.dtype:

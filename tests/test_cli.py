@@ -62,3 +62,15 @@ def test_serve_on_a_taken_port_fails_at_once_without_loading_the_model(tmp_path)
     assert f"error: port {port} on 127.0.0.1 is already in use; pick another with --port" in res.stderr
     assert "safetensors" not in res.stderr and "fulcrum serving" not in res.stdout
     assert time.monotonic() - t0 < 30  # the time to start Python and import torch, no more
+
+
+def test_the_client_verbs_start_without_the_engines_libraries():
+    # `fulcrum bench serve`, `plan` and `router` are clients or arithmetic: building the command line must not import
+    # torch or transformers (3-6 s on a small VM before a load generator sends its first request)
+    code = (
+        "import sys; from fulcrum.cli import build_parser; build_parser().parse_args(['bench', 'serve']); "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from fulcrum.config import DEFAULT_MODEL, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANTIZATIONS
+from fulcrum.defaults import DEFAULT_MODEL, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def add_eval_parser(sub) -> argparse.ArgumentParser:

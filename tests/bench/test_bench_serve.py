@@ -13,6 +13,7 @@ import pytest
 
 from fulcrum.cli import main
 from fulcrum.config import DEFAULT_MODEL
+from tests.server.test_http_errors import metric
 from tests.servers import start_server
 
 
@@ -123,13 +124,26 @@ def test_unreachable_server_and_bad_arguments_fail_cleanly(tmp_path, capsys):
     assert main(["bench", "compare", str(tmp_path / "missing.json")]) == 2
 
 
+def finished(server) -> float:
+    """Requests the server has finished at their max_tokens (what the Ctrl-C test's client asks for)."""
+    try:
+        return metric(server, 'fulcrum:request_success_total{finished_reason="length"')
+    except KeyError:  # none yet
+        return 0.0
+
+
 def test_ctrl_c_writes_the_partial_result(server, tmp_path):
     out = tmp_path / "partial.json"
     cmd = [sys.executable, "-m", "fulcrum.cli", "bench", "serve", "--base-url", server.url, "--quiet"]
     cmd += ["--concurrency", "2", "--num-prompts", "200", "--input-len", "8", "--output-len", "200"]
     cmd += ["--ignore-eos", "--out", str(out)]
+    before = finished(server)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ})
-    time.sleep(6)
+    # Ctrl-C once the server has finished two of its requests (a fixed sleep raced the client's slow start)
+    deadline = time.time() + 120
+    while proc.poll() is None and time.time() < deadline and finished(server) < before + 2:
+        time.sleep(0.2)
+    assert proc.poll() is None, "the client ended before Ctrl-C"
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr.decode()

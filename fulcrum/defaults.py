@@ -1,0 +1,22 @@
+"""Names and defaults the command line offers, kept free of torch and transformers.
+
+`fulcrum bench`, `fulcrum plan` and `fulcrum router` are clients or arithmetic: building their parser must not import
+the engine's dependencies (3-6 s on a small VM). fulcrum.config re-exports these for the engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Weight-only quantization methods (fulcrum/quant) and int4's group sizes: online (a full-precision checkpoint
+# quantized at load time), or read from a checkpoint's quantization_config (its quant_method, as named there)
+ONLINE_QUANTIZATIONS = ("int8", "int4", "fp8")
+CHECKPOINT_QUANTIZATIONS = ("gptq", "awq", "compressed-tensors")
+QUANTIZATIONS = ONLINE_QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS
+INT4_GROUP_SIZES = (32, 64, 128)
+# What the KV cache stores: "auto" is the model's dtype; fp8 (e4m3) and int8 hold one byte per value with an fp16
+# scale per token and KV head (fulcrum/quant/kv.py). "fp8_e4m3" is vLLM's other name for fp8.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
+
+# The model that ships in the repository; every command uses it when no model is given.
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-shakespeare-target"
