@@ -18,6 +18,7 @@ import functools
 import torch
 
 from fulcrum.kernels import cpu_ext
+from fulcrum.utils import cpu_isa
 
 # Up to these row counts the kernel beat F.linear over the 0.5B shape's matrices (2-core EPYC VMs, 2 threads;
 # figures in benchmarks/results/cpu-gemv-*.log and the commits). AVX-512 BF16: bf16 through 16 rows, fp32 through
@@ -242,7 +243,45 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with the GEMV kernel where it applies (any leading dims flattened)."""
+    """F.linear, with the GEMV kernel where it applies, and bf16 widened where torch has no native bf16 matmul."""
     if x.dim() == 2 and usable(x, weight, bias):
         return gemv(x, weight, bias)
+    if widens(x, weight):
+        return widened_linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+# The fp32 copy widened_linear makes at most at once: a block of weight rows that fits the caches' neighbourhood
+# rather than a second whole matrix (an LM head's would be over 500 MB at the 0.5B shape)
+WIDEN_BYTES = 64 * 2**20
+# Below this many rows widening the weight costs more than torch's emulated bf16 saves (the two crossed at 8-16)
+WIDEN_MIN_ROWS = 16
+
+
+@functools.cache
+def native_bf16_matmul() -> bool:
+    """Whether torch's bf16 matmul runs natively here (oneDNN at AVX-512 BF16 or AMX). Below that, oneDNN emulates
+    bf16 at 11-19 GFLOP/s on AVX2 and 28-39 on AVX-512 (2-core Xeon, 0.5B shape, 32-512 rows), where the weight
+    widened to fp32 for the call and MKL's fp32 GEMM run at 35-95 and 40-160."""
+    return cpu_isa.torch_at_least("avx512_bf16")
+
+
+def widens(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` takes these inputs through widened_linear: bf16, many rows, a CPU without native bf16."""
+    many = x.numel() >= WIDEN_MIN_ROWS * x.shape[-1]
+    return x.dtype == weight.dtype == torch.bfloat16 and many and x.device.type == "cpu" and not native_bf16_matmul()
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T + bias for bf16 x and weight through fp32: the weight widened one block of rows at a time
+    (nothing of it kept), the result rounded back to x's dtype."""
+    xf = x.float()
+    bf = None if bias is None else bias.float()
+    block = max(1, WIDEN_BYTES // (4 * weight.shape[1]))
+    if block >= weight.shape[0]:
+        return torch.nn.functional.linear(xf, weight.float(), bf).to(x.dtype)
+    y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
+    for a in range(0, weight.shape[0], block):
+        b = None if bf is None else bf[a : a + block]
+        y[..., a : a + block] = torch.nn.functional.linear(xf, weight[a : a + block].float(), b)
+    return y

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
-from fulcrum.kernels import cpu_gemv, cpu_qgemv
+from fulcrum.kernels import cpu_gemv, cpu_prepack, cpu_qgemv
 from fulcrum.kernels.hugepages import huge_page_empty
 from fulcrum.layers.attention import Attention, AttentionMetadata, attach_kv_cache
 from fulcrum.models.loader import finish_loading
@@ -299,9 +299,14 @@ def measure_machine(
         if not cpu_qgemv.available():
             kernel = "dequantize + F.linear (no quantized GEMV kernel here)"
     else:
-        working_set, weights = matrices_bytes(matrices, DTYPE_BYTES[dtype]), dtype
-        limit = cpu_gemv.MAX_ROWS[cpu_gemv.level()].get(TORCH_DTYPES[dtype], 0)
-        kernel = f"{'fulcrum GEMV kernel' if cpu_gemv.available() else 'F.linear'} up to {limit} rows, F.linear beyond"
+        working_set, weights, dt = matrices_bytes(matrices, DTYPE_BYTES[dtype]), dtype, TORCH_DTYPES[dtype]
+        limit = cpu_gemv.MAX_ROWS[cpu_gemv.level()].get(dt, 0)
+        beyond = "F.linear"
+        if dt == torch.bfloat16 and not cpu_gemv.native_bf16_matmul():
+            beyond = "the weight widened to fp32 + F.linear"
+        elif cpu_prepack.supported():  # packed from MIN_ROWS rows on
+            beyond, limit = "oneDNN's prepacked weight", min(limit, cpu_prepack.MIN_ROWS - 1)
+        kernel = f"{'fulcrum GEMV kernel' if cpu_gemv.available() else 'F.linear'} up to {limit} rows, {beyond} beyond"
     matmul_shape = (matmul_tokens, spec.hidden, spec.intermediate)
     by_batch = {b: measure_bandwidth(dtype, matrices, batch=b, quant=quant) for b in sorted({1, *batch_sizes})}
     flops = measure_matmul_flops(dtype, *matmul_shape, quant=quant)

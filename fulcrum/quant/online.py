@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fulcrum.errors import ModelLoadError
-from fulcrum.kernels import cpu_qgemv, cpu_qgemv_vnni
+from fulcrum.kernels import cpu_gemv, cpu_qgemv, cpu_qgemv_vnni
 from fulcrum.quant import formats
 from fulcrum.quant.base import UnquantizedLinearMethod
 
@@ -66,6 +66,9 @@ class OnlineQuantMethod(UnquantizedLinearMethod):
     def matmul(self, layer, x, bias):
         """Many rows: the weight dequantized for this call (by the kernel on CPU), then a dense matmul."""
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and cpu_qgemv.available():
+            if x.dtype == torch.bfloat16 and not cpu_gemv.native_bf16_matmul():  # fp32 GEMM, as cpu_gemv.linear
+                b = None if bias is None else bias.float()
+                return F.linear(x.float(), self.dequantize_fast(layer, torch.float32), b).to(x.dtype)
             return F.linear(x, self.dequantize_fast(layer, x.dtype), bias)
         return F.linear(x, self.dequantize(layer).to(x.dtype), bias)
 

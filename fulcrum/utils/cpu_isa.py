@@ -83,6 +83,12 @@ def at_least(level: str) -> bool:
     return ISA_LEVELS.index(isa()) >= ISA_LEVELS.index(level)
 
 
+def torch_at_least(level: str) -> bool:
+    """Whether torch's own kernels (oneDNN, MKL) may run at `level` here: the CPU's level, or the forced one.
+    FULCRUM_CPU_KERNELS=0 turns off fulcrum's kernels only, so it does not count."""
+    return ISA_LEVELS.index(forced_isa() or detected_isa()) >= ISA_LEVELS.index(level)
+
+
 def best(*levels: str) -> str:
     """The first of `levels` (highest first) that this CPU, under FULCRUM_CPU_ISA, has; the last one otherwise
     (whose kernel then does not load when the CPU is below it)."""
