@@ -268,8 +268,12 @@ def native_bf16_matmul() -> bool:
 
 def widens(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` takes these inputs through widened_linear: bf16, many rows, a CPU without native bf16."""
-    many = x.numel() >= WIDEN_MIN_ROWS * x.shape[-1]
-    return x.dtype == weight.dtype == torch.bfloat16 and many and x.device.type == "cpu" and not native_bf16_matmul()
+    return (
+        x.dtype == weight.dtype == torch.bfloat16  # first: fp32 layers pay one comparison
+        and x.numel() >= WIDEN_MIN_ROWS * x.shape[-1]
+        and x.device.type == "cpu"
+        and not native_bf16_matmul()
+    )
 
 
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -291,15 +291,14 @@ def measure_machine(
     quantizations) the weights streamed, the matmul and the layers are quantized as the engine quantizes them; with
     `kv_cache_dtype` (the engine's fp8, int8) the layers' KV cache is."""
     dtype = dtype if dtype in TORCH_DTYPES else "bf16"
-    matrices = decode_matrices(spec, dtype)
+    matrices, dt = decode_matrices(spec, dtype), TORCH_DTYPES[dtype]
     if quant:
         working_set, weights = sum(quant.matrix_bytes(o, i) for o, i in matrices), quant.name
-        dt = TORCH_DTYPES[dtype]
         kernel = f"fulcrum's quantized GEMV up to {cpu_qgemv.max_rows(dt)} rows, dequantize + F.linear beyond"
         if not cpu_qgemv.available():
             kernel = "dequantize + F.linear (no quantized GEMV kernel here)"
     else:
-        working_set, weights, dt = matrices_bytes(matrices, DTYPE_BYTES[dtype]), dtype, TORCH_DTYPES[dtype]
+        working_set, weights = matrices_bytes(matrices, DTYPE_BYTES[dtype]), dtype
         limit = cpu_gemv.MAX_ROWS[cpu_gemv.level()].get(dt, 0)
         beyond = "F.linear"
         if dt == torch.bfloat16 and not cpu_gemv.native_bf16_matmul():
