@@ -1,5 +1,5 @@
 """fulcrum's own kernels, picked at runtime by ISA (`cpu_ext.isa()`): decode attention over the paged KV cache and
-a GEMV for few-row linear layers and RMSNorm, on AVX2 and AVX-512 (each built once per environment by
+a GEMV for few-row linear layers, RMSNorm and greedy decoding's argmax, on AVX2 and AVX-512 (each built once per environment by
 `cpu_ext`), a driver that runs a decode step's whole decoder stack through them in one call, and
 huge-page memory for the weights and KV cache they stream. Layers call them and fall back to PyTorch ops."""
 
@@ -11,6 +11,7 @@ import torch
 
 from fulcrum.kernels import (
     cpu_act,
+    cpu_argmax,
     cpu_attention,
     cpu_decode_stack,
     cpu_gemv,
@@ -30,7 +31,7 @@ def warm_up(device: str | torch.device, quantized: bool = False, quantized_kv: b
     of the first request."""
     if torch.device(device).type != "cpu":
         return
-    kernels = (cpu_act, cpu_attention, cpu_decode_stack, cpu_gemv, cpu_norm, cpu_rope) + (
+    kernels = (cpu_act, cpu_argmax, cpu_attention, cpu_decode_stack, cpu_gemv, cpu_norm, cpu_rope) + (
         (cpu_qgemv, cpu_qgemv_vnni) if quantized else ()
     )
     builds = [k.available for k in kernels] + ([lambda: cpu_attention.available(True)] if quantized_kv else [])

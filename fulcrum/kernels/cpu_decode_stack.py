@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fulcrum.kernels import cpu_act, cpu_attention, cpu_ext, cpu_gemv, cpu_norm, cpu_rope
+from fulcrum.kernels import cpu_act, cpu_attention, cpu_ext, cpu_gemv, cpu_norm, cpu_prepack, cpu_rope
 
 _SOURCE = r"""
 #include <cstdint>
@@ -190,7 +190,8 @@ class DecodeStack:
     """The plan of one model's local decoder layers for decode-only steps of up to `max_rows` sequences."""
 
     def __init__(self, layers: list[LayerTensors], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 softcap: float | None):  # fmt: skip
+                 softcap: float | None, packed: bool = False):  # fmt: skip
+        """`packed`: every linear also holds oneDNN's packed weight (AMX), which takes steps past STACK_ROWS."""
         first = layers[0]
         self.dtype = first.qkv_weight.dtype
         self.hidden = first.qkv_weight.shape[1]
@@ -201,6 +202,8 @@ class DecodeStack:
         self.gemv_rows = cpu_gemv.MAX_ROWS[cpu_gemv.level()].get(self.dtype, 0)
         # past the GEMV's rows fp32 takes BLAS's sgemm; bf16 keeps the modules there (their oneDNN matmul)
         self.max_rows = MAX_ROWS if self.dtype == torch.float32 and blas_sgemm() else self.gemv_rows
+        if packed:
+            self.max_rows = min(self.max_rows, cpu_prepack.STACK_ROWS.get(self.dtype, 0))
         self._layers = layers  # keeps every pointer below alive
         self.cache_ptr = first.k_cache.data_ptr()
 

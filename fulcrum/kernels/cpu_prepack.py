@@ -25,6 +25,11 @@ PACKED_FOR_ROWS = 128
 # From this many rows the packed matmul beat the GEMV kernel (bf16 and fp32; at 4 rows the GEMV won 2 of 3 shapes)
 MIN_ROWS = 5
 RESERVE_BYTES = 6 << 30
+# A decode step's fused stack (kernels/cpu_decode_stack.py: the GEMV, and BLAS's sgemm past it) beat the modules
+# through the packed weights up to these rows, and lost past them: bf16 130 against 139-190 ms a step at 8 rows,
+# 214 against 142 at 16 (and behind at 10 and 12); fp32 ahead at 8, even at 16, 374-400 against 298-344 at 24 and
+# 471-522 against 378-420 at 32 (0.5B shape, 300-token contexts, 2-core AMX Xeon, 2 threads, alternating runs)
+STACK_ROWS = {torch.bfloat16: 8, torch.float32: 16}
 
 
 @functools.cache

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fulcrum.kernels import cpu_argmax
+
 
 @dataclass
 class SamplingMetadata:
@@ -44,6 +46,10 @@ class SamplerOutput:
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if plain_greedy(meta) and cpu_argmax.usable(logits):
+            # the argmax of the logits as they came, in their dtype: widening to fp32 keeps their order, so the
+            # tokens are the same, without the copy (on CPU the copy and torch's argmax took ~15% of a decode step)
+            return SamplerOutput(cpu_argmax.argmax(logits))
         logits, raw_logprobs = self.prepare(logits, meta)
         if meta.all_greedy:
             tokens = logits.argmax(dim=-1)
@@ -106,6 +112,21 @@ class Sampler(nn.Module):
         if meta.top_k is not None or meta.top_p is not None:
             logits = _top_k_top_p(logits, meta.top_k, meta.top_p)
         return logits.softmax(dim=-1)
+
+
+def plain_greedy(meta: SamplingMetadata) -> bool:
+    """Every row greedy, with nothing that changes the logits first and no logprobs to report: the draw is the
+    argmax of the raw logits."""
+    return (
+        meta.all_greedy
+        and meta.max_num_logprobs < 0
+        and meta.token_bitmask is None
+        and meta.repetition_penalty is None
+        and meta.frequency_penalty is None
+        and meta.presence_penalty is None
+        and meta.logit_bias is None
+        and meta.banned is None
+    )
 
 
 def gather_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,3 +60,29 @@ def test_nothing_is_packed_below_amx_or_when_turned_off(env):
     res = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["False", "True"]
+
+
+@needs_amx
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decode_steps_past_the_stacks_rows_go_to_the_packed_weights(dtype, tiny_model_dir, monkeypatch):
+    """With packed weights the fused decode stack takes only the steps its GEMV wins (STACK_ROWS); wider decode
+    steps run the modules through the packed matmul, and give the same tokens as the stack-less engine."""
+    from fulcrum import LLM, SamplingParams
+    from fulcrum.kernels.cpu_decode_stack import DecodeStack
+    from tests.engine.test_llm_parity import random_prompts
+
+    folder = str(tiny_model_dir("llama"))
+    prompts = random_prompts(cpu_prepack.STACK_ROWS[getattr(torch, dtype)] + 4, 3, 30, seed=1)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(model=folder, dtype=dtype, kv_cache_memory=16 << 20, block_size=8)
+    model = llm.core.runner.model.model
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert isinstance(model._stack, DecodeStack)
+    assert model._stack.max_rows == cpu_prepack.STACK_ROWS[getattr(torch, dtype)]
+    model.fused_decode, model._stack = False, None
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == got
+
+    monkeypatch.setattr(cpu_prepack, "pack", lambda weight: None)  # unpacked weights: the stack keeps its GEMV rows
+    llm = LLM(model=folder, dtype=dtype, kv_cache_memory=16 << 20, block_size=8)
+    llm.generate(prompts[:2], sp, use_tqdm=False)
+    assert llm.core.runner.model.model._stack.max_rows > cpu_prepack.STACK_ROWS[getattr(torch, dtype)]
