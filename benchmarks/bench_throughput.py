@@ -30,17 +30,33 @@ from benchmarks.common import (  # noqa: E402
     model_folder,
     print_table,
     save_json,
+    step_matmul_floor,
     workload,
 )
 
 
+def record_steps(runner) -> list[tuple[int, int]]:
+    """From now on, each step `runner` executes as (rows through the layers, rows sampled: through the LM head)."""
+    steps, execute = [], runner.execute
+
+    def recorded(out):
+        sampled = sum(s.request.num_computed_tokens + s.num_new_tokens >= s.request.num_tokens for s in out.scheduled)
+        steps.append((sum(s.num_new_tokens for s in out.scheduled), sampled))
+        return execute(out)
+
+    runner.execute = recorded
+    return steps
+
+
 def run_fulcrum(folder, reqs, dtype, device, floor: dict | None = None, **kw) -> tuple[float, int]:
-    """Seconds and output tokens of the workload; `floor`, when given, gets the matmul floor measured just after."""
+    """Seconds and output tokens of the workload; `floor`, when given, gets the matmul floors measured just after
+    (the FLOP floor, and under "per_step" the one at each step's own row count)."""
     from fulcrum import LLM, SamplingParams
 
     llm = LLM(model=str(folder), dtype=dtype, device=device, **kw)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
     llm.generate([p for p, _ in reqs[:2]], params[:2], use_tqdm=False)  # warm-up
+    steps = record_steps(llm.core.runner) if floor is not None else []
     t0 = time.perf_counter()
     outs = llm.generate([p for p, _ in reqs], params, use_tqdm=False)
     dt = time.perf_counter() - t0
@@ -48,6 +64,7 @@ def run_fulcrum(folder, reqs, dtype, device, floor: dict | None = None, **kw) ->
     assert n == sum(o for _, o in reqs)
     if floor is not None:
         floor.update(matmul_floor(llm.core.runner.model, reqs, dtype))
+        floor["per_step"] = step_matmul_floor(llm.core.runner.model, steps, dtype)
     del llm
     return dt, n
 
@@ -169,6 +186,15 @@ def main() -> None:
             f"matmul floor: {floor['matmul_flops'] / 1e12:.2f} TFLOP of weight matmuls at "
             f"{floor['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s (the engine's linear, measured now) = {floor['floor_s']:.1f} s; "
             f"fulcrum took {dt:.1f} s = {dt / floor['floor_s']:.2f}x the floor",
+            flush=True,
+        )
+        per_step = floor["per_step"]
+        results["matmul_floor"]["per_step"]["ratio"] = dt / per_step["floor_s"]
+        rates = ", ".join(f"{m}: {r / 1e9:.0f}" for m, r in per_step["gemm_rates_by_rows"].items())
+        print(
+            f"per-step matmul floor: the same matmuls, each of the {per_step['steps']} steps at the rate of its own "
+            f"row count (GFLOP/s by rows {rates}) = {per_step['floor_s']:.1f} s; "
+            f"fulcrum took {dt / per_step['floor_s']:.2f}x that",
             flush=True,
         )
 

@@ -154,3 +154,38 @@ def matmul_floor(model, reqs, dtype: str) -> dict:
     rates = {m: measure_matmul_flops(short, m, hidden, inter) for m in (64, 512)}
     rate = max(rates.values())
     return {"matmul_flops": flops, "gemm_flops_per_s": rate, "gemm_rates": rates, "floor_s": flops / rate}
+
+
+STEP_FLOOR_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048)
+
+
+def step_matmul_floor(model, steps: list[tuple[int, int]], dtype: str) -> dict:
+    """The same weight matmuls as `matmul_floor`, each engine step's at the rate the engine's linear gives for that
+    step's row count: `steps` holds (rows through the layers, rows through the LM head) per step. A decode step of a
+    few sequences cannot run at a 512-row GEMM's rate: it reads every weight once for a few rows (bandwidth-bound),
+    which the FLOP floor does not see. The rates are measured now on [m, hidden] @ [hidden, intermediate] at
+    STEP_FLOOR_ROWS (the GEMV at few rows, the dense or packed matmul past them, as the engine picks) and
+    interpolated between; the LM head's rows take the rate of their own count. Attention is not counted: still a
+    lower bound."""
+    from fulcrum.probe.machine import measure_matmul_flops
+
+    layer_weights = sum(p.numel() for n, p in model.model.layers.named_parameters() if p.dim() == 2)
+    hidden, vocab = model.lm_head.weight.shape[1], model.lm_head.weight.shape[0]
+    inter = max(p.shape[0] for p in model.model.layers[0].parameters() if p.dim() == 2)
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+    grid = [m for m in STEP_FLOOR_ROWS if m <= max(r for r, _ in steps)] or [1]
+    grid = sorted({*grid, min((m for m in STEP_FLOOR_ROWS if m >= max(r for r, _ in steps)), default=grid[-1])})
+    rates = {m: measure_matmul_flops(short, m, hidden, inter, repeats=3) for m in grid}
+
+    def rate(rows: int) -> float:
+        if rows <= grid[0]:
+            return rates[grid[0]]
+        for lo, hi in zip(grid, grid[1:]):
+            if rows <= hi:
+                return rates[lo] + (rates[hi] - rates[lo]) * (rows - lo) / (hi - lo)
+        return rates[grid[-1]]
+
+    seconds = sum(
+        2 * layer_weights * r / rate(r) + (2 * hidden * vocab * lm / rate(lm) if lm else 0) for r, lm in steps if r
+    )
+    return {"steps": len(steps), "gemm_rates_by_rows": rates, "floor_s": seconds}

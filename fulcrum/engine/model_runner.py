@@ -20,7 +20,7 @@ from fulcrum.engine.spec.rejection import verify
 from fulcrum.engine.step_inputs import StepInputs
 from fulcrum.engine.structured import StructuredOutputs
 from fulcrum.errors import InvalidRequestError, KVCacheTooSmallError
-from fulcrum.kernels import cpu_threads, huge_page_empty, move_parameters_to_huge_pages, warm_up
+from fulcrum.kernels import cpu_malloc, cpu_threads, huge_page_empty, move_parameters_to_huge_pages, warm_up
 from fulcrum.layers.attention import Attention, AttentionMetadata, attach_kv_cache
 from fulcrum.layers.sampler import Sampler, SamplingMetadata
 from fulcrum.models.loader import load_model
@@ -81,6 +81,7 @@ class ModelRunner:
             stack.fused_decode = False  # decode steps on the layer modules
         if self.device.type == "cpu":
             move_parameters_to_huge_pages(self.model)  # a decode step streams them all: fewer TLB misses
+            cpu_malloc.keep_freed_memory()  # each step's activations reuse the last one's pages
         self.vocab_size = model_config.hf_config.vocab_size
         self.hidden_size = model_config.hf_config.hidden_size
         self.block_size = engine_config.block_size

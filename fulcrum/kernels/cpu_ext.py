@@ -207,7 +207,7 @@ static inline void vstore_bf16(c10::BFloat16* p, vf a) {
 
 # Functions written once on the primitives above
 VECTOR_MATH = r"""
-// e^x for x <= 0: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2; degree-6 polynomial, rel. error ~2e-7
+// e^x for -87 <= x <= 87 (less is taken as -87): 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2; degree-6 polynomial, rel. error ~2e-7
 static inline vf vexp(vf x) {
   x = vmax(x, vset1(-87.0f));
   vf n = vround(vmul(x, vset1(1.44269504f)));

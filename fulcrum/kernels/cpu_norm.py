@@ -1,8 +1,10 @@
-"""RMSNorm as one CPU kernel, for decode-sized inputs.
+"""RMSNorm as one CPU kernel, for a decode step's rows and a prefill's alike.
 
 In a batch-1 CPU decode step the GEMVs stream the weights and everything else is overhead: PyTorch's
 RMSNorm is 7 ops (cast, square, mean, rsqrt, multiply, cast, weight), each paying PyTorch's per-op
-cost on a tiny row, and a 0.5B-shape step has 49 of them. This kernel is one pass. It keeps the reference
+cost on a tiny row, and a 0.5B-shape step has 49 of them; on a prefill's 2048 rows the same ops took 2.7-8.6 ms
+against this kernel's 0.6 (each op a pass over the rows, 2-core Xeon). This kernel is one vectorised read of a
+row for its sum of squares and one for the output, rows split over the threads. It keeps the reference
 arithmetic: float32, cast to the input dtype, then times the weight, as HF transformers does
 (the float32 sum of squares is taken in another order: within 1e-6 in float32, and in bf16 an
 occasional output one rounding step away).
@@ -17,10 +19,11 @@ import torch
 
 from fulcrum.kernels import cpu_ext
 
-_SOURCE = (
-    cpu_ext.PRELUDE
-    + r"""
-#include <cmath>
+_BODY = r"""
+static inline vf vround(vf a, c10::BFloat16*) { return vround_bf16(a); }
+static inline void vstore_as(c10::BFloat16* p, vf a) { vstore_bf16(p, a); }
+static inline vf vround(vf a, float*) { return a; }
+static inline void vstore_as(float* p, vf a) { vstore(p, a); }
 
 template <typename T>
 static void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, float eps) {
@@ -28,11 +31,21 @@ static void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, floa
     for (int64_t r = b; r < e; ++r) {
       const T* xr = x + r * n;
       T* yr = y + r * n;
-      float ss = 0.f;
-      for (int64_t i = 0; i < n; ++i) { float v = float(xr[i]); ss += v * v; }
+      vf s0 = vzero(), s1 = vzero();
+      int64_t i = 0;
+      for (; i + 2 * VW <= n; i += 2 * VW) {
+        const vf a = vload(xr + i), c = vload(xr + i + VW);
+        s0 = vfmadd(a, a, s0), s1 = vfmadd(c, c, s1);
+      }
+      for (; i + VW <= n; i += VW) { const vf a = vload(xr + i); s0 = vfmadd(a, a, s0); }
+      float ss = vsum(vadd(s0, s1));
+      for (; i < n; ++i) { const float v = float(xr[i]); ss += v * v; }
       const float inv = 1.0f / std::sqrt(ss / float(n) + eps);
-      // (x * rstd) rounded to T, then times the weight in T: the reference's two roundings
-      for (int64_t i = 0; i < n; ++i) yr[i] = T(float(w[i]) * float(T(float(xr[i]) * inv)));
+      const vf vinv = vset1(inv);
+      // (x * rstd) rounded to T, then times the weight, rounded: the reference's two roundings
+      for (i = 0; i + VW <= n; i += VW)
+        vstore_as(yr + i, vround(vmul(vload(w + i), vround(vmul(vload(xr + i), vinv), yr)), yr));
+      for (; i < n; ++i) yr[i] = T(float(w[i]) * float(T(float(xr[i]) * inv)));
     }
   });
 }
@@ -40,22 +53,28 @@ static void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, floa
 // x and y [rows, n], w [n], all contiguous and of one dtype
 extern "C" void fulcrum_rms_norm(int64_t bf16, const void* x, const void* w, void* y, int64_t rows, int64_t n,
                                  float eps) {
-  using B = at::BFloat16;
+  using B = c10::BFloat16;
   if (bf16) rms_rows((const B*)x, (const B*)w, (B*)y, rows, n, eps);
   else rms_rows((const float*)x, (const float*)w, (float*)y, rows, n, eps);
 }
-
 """
-)
+
+
+def source(level: str) -> str:
+    return cpu_ext.vector_prelude(level) + "#include <cmath>\n" + _BODY
+
+
+def level() -> str:
+    return cpu_ext.best("avx512", "avx2")
+
 
 _DTYPES = (torch.bfloat16, torch.float32)
-MAX_ELEMENTS = 16 * 4096
 
 
 @functools.cache
 def _module():
-    # plain C++ loops: built with each level's flags, the compiler vectorises them for that level
-    lib = cpu_ext.load_at("fulcrum_cpu_norm", _SOURCE, cpu_ext.best("avx512_bf16", "avx512", "avx2"))
+    lvl = level()
+    lib = cpu_ext.load(f"fulcrum_cpu_norm_v_{lvl}", source(lvl), lvl)
     if lib is None:
         return None
     P, I64 = cpu_ext.PTR, cpu_ext.I64
@@ -67,15 +86,14 @@ def available() -> bool:
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """CPU, bf16/fp32 alike in input and weight, contiguous, and few rows: the scalar loop beats PyTorch's
-    7 ops only on decode-sized inputs (their fixed per-op cost dominates); on many rows PyTorch's vectorised ops win."""
+    """CPU, bf16/fp32 alike in input and weight, contiguous."""
     return (
         x.device.type == "cpu"
         and x.dtype in _DTYPES
         and weight.dtype == x.dtype
         and weight.shape == x.shape[-1:]
         and x.is_contiguous()
-        and 0 < x.numel() <= MAX_ELEMENTS
+        and x.numel() > 0
         and available()
     )
 

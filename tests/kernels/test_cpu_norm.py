@@ -1,4 +1,4 @@
-"""The CPU RMSNorm kernel gives the reference RMSNorm's values on decode-sized inputs."""
+"""The CPU RMSNorm kernel gives the reference RMSNorm's values, on a decode step's rows and a prefill's."""
 
 import pytest
 import torch
@@ -15,7 +15,9 @@ def reference(x, w, eps):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("shape", [(1, 896), (7, 896), (3, 14, 64), (2, 33)])  # rows of a decode, per-head q/k norm
+@pytest.mark.parametrize(
+    "shape", [(1, 896), (7, 896), (3, 14, 64), (2, 33), (2048, 896), (5, 77)]
+)  # decode, q/k norm, prefill
 def test_matches_reference(dtype, tol, shape):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(shape, generator=g) * 3).to(dtype)
@@ -28,8 +30,8 @@ def test_matches_reference(dtype, tol, shape):
     assert ((got.float() - reference(x, w, 1e-6).float()).abs() / (1 + x.float().abs())).max() < tol
 
 
-def test_large_inputs_use_pytorch():
+def test_inputs_it_does_not_take_use_pytorch():
     w = torch.ones(896)
-    assert not cpu_norm.usable(torch.randn(512, 896), w)
+    assert cpu_norm.usable(torch.randn(2048, 896), w)  # a prefill's rows too
     assert not cpu_norm.usable(torch.randn(896, 4).t(), w)  # not contiguous
     assert not cpu_norm.usable(torch.randn(1, 896), w.bfloat16())  # weight of another dtype
