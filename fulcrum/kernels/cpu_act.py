@@ -34,11 +34,6 @@ static inline vf vsilu(vf x) {
 }
 static inline float silu1(float x) { return x / (1.0f + std::exp(std::min(-x, 87.0f))); }
 
-// a value rounded to T, kept as fp32, and stored as T (bf16: cpu_ext's rounding to nearest even)
-static inline vf vround(vf a, c10::BFloat16*) { return vround_bf16(a); }
-static inline void vstore_as(c10::BFloat16* p, vf a) { vstore_bf16(p, a); }
-static inline vf vround(vf a, float*) { return a; }
-static inline void vstore_as(float* p, vf a) { vstore(p, a); }
 
 template <typename T>
 static void silu_mul_rows(const T* x, T* y, int64_t rows, int64_t n, int64_t xs) {
@@ -68,14 +63,9 @@ _DTYPES = (torch.bfloat16, torch.float32)
 MIN_ELEMENTS = 16384
 
 
-def level() -> str:
-    return cpu_ext.best("avx512", "avx2")
-
-
 @functools.cache
 def _module():
-    lvl = level()
-    lib = cpu_ext.load(f"fulcrum_cpu_act_{lvl}", cpu_ext.vector_prelude(lvl) + "#include <cmath>\n" + _BODY, lvl)
+    lib = cpu_ext.load_vector("fulcrum_cpu_act", _BODY)
     if lib is None:
         return None
     P, I64 = cpu_ext.PTR, cpu_ext.I64

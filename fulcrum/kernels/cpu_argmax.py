@@ -81,15 +81,9 @@ extern "C" void fulcrum_argmax(int64_t bf16, const void* x, int64_t* out, int64_
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
-def level() -> str:
-    return cpu_ext.best("avx512", "avx2")
-
-
 @functools.cache
 def _module():
-    lvl = level()
-    source = cpu_ext.vector_prelude(lvl) + "#include <cmath>\n" + _BODY
-    lib = cpu_ext.load(f"fulcrum_cpu_argmax_{lvl}", source, lvl)
+    lib = cpu_ext.load_vector("fulcrum_cpu_argmax", _BODY)
     if lib is None:
         return None
     P, I64 = cpu_ext.PTR, cpu_ext.I64

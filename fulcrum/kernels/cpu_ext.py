@@ -225,9 +225,30 @@ static inline vf vexp(vf x) {
 """
 
 
+# A value rounded to T, kept as fp32, and stored as T (bf16: the rounding to nearest even above), by the pointer's type
+TYPED_STORES = r"""
+static inline vf vround(vf a, c10::BFloat16*) { return vround_bf16(a); }
+static inline void vstore_as(c10::BFloat16* p, vf a) { vstore_bf16(p, a); }
+static inline vf vround(vf a, float*) { return a; }
+static inline void vstore_as(float* p, vf a) { vstore(p, a); }
+"""
+
+
 def vector_prelude(level: str) -> str:
     """PRELUDE plus the vector primitives of `level` (avx2 or avx512): for kernels written once for both."""
-    return PRELUDE + VECTOR_PRELUDE[level] + VECTOR_MATH
+    return PRELUDE + VECTOR_PRELUDE[level] + VECTOR_MATH + TYPED_STORES
+
+
+def vector_level() -> str:
+    """The level a kernel written on the vector primitives is built for here: avx512 or avx2 (or below: none)."""
+    return best("avx512", "avx2")
+
+
+def load_vector(name: str, body: str) -> ctypes.CDLL | None:
+    """`load` for a kernel written on the vector primitives: `body` after their prelude and <cmath>, built as
+    `name_<level>` at `vector_level()`."""
+    level = vector_level()
+    return load(f"{name}_{level}", vector_prelude(level) + "#include <cmath>\n" + body, level)
 
 
 def _build_dir(source: str, flags: list[str]) -> str:

@@ -20,10 +20,6 @@ import torch
 from fulcrum.kernels import cpu_ext
 
 _BODY = r"""
-static inline vf vround(vf a, c10::BFloat16*) { return vround_bf16(a); }
-static inline void vstore_as(c10::BFloat16* p, vf a) { vstore_bf16(p, a); }
-static inline vf vround(vf a, float*) { return a; }
-static inline void vstore_as(float* p, vf a) { vstore(p, a); }
 
 template <typename T>
 static void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, float eps) {
@@ -60,21 +56,12 @@ extern "C" void fulcrum_rms_norm(int64_t bf16, const void* x, const void* w, voi
 """
 
 
-def source(level: str) -> str:
-    return cpu_ext.vector_prelude(level) + "#include <cmath>\n" + _BODY
-
-
-def level() -> str:
-    return cpu_ext.best("avx512", "avx2")
-
-
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
 @functools.cache
 def _module():
-    lvl = level()
-    lib = cpu_ext.load(f"fulcrum_cpu_norm_v_{lvl}", source(lvl), lvl)
+    lib = cpu_ext.load_vector("fulcrum_cpu_norm_v", _BODY)
     if lib is None:
         return None
     P, I64 = cpu_ext.PTR, cpu_ext.I64

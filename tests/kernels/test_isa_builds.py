@@ -9,6 +9,7 @@ import pytest
 
 from fulcrum.kernels import (
     cpu_act,
+    cpu_argmax,
     cpu_attention,
     cpu_decode_stack,
     cpu_ext,
@@ -25,7 +26,9 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++
 SOURCES = {
     "gemv": cpu_gemv._source,
     "attention": lambda lvl: cpu_ext.vector_prelude(lvl) + cpu_attention._BODY,
-    "norm": cpu_norm.source,
+    "norm": lambda lvl: cpu_ext.vector_prelude(lvl) + "#include <cmath>\n" + cpu_norm._BODY,
+    "act": lambda lvl: cpu_ext.vector_prelude(lvl) + "#include <cmath>\n" + cpu_act._BODY,
+    "argmax": lambda lvl: cpu_ext.vector_prelude(lvl) + "#include <cmath>\n" + cpu_argmax._BODY,
     "qgemv": lambda lvl: cpu_ext.vector_prelude(lvl) + cpu_qgemv._LOADS[lvl] + cpu_qgemv._BODY,
     "qgemv_vnni": lambda lvl: cpu_qgemv_vnni._SOURCE,
 }
@@ -34,7 +37,7 @@ EXTRA_FLAGS = {"qgemv_vnni": ["-mavx512vnni"]}
 
 # attention has no AVX-512 BF16 build of its own (it is built at AVX-512 there)
 BUILDS = [("gemv", lvl) for lvl in ("avx2", "avx512", "avx512_bf16")] + [("attention", "avx2"), ("attention", "avx512")]
-BUILDS += [("norm", "avx2"), ("norm", "avx512")]
+BUILDS += [(kernel, lvl) for kernel in ("norm", "act", "argmax") for lvl in ("avx2", "avx512")]
 BUILDS += [("qgemv", "avx2"), ("qgemv", "avx512"), ("qgemv_vnni", "avx512_bf16")]
 
 
@@ -55,6 +58,7 @@ RUNNABLE = {
     "gemv": (cpu_gemv.available, "avx2"),
     "norm": (cpu_norm.available, "avx2"),
     "act": (cpu_act.available, "avx2"),
+    "argmax": (cpu_argmax.available, "avx2"),
     "rope": (cpu_rope.available, "avx2"),
     "attention": (cpu_attention.available, "avx2"),
     "attention, quantized KV": (lambda: cpu_attention.available(quantized_kv=True), "avx2"),
