@@ -19,7 +19,9 @@ def check_against_hf(folder, prompt, got):
         tok = prompt[i + 1]
         lp, rank = entry[tok]
         assert abs(lp - ref[i, tok].item()) < 1e-4, (i, lp, ref[i, tok].item())
-        assert rank == int((ref[i] > ref[i, tok]).sum()) + 1  # 1 = the most likely token
+        # 1 = the most likely token; tokens within fp32 noise of it (kernels sum in another order) may fall either side
+        above, near = int((ref[i] > ref[i, tok] + 1e-5).sum()), int((ref[i] > ref[i, tok] - 1e-5).sum())
+        assert above + 1 <= rank <= near + 1, (rank, above, near)
         top = ref[i].topk(K)
         for v, t in zip(top.values.tolist(), top.indices.tolist()):
             assert abs(entry[t][0] - v) < 1e-4
