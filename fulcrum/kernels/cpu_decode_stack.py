@@ -191,7 +191,7 @@ class DecodeStack:
 
     def __init__(self, layers: list[LayerTensors], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  softcap: float | None, packed: bool = False):  # fmt: skip
-        """`packed`: every linear also holds oneDNN's packed weight (AMX), which takes steps past STACK_ROWS."""
+        """`packed`: every linear also holds oneDNN's packed weight, which takes steps past its stack_rows."""
         first = layers[0]
         self.dtype = first.qkv_weight.dtype
         self.hidden = first.qkv_weight.shape[1]
@@ -203,7 +203,7 @@ class DecodeStack:
         # past the GEMV's rows fp32 takes BLAS's sgemm; bf16 keeps the modules there (their oneDNN matmul)
         self.max_rows = MAX_ROWS if self.dtype == torch.float32 and blas_sgemm() else self.gemv_rows
         if packed:
-            self.max_rows = min(self.max_rows, cpu_prepack.STACK_ROWS.get(self.dtype, 0))
+            self.max_rows = min(self.max_rows, cpu_prepack.stack_rows(self.dtype))
         self._layers = layers  # keeps every pointer below alive
         self.cache_ptr = first.k_cache.data_ptr()
 

@@ -301,10 +301,11 @@ def measure_machine(
         working_set, weights = matrices_bytes(matrices, DTYPE_BYTES[dtype]), dtype
         limit = cpu_gemv.MAX_ROWS[cpu_gemv.level()].get(dt, 0)
         beyond = "F.linear"
-        if dt == torch.bfloat16 and not cpu_gemv.native_bf16_matmul():
+        if cpu_prepack.supported():  # packed from min_rows on
+            widened = " (widened to fp32 at load)" if cpu_prepack.packed_dtype(dt) != dt else ""
+            beyond, limit = f"oneDNN's prepacked weight{widened}", min(limit, cpu_prepack.min_rows(dt) - 1)
+        elif dt == torch.bfloat16 and not cpu_gemv.native_bf16_matmul():
             beyond = "the weight widened to fp32 + F.linear"
-        elif cpu_prepack.supported():  # packed from MIN_ROWS rows on
-            beyond, limit = "oneDNN's prepacked weight", min(limit, cpu_prepack.MIN_ROWS - 1)
         kernel = f"{'fulcrum GEMV kernel' if cpu_gemv.available() else 'F.linear'} up to {limit} rows, {beyond} beyond"
     matmul_shape = (matmul_tokens, spec.hidden, spec.intermediate)
     by_batch = {b: measure_bandwidth(dtype, matrices, batch=b, quant=quant) for b in sorted({1, *batch_sizes})}

@@ -32,10 +32,15 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer, x, bias):
         packed = getattr(layer, "packed_weight", None)
-        if packed is not None and x.dtype == layer.weight.dtype and x.numel() >= cpu_prepack.MIN_ROWS * x.shape[-1]:
+        weight = layer.weight
+        if (
+            packed is not None
+            and x.dtype == weight.dtype
+            and x.numel() >= cpu_prepack.min_rows(weight.dtype) * x.shape[-1]
+        ):
             return cpu_prepack.linear(x, packed, bias)
-        return cpu_gemv.linear(x, layer.weight, bias)
+        return cpu_gemv.linear(x, weight, bias)
 
     def process_weights_after_loading(self, layer):
-        # AMX machines: oneDNN's blocked copy for many rows; the plain weight stays for the GEMV and the decode stack
+        # oneDNN's blocked copy for many rows; the plain weight stays for the GEMV and the decode stack
         layer.packed_weight = cpu_prepack.pack(layer.weight)

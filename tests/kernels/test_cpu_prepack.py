@@ -1,5 +1,6 @@
-"""oneDNN's prepacked weights on AMX machines: the same outputs as F.linear at every row count, the GEMV kept for
-few rows, and nothing packed below the amx level or when turned off."""
+"""oneDNN's prepacked weights: the same outputs as F.linear at every row count and level (bf16 packed widened to
+fp32 where torch has no native bf16 matmul), the GEMV kept for few rows, and nothing packed below avx2 or when
+turned off."""
 
 import os
 import subprocess
@@ -13,7 +14,7 @@ from torch import nn
 from fulcrum.kernels import cpu_prepack
 from fulcrum.quant.base import UnquantizedLinearMethod
 
-needs_amx = pytest.mark.skipif(not cpu_prepack.supported(), reason="AMX (under FULCRUM_CPU_ISA) and oneDNN only")
+needs_packing = pytest.mark.skipif(not cpu_prepack.supported(), reason="avx2 or above (FULCRUM_CPU_ISA) and oneDNN")
 
 
 def _layer(out_features, in_features, dtype):
@@ -24,13 +25,14 @@ def _layer(out_features, in_features, dtype):
     return layer, method
 
 
-@needs_amx
+@needs_packing
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 4, 5, 16, 300])
 def test_packed_linear_matches_f_linear(dtype, rows):
     torch.manual_seed(rows)
     layer, method = _layer(1152, 896, dtype)
     assert layer.packed_weight is not None
+    assert layer.packed_weight.dtype == cpu_prepack.packed_dtype(dtype)
     bias = torch.randn(1152, dtype=dtype)
     x = torch.randn(rows, 896, dtype=dtype)
     got = method.apply(layer, x, bias)
@@ -42,7 +44,23 @@ def test_packed_linear_matches_f_linear(dtype, rows):
     assert method.apply(layer, x.reshape(1, rows, 896), None).shape == (1, rows, 1152)
 
 
-@needs_amx
+def test_bf16_is_packed_widened_where_torch_has_no_native_bf16_matmul():
+    code = (
+        "import torch; from fulcrum.kernels import cpu_prepack; "
+        "p = cpu_prepack.pack(torch.randn(64, 64, dtype=torch.bfloat16)); print(p is None or p.dtype)"
+    )
+    for level, want in [("avx2", "torch.float32"), ("avx512", "torch.float32"), ("avx512_bf16", "torch.bfloat16")]:
+        if cpu_prepack.cpu_isa.ISA_LEVELS.index(
+            cpu_prepack.cpu_isa.detected_isa()
+        ) < cpu_prepack.cpu_isa.ISA_LEVELS.index(level):
+            continue
+        env = {**os.environ, "FULCRUM_CPU_ISA": level}
+        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.split() == [want], level
+
+
+@needs_packing
 def test_a_weight_that_would_not_fit_stays_unpacked(monkeypatch):
     monkeypatch.setattr(cpu_prepack, "_mem_available", lambda: cpu_prepack.RESERVE_BYTES)
     layer, method = _layer(64, 64, torch.bfloat16)
@@ -51,8 +69,8 @@ def test_a_weight_that_would_not_fit_stays_unpacked(monkeypatch):
     torch.testing.assert_close(method.apply(layer, x, None), F.linear(x, layer.weight))
 
 
-@pytest.mark.parametrize("env", [{"FULCRUM_CPU_ISA": "avx512_bf16"}, {"FULCRUM_CPU_PREPACK": "0"}])
-def test_nothing_is_packed_below_amx_or_when_turned_off(env):
+@pytest.mark.parametrize("env", [{"FULCRUM_CPU_ISA": "none"}, {"FULCRUM_CPU_PREPACK": "0"}])
+def test_nothing_is_packed_below_avx2_or_when_turned_off(env):
     code = (
         "import torch; from fulcrum.kernels import cpu_prepack; "
         "print(cpu_prepack.supported(), cpu_prepack.pack(torch.randn(64, 64, dtype=torch.bfloat16)) is None)"
@@ -62,7 +80,7 @@ def test_nothing_is_packed_below_amx_or_when_turned_off(env):
     assert res.stdout.split() == ["False", "True"]
 
 
-@needs_amx
+@needs_packing
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_decode_steps_past_the_stacks_rows_go_to_the_packed_weights(dtype, tiny_model_dir, monkeypatch):
     """With packed weights the fused decode stack takes only the steps its GEMV wins (STACK_ROWS); wider decode
@@ -72,17 +90,17 @@ def test_decode_steps_past_the_stacks_rows_go_to_the_packed_weights(dtype, tiny_
     from tests.engine.test_llm_parity import random_prompts
 
     folder = str(tiny_model_dir("llama"))
-    prompts = random_prompts(cpu_prepack.STACK_ROWS[getattr(torch, dtype)] + 4, 3, 30, seed=1)
+    prompts = random_prompts(cpu_prepack.stack_rows(getattr(torch, dtype)) + 4, 3, 30, seed=1)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm = LLM(model=folder, dtype=dtype, kv_cache_memory=16 << 20, block_size=8)
     model = llm.core.runner.model.model
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert isinstance(model._stack, DecodeStack)
-    assert model._stack.max_rows == cpu_prepack.STACK_ROWS[getattr(torch, dtype)]
+    assert model._stack.max_rows == cpu_prepack.stack_rows(getattr(torch, dtype))
     model.fused_decode, model._stack = False, None
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == got
 
     monkeypatch.setattr(cpu_prepack, "pack", lambda weight: None)  # unpacked weights: the stack keeps its GEMV rows
     llm = LLM(model=folder, dtype=dtype, kv_cache_memory=16 << 20, block_size=8)
     llm.generate(prompts[:2], sp, use_tqdm=False)
-    assert llm.core.runner.model.model._stack.max_rows > cpu_prepack.STACK_ROWS[getattr(torch, dtype)]
+    assert llm.core.runner.model.model._stack.max_rows > cpu_prepack.stack_rows(getattr(torch, dtype))
