@@ -43,12 +43,13 @@ RESERVE_BYTES = 6 << 30
 # at 8 rows, 214 against 142 at 16 (and behind at 10 and 12); fp32 ahead at 8, even at 16, 374-400 against 298-344
 # at 24 and 471-522 against 378-420 at 32 (2-core AMX Xeon). The rest, 2-core AMD EPYC, lower levels forced: bf16
 # 33 against 36 ms at 4 rows, 45 against 36 at 6 (avx512_bf16), 88 against 95 at 8 and 156 against 119 at 16
-# (avx512), 92 against 102 at 8 and 169 against 166 at 16 (avx2); fp32 80 against 86 at 2 and 69 against 62 at 3
-# (avx512_bf16), 52 against 57 at 2 and 76 against 61 at 4 (avx512), 124 against 131 at 8 and 189 against 168 at
-# 16 (avx2). All 0.5B shape, 300-token contexts, 2 threads, alternating runs in one process.
+# (avx512), 92 against 102 at 8 and 169 against 166 at 16 (avx2); fp32 52 against 69 at 2, 70 against 74 at 3 and
+# 67 against 66 at 4 (avx512_bf16, the GEMV with two chains per row), 52 against 57 at 2 and 76 against 61 at 4
+# (avx512), 124 against 131 at 8 and 189 against 168 at 16 (avx2). All 0.5B shape, 300-token contexts, 2 threads,
+# alternating runs in one process.
 STACK_ROWS = {
     "amx": {torch.bfloat16: 8, torch.float32: 16},
-    "avx512_bf16": {torch.bfloat16: 4, torch.float32: 2},
+    "avx512_bf16": {torch.bfloat16: 4, torch.float32: 3},
     "avx512": {torch.bfloat16: 11, torch.float32: 2},
     "avx2": {torch.bfloat16: 15, torch.float32: 8},
 }
@@ -72,13 +73,13 @@ def packed_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @functools.cache
 def min_rows(dtype: torch.dtype) -> int:
-    """Rows from which a `dtype` weight's linear takes its packed copy."""
-    return MIN_ROWS.get(cpu_isa.isa(), MIN_ROWS["avx2"])[dtype]
+    """Rows from which a `dtype` weight's linear takes its packed copy (where `supported`)."""
+    return MIN_ROWS[cpu_isa.isa()][dtype]
 
 
 def stack_rows(dtype: torch.dtype) -> int:
     """Rows up to which a decode step of `dtype` layers with packed weights stays in the fused stack."""
-    return STACK_ROWS.get(cpu_isa.isa(), STACK_ROWS["avx2"]).get(dtype, 0)
+    return STACK_ROWS[cpu_isa.isa()].get(dtype, 0)
 
 
 def _mem_available() -> int:
@@ -106,7 +107,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
             log.info("oneDNN weight prepacking stops: a second copy would leave under %d GiB free", RESERVE_BYTES >> 30)
             _warned = True
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), PACKED_FOR_ROWS)
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), PACKED_FOR_ROWS)
+    except RuntimeError as e:  # oneDNN capped below what it needs (ONEDNN_MAX_CPU_ISA set by hand): the plain path
+        if not _warned:
+            log.info("oneDNN weight prepacking stops: %s", e)
+            _warned = True
+        return None
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch import nn
 
 from fulcrum.kernels import cpu_prepack
 from fulcrum.quant.base import UnquantizedLinearMethod
+from fulcrum.utils import cpu_isa
 
 needs_packing = pytest.mark.skipif(not cpu_prepack.supported(), reason="avx2 or above (FULCRUM_CPU_ISA) and oneDNN")
 
@@ -47,17 +48,30 @@ def test_packed_linear_matches_f_linear(dtype, rows):
 def test_bf16_is_packed_widened_where_torch_has_no_native_bf16_matmul():
     code = (
         "import torch; from fulcrum.kernels import cpu_prepack; "
-        "p = cpu_prepack.pack(torch.randn(64, 64, dtype=torch.bfloat16)); print(p is None or p.dtype)"
+        "print(cpu_prepack.pack(torch.randn(64, 64, dtype=torch.bfloat16)).dtype)"
     )
+    levels = cpu_isa.ISA_LEVELS[: cpu_isa.ISA_LEVELS.index(cpu_isa.detected_isa()) + 1]
     for level, want in [("avx2", "torch.float32"), ("avx512", "torch.float32"), ("avx512_bf16", "torch.bfloat16")]:
-        if cpu_prepack.cpu_isa.ISA_LEVELS.index(
-            cpu_prepack.cpu_isa.detected_isa()
-        ) < cpu_prepack.cpu_isa.ISA_LEVELS.index(level):
-            continue
-        env = {**os.environ, "FULCRUM_CPU_ISA": level}
-        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-        assert res.returncode == 0, res.stderr
-        assert res.stdout.split() == [want], level
+        if level in levels:
+            # torch's caps come from the level alone, not from a level this test runs under
+            env = {k: v for k, v in os.environ.items() if k not in cpu_isa.TORCH_ISA_ENV["none"]}
+            env["FULCRUM_CPU_ISA"] = level
+            res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+            assert res.returncode == 0, res.stderr
+            assert res.stdout.split() == [want], level
+
+
+@pytest.mark.skipif(not cpu_isa.torch_at_least("avx512_bf16"), reason="packs bf16 natively only from avx512_bf16")
+def test_a_weight_onednn_refuses_to_pack_stays_unpacked():
+    """ONEDNN_MAX_CPU_ISA set by hand below what oneDNN's bf16 packing needs: the layer keeps the plain path."""
+    code = (
+        "import torch; from fulcrum.kernels import cpu_prepack; "
+        "print(cpu_prepack.pack(torch.randn(64, 64, dtype=torch.bfloat16)) is None)"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["True"]
 
 
 @needs_packing
