@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from fulcrum.kernels import cpu_gemv
 from fulcrum.utils import cpu_isa
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def supported() -> bool:
 
 def packed_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a weight of `dtype` is packed in: its own, but bf16 where torch has no native bf16 matmul."""
-    return torch.float32 if dtype == torch.bfloat16 and not cpu_isa.torch_at_least("avx512_bf16") else dtype
+    return torch.float32 if dtype == torch.bfloat16 and not cpu_gemv.native_bf16_matmul() else dtype
 
 
 @functools.cache
@@ -93,27 +94,28 @@ def _mem_available() -> int:
     return 0
 
 
-_warned = False
+_stopped = False
+
+
+def _stop(reason: str, *args) -> None:
+    """Log once per process why packing stopped; the layer keeps the plain path."""
+    global _stopped
+    if not _stopped:
+        log.info("oneDNN weight prepacking stops: " + reason, *args)
+        _stopped = True
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight [out, in] in oneDNN's blocked layout, or None where it does not apply or would not fit."""
-    global _warned
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32) or not supported():
         return None
     dtype = packed_dtype(weight.dtype)
     if _mem_available() - weight.numel() * dtype.itemsize < RESERVE_BYTES:
-        if not _warned:
-            log.info("oneDNN weight prepacking stops: a second copy would leave under %d GiB free", RESERVE_BYTES >> 30)
-            _warned = True
-        return None
+        return _stop("a second copy would leave under %d GiB free", RESERVE_BYTES >> 30)
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), PACKED_FOR_ROWS)
     except RuntimeError as e:  # oneDNN capped below what it needs (ONEDNN_MAX_CPU_ISA set by hand): the plain path
-        if not _warned:
-            log.info("oneDNN weight prepacking stops: %s", e)
-            _warned = True
-        return None
+        return _stop("%s", e)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
