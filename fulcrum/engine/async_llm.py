@@ -166,8 +166,9 @@ class AsyncLLM:
         core.given += len(children)
         finished = False
         try:
-            for m in msgs:
-                core.inp.send_multipart([ADD, m])
+            # one multipart message: the core takes a request's samples together, so they are scheduled in the same
+            # step whatever the timing (their prefill rows, and so their logits' rounding, do not depend on a race)
+            core.inp.send_multipart([ADD, *msgs])
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):

@@ -92,9 +92,10 @@ def _loop(core: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
         timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
         while pull.poll(timeout):
             timeout = 0
-            kind, payload = pull.recv_multipart()
-            if kind == ADD:
-                outputs.extend(_add(core, payload))
+            kind, payload, *more = pull.recv_multipart()
+            if kind == ADD:  # a request's samples come as one message of several parts
+                for part in (payload, *more):
+                    outputs.extend(_add(core, part))
             elif kind == ABORT:
                 outputs.extend(core.abort_requests(decode_ids(payload)))
             elif kind == FINISH:
