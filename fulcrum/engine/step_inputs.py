@@ -3,6 +3,7 @@ block tables, as plain lists (what rank 0 broadcasts to the other ranks of a par
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -39,8 +40,13 @@ class StepInputs:
     # not sent to other ranks: what rank 0 needs to read the logits back
     spans: list[PromptLogprobSpan] = field(default_factory=list)
     last_idx: list[int] = field(default_factory=list)  # every request's last row
+    # async scheduling: (row, request id) of the tokens still being sampled by the step in flight; their ids are
+    # that step's sampled tokens, copied on the device (engine/model_runner.py), 0 here until then
+    placeholders: list[tuple[int, str]] = field(default_factory=list)
 
     def for_other_ranks(self) -> StepInputs:
+        if self.placeholders:
+            raise RuntimeError("a step with tokens in flight runs on one rank only (async scheduling)")
         return replace(self, spans=[], last_idx=[])
 
 
@@ -57,8 +63,12 @@ def build(scheduled: list[ScheduledRequest], block_size: int, decode_rows: int) 
         ctx = start + n
         known = req.all_token_ids
         si.ids.extend(known[start:ctx])
-        if ctx > len(known):  # the proposals after the known tokens
+        if ctx > len(known) and s.spec_token_ids:  # the proposals after the known tokens
             si.ids.extend(s.spec_token_ids[max(start - len(known), 0) : ctx - len(known)])
+        elif ctx > len(known):  # async scheduling: tokens the step in flight samples, read on the device
+            for p in range(max(start, len(known)), ctx):
+                si.placeholders.append((t + p - start, req.request_id))
+                si.ids.append(0)
         pos = range(start, ctx)
         si.positions.extend(pos)
         si.slots.extend(table[p // bs] * bs + p % bs for p in pos)
@@ -98,21 +108,76 @@ def split(scheduled: list[ScheduledRequest], parts: int) -> list[list[ScheduledR
 
 
 def to_tensors(si: StepInputs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    def table_tensor(tables):
-        width = max(len(x) for x in tables)
-        return torch.tensor([x + [0] * (width - len(x)) for x in tables], dtype=torch.long, device=device)
-
+    """The step's tensors on `device`. Every integer field travels in one host-to-device copy (from pinned memory on
+    CUDA, without waiting for it): a copy per field costs a launch and a sync each, which a GPU step cannot spare.
+    A step with prefills also gets its sequences as one varlen batch (prefill chunks and decode rows alike), for the
+    attention kernels that take a mixed step in one call."""
+    host = _Packed()
+    ids, positions, slots = host.add(si.ids), host.add(si.positions), host.add(si.slots)
+    prefill_tables = host.add_table(si.prefill_tables) if si.prefill_tables else None
+    decode = None
+    if si.decode_idx:
+        decode = host.add(si.decode_idx), host.add_table(si.decode_tables), host.add(si.decode_ctx)
+    varlen = None
+    if si.prefills:
+        seqs = [(start, n, ctx, si.prefill_tables[row]) for start, n, ctx, row in si.prefills]
+        seqs += [(t, 1, c, tb) for t, c, tb in zip(si.decode_idx, si.decode_ctx, si.decode_tables)]
+        starts, lens, ctxs, tables = (list(x) for x in zip(*seqs))
+        varlen = host.add(starts), host.add(lens), host.add(ctxs), host.add_table(tables), max(lens)
+    dev = host.to(device)
     meta = AttentionMetadata(
         query_lens=si.query_lens,
-        slot_mapping=torch.tensor(si.slots, dtype=torch.long, device=device),
+        slot_mapping=dev(slots),
         prefills=si.prefills,
-        block_tables=table_tensor(si.prefill_tables) if si.prefill_tables else None,
+        block_tables=dev(prefill_tables) if prefill_tables else None,
     )
-    if si.decode_idx:
-        meta.decode_token_idx = torch.tensor(si.decode_idx, dtype=torch.long, device=device)
-        meta.decode_block_tables = table_tensor(si.decode_tables)
-        meta.decode_context_lens = torch.tensor(si.decode_ctx, dtype=torch.long, device=device)
+    if decode is not None:
+        meta.decode_token_idx, meta.decode_block_tables, meta.decode_context_lens = (dev(x) for x in decode)
         meta.decode_max_context = max(si.decode_ctx)
-    input_ids = torch.tensor(si.ids, dtype=torch.long, device=device)
-    positions = torch.tensor(si.positions, dtype=torch.long, device=device)
-    return input_ids, positions, meta
+    if varlen is not None:
+        meta.seq_query_start, meta.seq_query_lens, meta.seq_context_lens, meta.seq_block_tables = (
+            dev(x) for x in varlen[:4]
+        )
+        meta.max_query_len = varlen[4]
+    return dev(ids), dev(positions), meta
+
+
+def to_device(x: torch.Tensor | list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Values on `device` without waiting: on CUDA through pinned memory and an asynchronous copy (a copy from
+    pageable memory waits for everything queued before it, which would stall async scheduling behind the step in
+    flight). The caching host allocator keeps the pinned buffer until the copy is done."""
+    host = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+class _Packed:
+    """Integer fields laid end to end in one int64 buffer; `add` returns where a field lies, `to(device)` a function
+    that gives each field's view of the one copy."""
+
+    def __init__(self):
+        self.values: list[int] = []
+
+    def add(self, values: list[int], shape: tuple[int, ...] | None = None) -> tuple[int, tuple[int, ...]]:
+        start = len(self.values)
+        self.values.extend(values)
+        return start, shape or (len(values),)
+
+    def add_table(self, rows: list[list[int]]) -> tuple[int, tuple[int, ...]]:
+        """Rows padded with block 0 to the longest (entries past a row's context are never read)."""
+        width = max(len(r) for r in rows)
+        start = len(self.values)
+        for r in rows:
+            self.values.extend(r)
+            self.values.extend([0] * (width - len(r)))
+        return start, (len(rows), width)
+
+    def to(self, device: torch.device):
+        flat = to_device(self.values, device, torch.long)
+
+        def view(field: tuple[int, tuple[int, ...]]) -> torch.Tensor:
+            start, shape = field
+            return flat[start : start + math.prod(shape)].view(shape)
+
+        return view

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fulcrum.kernels import cpu_attention, cpu_rope
+from fulcrum.kernels import triton as triton_kernels
 from fulcrum.layers.rotary import apply_rotary
 from fulcrum.quant import kv as kv_quant
 from fulcrum.quant.kv import KVFormat
@@ -35,6 +36,13 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # [D]
     decode_max_context: int = 0
+    # the step's sequences as one varlen batch, prefill chunks and decode rows alike (set when it has prefills), for
+    # kernels that take a mixed step in one call: first query row, query length, context length, block table
+    seq_query_start: torch.Tensor | None = None  # [S]
+    seq_query_lens: torch.Tensor | None = None  # [S]
+    seq_context_lens: torch.Tensor | None = None  # [S]
+    seq_block_tables: torch.Tensor | None = None  # [S, max_blocks]
+    max_query_len: int = 0
     # what every layer would compute alike from the fields above (the decode mask), computed by the first
     shared: dict = field(default_factory=dict)
 
@@ -144,6 +152,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q [T, H, hd], k and v [T, KVH, hd]; `rope` (cos, signed sin [T, 1, hd]) rotates q and k first."""
         cached = meta.slot_mapping is not None and self.k_cache is not None
+        if cached and self._triton_step(q, meta):
+            return self._forward_triton(q, k, v, meta, rope)
         kc, vc = (self.k_cache, self.v_cache) if cached else (None, None)
         scales = (self.k_scales, self.v_scales) if cached and self.kv_format is not None else (None, None)
         if rope is not None and cpu_rope.usable(q, k, v, rope[0], rope[1], kc):
@@ -170,6 +180,30 @@ class Attention(nn.Module):
         if meta.decode_token_idx is not None:
             out[meta.decode_token_idx] = self._decode(q[meta.decode_token_idx], meta)
         return out
+
+    def _triton_step(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """The Triton kernels take the step (on CUDA, or forced on CPU): a decode-only step, or one whose sequences
+        the model runner laid out as a varlen batch."""
+        decode_only = not meta.prefills and meta.decode_token_idx is not None
+        return (decode_only or meta.seq_query_start is not None) and triton_kernels.usable(q)
+
+    def _forward_triton(self, q, k, v, meta: AttentionMetadata, rope) -> torch.Tensor:
+        """Rotary and the cache write in one kernel, then one attention kernel over the paged cache for the whole
+        step: decode rows only (split over the context for long ones), or a mixed step as one varlen batch."""
+        from fulcrum.kernels.triton import decode_attention, prefill_attention, rope_cache
+
+        cos, sin = rope if rope is not None else (None, None)
+        kc, vc, ks, vs = self.k_cache, self.v_cache, self.k_scales, self.v_scales
+        rope_cache.rope_and_cache(q, k, v, cos, sin, meta.slot_mapping, kc, vc, ks, vs)
+        opts = dict(sliding_window=self.sliding_window, softcap=self.logit_softcap, k_scales=ks, v_scales=vs)
+        if not meta.prefills:
+            return decode_attention.paged_decode(
+                q, kc, vc, meta.decode_block_tables, meta.decode_context_lens, self.scale, **opts
+            )
+        return prefill_attention.paged_prefill(
+            q, kc, vc, meta.seq_query_start, meta.seq_query_lens, meta.seq_context_lens, meta.seq_block_tables,
+            self.scale, meta.max_query_len, out=torch.empty_like(q), **opts,
+        )  # fmt: skip
 
     def _forward_no_cache(self, q, k, v, meta):
         out = torch.empty_like(q)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from fulcrum.kernels import cpu_norm
+from fulcrum.kernels import triton as triton_kernels
 from fulcrum.layers.linear import copy_checked
 
 
@@ -19,6 +20,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_norm.usable(x, self.weight):
             return cpu_norm.rms_norm(x, self.weight, self.eps)
+        if triton_kernels.usable(x) and x.dim() == 2:
+            from fulcrum.kernels.triton import rms_norm
+
+            return rms_norm.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -44,5 +49,9 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_norm.usable(x, self.weight):
             return cpu_norm.rms_norm(x, self.weight, self.eps)  # float32 input: the same arithmetic in one pass
+        if triton_kernels.usable(x) and x.dim() == 2:
+            from fulcrum.kernels.triton import rms_norm
+
+            return rms_norm.rms_norm(x, self.weight, self.eps, gemma=True)
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fulcrum.errors import InvalidRequestError
+from fulcrum.kernels import triton as triton_kernels
 from fulcrum.layers.attention import Attention, AttentionMetadata, causal_mask
 from fulcrum.quant.kv import KVFormat
 
@@ -134,6 +135,8 @@ class MLAAttention(Attention):
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One query token per sequence, all sequences in one call: q [D, H, qk] -> [D, H, v]."""
+        if self.absorb and triton_kernels.usable(q):
+            return self._decode_triton(q, meta)
         bs = self.k_cache.shape[1]
         nblocks = -(-meta.decode_max_context // bs)
         rows = self.k_cache[meta.decode_block_tables[:, :nblocks]].flatten(1, 2).to(q.dtype)  # [D, L, row]
@@ -149,6 +152,20 @@ class MLAAttention(Attention):
         qf = torch.cat((q_lat, q_pe), -1).unsqueeze(1)
         o_lat = self._attend_rows(qf, rows.unsqueeze(1), rows[..., : self.kv_lora_rank].unsqueeze(1), mask)
         return torch.matmul(o_lat.squeeze(1).transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def _decode_triton(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The absorbed decode through the paged decode kernel, reading the cache rows where they lie: one KV head
+        (the row) whose values are the row's first kv_lora_rank entries, every query head in its group."""
+        from fulcrum.kernels.triton import decode_attention
+
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], -1)
+        q_lat = torch.matmul(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [D, H, kv_lora_rank]
+        rows = self.k_cache.unsqueeze(2)  # [blocks, block_size, 1, row]
+        o_lat = decode_attention.paged_decode(
+            torch.cat((q_lat, q_pe), -1).contiguous(), rows, rows[..., : self.kv_lora_rank],
+            meta.decode_block_tables, meta.decode_context_lens, self.scale,
+        )  # fmt: skip
+        return torch.matmul(o_lat.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T * scale) v with the scores' softmax in float32, where `mask` (True where allowed) is False

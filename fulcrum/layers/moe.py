@@ -17,6 +17,7 @@ from torch import nn
 from fulcrum.distributed.parallel_state import expert_parallel, tp_all_reduce, tp_rank, tp_size
 from fulcrum.errors import WeightLoadError, WeightShapeError
 from fulcrum.kernels import cpu_gemv
+from fulcrum.kernels import triton as triton_kernels
 from fulcrum.layers.activation import SiluAndMul
 from fulcrum.layers.linear import LinearBase, divide
 
@@ -163,6 +164,12 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] -> sum over each token's k experts of weight * expert(x), [T, H] (under
         tensor parallelism this rank's partial sum, which the caller all-reduces)."""
+        if triton_kernels.usable(x) and self.local is None:
+            # both GEMMs as grouped Triton kernels over the expert-sorted slots, with no host sync (CUDA graphs)
+            from fulcrum.kernels.triton import moe as triton_moe
+
+            w13, w2 = self.gate_up_proj.weight, self.down_proj.weight
+            return triton_moe.fused_experts(x, w13, w2, topk_weights, topk_ids, self.act)
         tokens, k = topk_ids.shape
         flat = topk_ids.flatten()
         order = flat.argsort(stable=True)  # the T * k (token, choice) slots grouped by expert

@@ -167,7 +167,9 @@ def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | N
     if generators:
         for row, gen in enumerate(generators):
             if gen is not None:
-                noise[row] = seeded_noise(gen, probs.shape[1]).to(probs.device)
+                drawn = seeded_noise(gen, probs.shape[1])
+                # pinned and asynchronous on CUDA: a copy from pageable memory would wait for the queued step
+                noise[row] = drawn.pin_memory().to(probs.device, non_blocking=True) if probs.is_cuda else drawn
     return noise
 
 

@@ -14,6 +14,7 @@ from fulcrum.config import rope_parameters
 from fulcrum.distributed import parallel_state
 from fulcrum.distributed.parallel_state import layer_range
 from fulcrum.kernels import cpu_decode_stack
+from fulcrum.kernels import triton as triton_kernels
 from fulcrum.kernels.cpu_decode_stack import DecodeStack, LayerTensors
 from fulcrum.layers.activation import SiluAndMul
 from fulcrum.layers.attention import Attention, AttentionMetadata
@@ -98,8 +99,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
     def forward(self, rope, x, meta):
-        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(rope, self.input_layernorm(x), meta)
+        norm = self.post_attention_layernorm
+        if type(norm) is RMSNorm and triton_kernels.usable(x):  # the residual add and the norm in one kernel
+            from fulcrum.kernels.triton import rms_norm
+
+            h, x = rms_norm.rms_norm(h, norm.weight, norm.eps, residual=x)  # x += h in place
+            return x + self.mlp(h)
+        x = x + h
+        return x + self.mlp(norm(x))
 
 
 def fused_decode_stack(layers: list[nn.Module]) -> DecodeStack | None:
