@@ -102,7 +102,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="run every step through the layer modules (no fused CPU decode stack), as vLLM's flag keeps eager mode",
+        help="run every step through the layer modules: no fused CPU decode stack, no CUDA graphs (as vLLM's flag)",
+    )
+    g.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="schedule and launch each step before the previous one's tokens are read back (a GPU's host work "
+        "hides behind its compute); steps with grammars, penalties or prompt logprobs run synchronously",
     )
     g.add_argument(
         "--cpu-bind",
@@ -188,6 +194,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_dtype=args.kv_cache_dtype,
         cpu_bind=args.cpu_bind,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         speculative_config=args.speculative_config,
         data_parallel_size=args.data_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,

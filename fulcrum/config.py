@@ -179,8 +179,13 @@ class EngineConfig:
     cpu_threads: int | None = None
     cpu_bind: str = "auto"
     # vLLM's switch for eager PyTorch: here it keeps decode steps on the layer modules instead of the fused decode
-    # stack (kernels/cpu_decode_stack.py), which otherwise runs a CPU decode step's layers in one C++ call
+    # stack (kernels/cpu_decode_stack.py), which otherwise runs a CPU decode step's layers in one C++ call, and on
+    # CUDA it turns off the captured decode graphs (engine/cuda_graphs.py)
     enforce_eager: bool = False
+    # vLLM's --async-scheduling: the next step is scheduled and launched before the one in flight is read back (its
+    # sampled tokens reach the next step's inputs on the device), so the host's work hides behind the GPU's. Steps
+    # with grammars, penalties or prompt logprobs, speculation, P/D and parallel engines run synchronously.
+    async_scheduling: bool = False
     # weight-only quantization at load time (int8 per channel, int4 per group of quantization_group_size inputs)
     quantization: str | None = None
     quantization_group_size: int = 128

@@ -6,6 +6,7 @@ It speaks token ids only, so it can run in a process of its own behind a small m
 
 from __future__ import annotations
 
+import itertools
 import logging
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from traceback import format_exception_only
@@ -18,7 +19,7 @@ from fulcrum.engine.kv_cache import KVCacheManager
 from fulcrum.engine.kv_events import EventPublisher, KVEventsConfig, medium_of
 from fulcrum.engine.kv_transfer import KVTransfer, KVTransferConfig
 from fulcrum.engine.messages import SchedulerStats
-from fulcrum.engine.model_runner import ModelRunner, ModelRunnerOutput
+from fulcrum.engine.model_runner import ModelRunner, ModelRunnerOutput, PendingStep
 from fulcrum.engine.outputs import EngineCoreOutput
 from fulcrum.engine.request import Request, RequestStatus
 from fulcrum.engine.scheduler import Scheduler, SchedulerOutput
@@ -30,6 +31,14 @@ from fulcrum.sampling_params import SamplingParams
 from fulcrum.utils.hf_config import layer_sliding_windows
 
 log = logging.getLogger(__name__)
+
+
+def needs_every_token(req: Request) -> bool:
+    """A request whose next step needs all its tokens on the host: its grammar's mask, its penalties' counts, or its
+    prompt's scoring reads them (async scheduling runs such steps synchronously)."""
+    p = req.sampling_params
+    penalties = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
+    return req.grammar is not None or bool(penalties) or req.wants_prompt_logprobs
 
 
 def is_fatal(e: BaseException) -> bool:
@@ -87,6 +96,11 @@ class EngineCore:
         self.runner.structured = self.structured
         # requests whose grammar is compiling: they join the scheduler when it is ready
         self.compiling: dict[str, tuple[Request, Future]] = {}
+        # async scheduling (config.async_scheduling): the launched step not yet read back, with its sampling requests
+        self.in_flight: tuple[SchedulerOutput, list[str], PendingStep] | None = None
+        self.async_scheduling = config.async_scheduling and not (self.proposer or self.workers or self.kv_transfer)
+        if config.async_scheduling and not self.async_scheduling:
+            log.info("async scheduling off: speculative decoding, P/D and parallel engines run synchronously")
         log.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %s)",
             self.kv.num_blocks,
@@ -161,7 +175,8 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         busy = self.kv_transfer is not None and self.kv_transfer.busy()
-        return self.scheduler.has_unfinished() or bool(self.compiling) or busy
+        in_flight = getattr(self, "in_flight", None) is not None
+        return self.scheduler.has_unfinished() or bool(self.compiling) or busy or in_flight
 
     def housekeeping(self) -> None:
         """What goes on between steps, idle ones too: KV pulls that ended join the scheduler, leases end."""
@@ -190,15 +205,29 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         failed = self._admit_compiled() if self.compiling else []
         self.housekeeping()
+        if self.async_scheduling:
+            return failed + self._step_async()
+        return failed + self._step_sync()
+
+    def _step_sync(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         if self.kv_transfer is not None:
             self.kv_transfer.after_schedule(self.scheduler.requests)
         if not sched.scheduled:
-            if self.compiling and not failed:  # nothing to run until a compile ends: wait for it, do not spin
-                wait([f for _, f in self.compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
-            elif self.kv_transfer is not None and self.kv_transfer.busy():  # the same for KV pulls
-                self.kv_transfer.wait(0.05)
-            return failed
+            self._wait_idle()
+            return []
+        return self._execute(sched)
+
+    def _wait_idle(self) -> None:
+        if self.compiling:  # nothing to run until a compile ends: wait for it, do not spin
+            wait([f for _, f in self.compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+        elif self.kv_transfer is not None and self.kv_transfer.busy():  # the same for KV pulls
+            self.kv_transfer.wait(0.05)
+
+    def _execute(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Run a scheduled step and take its tokens, synchronously; a step that fails is retried request by request
+        (those that fail alone end with an error)."""
+        failed = []
         generators = self._generator_states(sched)
         try:
             if self.workers is not None:
@@ -221,23 +250,87 @@ class EngineCore:
                 self.spec_stats.observe(len(s.spec_token_ids), len(result.sampled[s.request.request_id]) - 1)
         before = {s.request.request_id: s.request.num_output_tokens for s in sched.scheduled}
         finished = {r.request_id for r in self.scheduler.update(sched, result.sampled)}
-        outputs = failed
+        outputs = failed + self._outputs(sched, result, set(result.sampled), finished, before)
+        if self.proposer is not None:
+            self._propose(sched, result)
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv.take_events())
+        return outputs
+
+    def _outputs(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput, taken: set[str], finished: set[str], before: dict
+    ) -> list[EngineCoreOutput]:
+        """One output per request whose tokens this step took (`taken`) or that finished in it."""
+        outputs = []
         for s in sched.scheduled:
             req = s.request
             rid = req.request_id
-            if rid not in result.sampled and rid not in finished:
-                continue  # a prefill chunk that did not reach the end of the prompt
+            if rid not in taken and rid not in finished:
+                continue  # a prefill chunk that did not reach the end of the prompt, or a token dropped
             # the tokens taken: with speculation several, fewer than sampled when a stop came first
             new = req.output_token_ids[before[rid] :]
             if req.status == RequestStatus.FINISHED_ERROR:
                 new = []  # the token that failed it was not taken
             logprobs = result.logprobs.get(rid)
             outputs.append(self._output(req, new, logprobs[: len(new)] if logprobs else logprobs))
-        if self.proposer is not None:
-            self._propose(sched, result)
+        return outputs
+
+    # -- async scheduling ---------------------------------------------------------------------------
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """Schedule and launch the next step, then read back the one in flight (its tokens become the next step's
+        inputs on the device), so that the host's scheduling, input building and launches overlap the device's
+        work. Steps that need every token on the host first (grammars, penalties, prompt logprobs) drain the step
+        in flight and run synchronously."""
+        if not self._can_overlap():
+            return self._drain() + self._step_sync()
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            outputs = self._drain()
+            if not outputs:
+                self._wait_idle()
+            return outputs
+        prev = self.in_flight
+        generators = self._generator_states(sched)
+        try:
+            pending = self.runner.launch(sched, prev[2] if prev else None)
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            # the step in flight first; then this one, whose in-flight tokens are known by then, as a synchronous
+            # step (retried request by request), less the requests that step finished
+            self._restore_generators(generators)
+            log.warning("an async step of %d requests failed (%s); running it synchronously", len(sched.scheduled), e)
+            outputs = self._drain()
+            sched.scheduled = [s for s in sched.scheduled if not s.request.status.finished]
+            return outputs + (self._execute(sched) if sched.scheduled else [])
+        self.in_flight = (sched, self.scheduler.advance(sched), pending)
         if self.kv_events is not None:
             self.kv_events.publish(self.kv.take_events())
-        return outputs
+        return self._complete(prev) if prev else []
+
+    def _complete(self, in_flight: tuple[SchedulerOutput, list[str], PendingStep]) -> list[EngineCoreOutput]:
+        """A launched step's tokens read back and taken (waits for the device)."""
+        sched, sampling, pending = in_flight
+        result = pending.result()
+        live = [s for s in sched.scheduled if not s.request.status.finished]
+        before = {s.request.request_id: s.request.num_output_tokens for s in sched.scheduled}
+        finished = {r.request_id for r in self.scheduler.resolve(sched, sampling, result.sampled)}
+        taken = {s.request.request_id for s in live} & set(sampling)
+        return self._outputs(sched, result, taken, finished, before)
+
+    def _drain(self) -> list[EngineCoreOutput]:
+        """Complete the step in flight, if any."""
+        if self.in_flight is None:
+            return []
+        in_flight, self.in_flight = self.in_flight, None
+        return self._complete(in_flight)
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the tokens in flight are known: not when a request's
+        sampling reads its own output so far (a grammar, penalties) or its prompt is scored."""
+        reqs = itertools.chain(self.scheduler.running, self.scheduler.waiting)
+        return not any(needs_every_token(r) for r in reqs)
 
     # -- speculative decoding ----------------------------------------------------------------------
 

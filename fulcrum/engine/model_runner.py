@@ -5,6 +5,7 @@ decoding, verifies its proposals and samples one token more)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -13,14 +14,15 @@ import torch
 from fulcrum.config import EngineConfig, ModelConfig
 from fulcrum.distributed import parallel_state
 from fulcrum.distributed.parallel_state import pp_recv_prev, pp_send_next
-from fulcrum.engine import step_inputs
+from fulcrum.engine import cuda_graphs, step_inputs
 from fulcrum.engine.request import Request
 from fulcrum.engine.scheduler import ScheduledRequest, SchedulerOutput
 from fulcrum.engine.spec.rejection import verify
-from fulcrum.engine.step_inputs import StepInputs
+from fulcrum.engine.step_inputs import StepInputs, to_device
 from fulcrum.engine.structured import StructuredOutputs
 from fulcrum.errors import InvalidRequestError, KVCacheTooSmallError
 from fulcrum.kernels import cpu_malloc, cpu_threads, huge_page_empty, move_parameters_to_huge_pages, warm_up
+from fulcrum.kernels import triton as triton_kernels
 from fulcrum.layers.attention import Attention, AttentionMetadata, attach_kv_cache
 from fulcrum.layers.sampler import Sampler, SamplingMetadata
 from fulcrum.models.loader import load_model
@@ -97,6 +99,7 @@ class ModelRunner:
             a.kv_bytes_per_token(model_config.dtype, self.kv_format) for a in self.attn_layers
         )
         self.sampler = Sampler()
+        self.graphs: cuda_graphs.DecodeGraphs | None = None  # captured decode steps (CUDA; set once the cache is)
         self.structured: StructuredOutputs | None = None  # the engine core's grammars, for the token bitmask
         # Tokens of one request computed as decode rows, each over its own prefix, when it has context: a step
         # verifying k proposals (or a draft catching up a token or two) runs them all in the batched decode
@@ -119,6 +122,7 @@ class ModelRunner:
             draft.attach_kv_cache(self.num_blocks)
         # build or load the CPU kernels now, not in the middle of the first request
         warm_up(self.device, quantized=model_config.quantization is not None, quantized_kv=self.kv_format is not None)
+        self.graphs = self._capture_graphs()
         if self.device.type == "cpu":  # after the builds, which would otherwise inherit the pinning
             try:
                 cfg = engine_config
@@ -141,6 +145,31 @@ class ModelRunner:
         self.kv_cache, self.kv_scales = attach_kv_cache(
             self.attn_layers, num_blocks, self.block_size, self.model_config.dtype, self.kv_format, self.device, empty
         )
+
+    def _capture_graphs(self) -> cuda_graphs.DecodeGraphs | None:
+        """Decode steps captured as CUDA graphs, one per batch-size bucket (engine/cuda_graphs.py); None on CPU, with
+        --enforce-eager, in a parallel engine, or for a model whose decode step cannot be captured (logged)."""
+        if self.device.type != "cuda" or self.config.enforce_eager or self.world_size > 1:
+            return None
+        why = cuda_graphs.supported(self.model)
+        if why is None and not triton_kernels.usable(torch.empty(0, device=self.device)):
+            why = "the Triton kernels are not in use"
+        if why is not None:
+            log.info("CUDA graphs off: %s", why)
+            return None
+        sizes = cuda_graphs.capture_sizes(self.config.max_num_seqs)
+        max_blocks = -(-self.model_config.max_model_len // self.block_size)
+        graphs = cuda_graphs.DecodeGraphs(self.model, self.device, sizes, max_blocks)
+        t0 = time.perf_counter()
+        try:
+            graphs.capture()
+        except Exception as e:  # a layer that syncs with the host or allocates in a way capture refuses
+            log.warning("CUDA graphs off: capturing the decode step failed (%s: %s)", type(e).__name__, e)
+            torch.cuda.synchronize(self.device)
+            return None
+        log.info("CUDA graphs: %d decode batch sizes up to %d captured in %.1f s", len(sizes), sizes[-1],
+                 time.perf_counter() - t0)  # fmt: skip
+        return graphs
 
     # -- KV cache size ---------------------------------------------------------------------------
 
@@ -187,7 +216,7 @@ class ModelRunner:
         ahead = ahead or [[] for _ in reqs]
 
         def col(values, dtype=torch.float32):
-            return torch.tensor(values, dtype=dtype, device=dev)
+            return to_device(values, dev, dtype)
 
         temps = [0.0 if p.greedy else p.temperature for p in params]
         meta = SamplingMetadata(temperature=col(temps), all_greedy=all(p.greedy for p in params))
@@ -211,23 +240,23 @@ class ModelRunner:
         under_min = [
             i
             for i, (r, a) in enumerate(zip(reqs, ahead))
-            if r.num_output_tokens + len(a) < r.sampling_params.min_tokens
+            if r.num_output_tokens + r.num_placeholders + len(a) < r.sampling_params.min_tokens
         ]
         if under_min:
-            banned = torch.zeros(len(reqs), V, dtype=torch.bool, device=dev)
+            banned = torch.zeros(len(reqs), V, dtype=torch.bool)  # built here, then one copy to the device
             for i in under_min:
                 req = reqs[i]
                 stop_ids = list(req.sampling_params.stop_token_ids)
                 if not req.sampling_params.ignore_eos:
                     stop_ids += req.eos_token_ids
                 banned[i, [t for t in stop_ids if 0 <= t < V]] = True
-            meta.banned = banned
+            meta.banned = to_device(banned, dev)
         if any(p.logit_bias for p in params):
-            bias = torch.zeros(len(reqs), V, device=dev)
+            bias = torch.zeros(len(reqs), V)
             for i, p in enumerate(params):
                 if p.logit_bias:
-                    bias[i, list(p.logit_bias)] = col(list(p.logit_bias.values()))
-            meta.logit_bias = bias
+                    bias[i, list(p.logit_bias)] = torch.tensor(list(p.logit_bias.values()))
+            meta.logit_bias = to_device(bias, dev)
         if not self.structured:
             masks = None
         elif any(ahead):
@@ -280,15 +309,22 @@ class ModelRunner:
 
     # -- the forward, on every rank ----------------------------------------------------------------
 
-    def forward_logits(self, steps: list[StepInputs]) -> list[torch.Tensor | None]:
+    def forward_logits(self, steps: list[StepInputs], prev: PendingStep | None = None) -> list[torch.Tensor | None]:
         """Run the step's micro-batches through this rank's layers; the logits of each one's `logits_rows` on the
         last pipeline stage (None elsewhere, and for a micro-batch without such rows). Every rank of the engine runs
         this with the same inputs (rank 0 broadcasts them): tensor-parallel ranks meet in their all-reduces, a stage
         takes each micro-batch's hidden states from the one before and hands them on without waiting, so that the
-        stages overlap over the micro-batches."""
+        stages overlap over the micro-batches. `prev`: the step in flight, whose sampled tokens are this step's
+        placeholders (async scheduling)."""
         out, sends = [], []
         for si in steps:
+            in_flight = self._in_flight_tokens(si, prev)
+            if self.graphs is not None and self.graphs.fits(si):
+                out.append(self.graphs.run(si, in_flight))  # a decode step: one graph replay
+                continue
             input_ids, positions, meta = step_inputs.to_tensors(si, self.device)
+            if in_flight is not None:
+                input_ids[in_flight[0]] = in_flight[1]
             hidden = None
             if not self.first_stage:
                 hidden = pp_recv_prev((len(si.ids), self.hidden_size), self.model_config.dtype, self.device)
@@ -297,14 +333,29 @@ class ModelRunner:
                 sends.append((pp_send_next(h), h))  # h lives until its send is done
                 out.append(None)
             elif si.logits_rows:
-                out.append(self.model.compute_logits(h[torch.tensor(si.logits_rows, device=self.device)]))
+                out.append(self.model.compute_logits(h[to_device(si.logits_rows, self.device, torch.long)]))
             else:
                 out.append(None)
         for work, _ in sends:
             work.wait()
         return out
 
-    def _run(self, scheduled: list[ScheduledRequest]) -> tuple[list[StepInputs], list[torch.Tensor | None]]:
+    def _in_flight_tokens(self, si: StepInputs, prev: PendingStep | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, token ids) of the step's placeholders, the ids read from the step in flight where they lie (on the
+        device: no wait for them)."""
+        if not si.placeholders:
+            return None
+        if prev is None or prev.token_ids is None:
+            raise RuntimeError("a step has tokens in flight but no step in flight samples them")
+        index = prev.index()
+        rows = [r for r, _ in si.placeholders]
+        src = [index[rid] for _, rid in si.placeholders]
+        rows, src = to_device([rows, src], self.device, torch.long)
+        return rows, prev.token_ids[src]
+
+    def _run(
+        self, scheduled: list[ScheduledRequest], prev: PendingStep | None = None
+    ) -> tuple[list[StepInputs], list[torch.Tensor | None]]:
         """Rank 0's part: the step's inputs (split into micro-batches under pipeline parallelism), sent to the other
         ranks, then its own forward."""
         # one micro-batch per pipeline stage, so that each stage has one to work on while the next takes its last
@@ -312,14 +363,19 @@ class ModelRunner:
         steps = [step_inputs.build(g, self.block_size, self.decode_rows) for g in groups]
         if self.world_size > 1:
             parallel_state.broadcast_control(("step", [si.for_other_ranks() for si in steps]))
-        return steps, self.forward_logits(steps)
+        return steps, self.forward_logits(steps, prev)
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(out).result()
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def launch(self, out: SchedulerOutput, prev: PendingStep | None = None) -> PendingStep:
+        """Run the step and sample, leaving the sampled tokens where they are (`PendingStep.result` reads them back):
+        on a GPU this returns once the work is queued. `prev`: the step in flight (async scheduling)."""
         result = ModelRunnerOutput()
         if not out.scheduled:
-            return result
-        steps, logits = self._run(out.scheduled)
+            return PendingStep(result)
+        steps, logits = self._run(out.scheduled, prev)
         sample_logits = []
         for si, lg in zip(steps, logits):
             if lg is None:
@@ -330,23 +386,13 @@ class ModelRunner:
             sample_logits.append(lg[si.num_prompt_rows :])
         rows = [s for s in out.scheduled if s.samples]
         if not rows:
-            return result
+            return PendingStep(result)
         logits = torch.cat(sample_logits) if len(sample_logits) > 1 else sample_logits[0]
         if any(s.spec_token_ids for s in rows):
             self._verify(rows, logits, result)
-            return result
-        sm = self._sampling_metadata([s.request for s in rows])
-        sampled = self.sampler(logits, sm)
-        tokens = sampled.token_ids.tolist()
-        lp = sampled.logprobs.tolist() if sampled.logprobs is not None else None
-        lp_ids = sampled.logprob_token_ids.tolist() if sampled.logprobs is not None else None
-        for i, s in enumerate(rows):
-            rid = s.request.request_id
-            result.sampled[rid] = [tokens[i]]
-            k = s.request.sampling_params.logprobs
-            if lp is not None and k is not None:
-                result.logprobs[rid] = [_logprob_entry(lp_ids[i], lp[i], k)]
-        return result
+            return PendingStep(result)
+        sampled = self.sampler(logits, self._sampling_metadata([s.request for s in rows]))
+        return PendingStep(result, [(s.request.request_id, s.request.sampling_params.logprobs) for s in rows], sampled)
 
     def _verify(self, rows: list[ScheduledRequest], logits: torch.Tensor, result: ModelRunnerOutput) -> None:
         """A step with proposals: each sampling request has 1 + len(proposals) rows of logits; rejection sampling
@@ -399,6 +445,45 @@ class ModelRunner:
                         entry.setdefault(tid, (v, r + 1))
                 entries.append(entry)
             result.prompt_logprobs[req.request_id] = entries
+
+
+class PendingStep:
+    """A launched step: what is known already, and its sampled tokens (with their logprobs) on their way back. On
+    CUDA they are copied into pinned memory without waiting; `result` waits for that copy alone."""
+
+    def __init__(self, result: ModelRunnerOutput, rows: list[tuple[str, int | None]] = (), sampled=None):
+        self._result, self.rows = result, list(rows)
+        self.token_ids = None if sampled is None else sampled.token_ids  # [rows] where sampled: the next step reads it
+        self._host, self._event = None, None
+        if sampled is None:
+            return
+        tensors = [sampled.token_ids]
+        if sampled.logprobs is not None:
+            tensors += [sampled.logprobs, sampled.logprob_token_ids]
+        if self.token_ids.is_cuda:
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, t in zip(self._host, tensors):
+                host.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensors
+
+    def index(self) -> dict[str, int]:
+        """Each sampling request's row in `token_ids`."""
+        return {rid: i for i, (rid, _) in enumerate(self.rows)}
+
+    def result(self) -> ModelRunnerOutput:
+        if self._host is not None:
+            if self._event is not None:
+                self._event.synchronize()
+            tokens, *lp = (t.tolist() for t in self._host)
+            for i, (rid, k) in enumerate(self.rows):
+                self._result.sampled[rid] = [tokens[i]]
+                if lp and k is not None:
+                    self._result.logprobs[rid] = [_logprob_entry(lp[1][i], lp[0][i], k)]
+            self._host = None
+        return self._result
 
 
 def _logprob_entry(ids: list[int], values: list[float], k: int) -> dict[int, float]:

@@ -44,6 +44,9 @@ class Request:
     prompt_logprobs_sent: bool = False
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    # async scheduling: tokens sampled by a step still in flight, counted as known for scheduling (the next step
+    # computes them from the device) until the step's results come back
+    num_placeholders: int = 0
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at admission
     num_preemptions: int = 0
     stop_reason: int | str | None = None

@@ -36,7 +36,8 @@ class ScheduledRequest:
     def samples(self) -> bool:
         """Whether this step reaches the end of the known tokens, so a next token is sampled."""
         known = self.num_new_tokens - len(self.spec_token_ids)
-        return self.request.num_computed_tokens + known == self.request.num_tokens
+        req = self.request
+        return req.num_computed_tokens + known == req.num_tokens + getattr(req, "num_placeholders", 0)
 
 
 @dataclass
@@ -111,7 +112,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            known = req.num_tokens - req.num_computed_tokens
+            if req.num_placeholders and self._finishes_in_flight(req):
+                i += 1  # its last token is being sampled now: nothing more to compute
+                continue
+            known = req.num_tokens + req.num_placeholders - req.num_computed_tokens
             # proposals ride along only when every known token fits the budget, and as many as fit
             spec, probs = req.spec_token_ids, req.spec_token_probs
             req.spec_token_ids, req.spec_token_probs = [], None
@@ -173,6 +177,44 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.push(req)
 
+    def _finishes_in_flight(self, req: Request) -> bool:
+        """Whether the tokens in flight take the request to its length limit (a stop token cannot be foreseen)."""
+        max_tokens = req.sampling_params.max_tokens
+        n = req.num_placeholders
+        return (max_tokens is not None and req.num_output_tokens + n >= max_tokens) or req.num_tokens + n >= (
+            self.max_model_len
+        )
+
+    def advance(self, out: SchedulerOutput) -> list[str]:
+        """Async scheduling, once a step is launched: its requests move past its tokens now, and each that samples
+        holds a placeholder for its token, so the next step can be scheduled before this one's results are back.
+        Returns the ids of the requests that sample (what `resolve` takes back)."""
+        sampling = []
+        for s in out.scheduled:
+            req = s.request
+            if s.samples:
+                sampling.append(req.request_id)
+                req.num_placeholders += 1
+            req.num_computed_tokens += s.num_new_tokens
+        return sampling
+
+    def resolve(self, out: SchedulerOutput, sampling: list[str], sampled: dict[str, list[int]]) -> list[Request]:
+        """Async scheduling: a launched step's results are back. Each placeholder becomes its token, checked for a
+        stop; a request that ended meanwhile (a stop in the step before, a stop string, an abort) drops it. Returns
+        the requests that finished."""
+        finished, now = [], time.time()
+        wanted = set(sampling)
+        for s in out.scheduled:
+            req = s.request
+            if req.request_id not in wanted:
+                continue
+            req.num_placeholders -= 1
+            if req.status.finished:
+                continue
+            if self._take_tokens(req, sampled.get(req.request_id, []), now):
+                finished.append(req)
+        return finished
+
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Advance the scheduled requests by what was computed and append the sampled tokens (with speculation
         several: the accepted proposals, then one the target drew). Each is checked for a stop in turn, so a
@@ -186,22 +228,26 @@ class Scheduler:
             # The KV of the accepted proposals is valid; that of the rejected ones lies past num_computed_tokens, in
             # slots the tokens that take their place overwrite (the request keeps those blocks, none leaks).
             req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids) + max(len(tokens) - 1, 0)
-            for tok in tokens:
-                if req.grammar is not None and not req.grammar.accept(tok):
-                    # the sampler masks what the grammar forbids, so this is the engine's fault, not the client's
-                    req.error = f"token {tok} broke the request's grammar"
-                    self._finish(req, RequestStatus.FINISHED_ERROR, now)
-                    finished.append(req)
-                    break
-                req.append_output_token(tok)
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                status = self._check_stop(req, tok)
-                if status is not None:
-                    self._finish(req, status, now)
-                    finished.append(req)
-                    break
+            if self._take_tokens(req, tokens, now):
+                finished.append(req)
         return finished
+
+    def _take_tokens(self, req: Request, tokens: list[int], now: float) -> bool:
+        """Append sampled tokens in turn, each checked for a stop; True when the request finished."""
+        for tok in tokens:
+            if req.grammar is not None and not req.grammar.accept(tok):
+                # the sampler masks what the grammar forbids, so this is the engine's fault, not the client's
+                req.error = f"token {tok} broke the request's grammar"
+                self._finish(req, RequestStatus.FINISHED_ERROR, now)
+                return True
+            req.append_output_token(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = self._check_stop(req, tok)
+            if status is not None:
+                self._finish(req, status, now)
+                return True
+        return False
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         sp = req.sampling_params
@@ -233,7 +279,10 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus, now: float, already_removed: bool = False) -> None:
         if not already_removed:
-            self.running.remove(req)
+            if req in self.running:
+                self.running.remove(req)
+            else:  # async scheduling: preempted while its last token was in flight
+                self.waiting.remove(req)
         if self.on_finish is not None:
             self.on_finish(req, status)
         self.kv.free(req)
