@@ -218,6 +218,8 @@ class LlamaModel(nn.Module):
         the first such step, once the cache is attached; again if the cache moved)."""
         if (
             not self.fused_decode
+            or x.device.type != "cpu"  # a C++ driver of CPU kernels (and nothing a CUDA graph may capture)
+            or triton_kernels.usable(x)  # the Triton kernels forced on CPU: the layers run them
             or self._stack is False
             or meta.prefills
             or meta.decode_token_idx is None

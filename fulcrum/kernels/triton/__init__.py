@@ -4,6 +4,7 @@ with the residual add. Each has a PyTorch reference in its tests; without CUDA t
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -17,6 +18,7 @@ if not torch.cuda.is_available():
 BACKEND_ENV = "FULCRUM_ATTENTION_BACKEND"  # "triton" forces these kernels (on CPU: interpreted), "torch" refuses them
 
 
+@functools.cache
 def available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -29,8 +31,6 @@ def usable(x: torch.Tensor) -> bool:
     """Whether a layer should run its Triton kernel on `x`: on CUDA unless the backend is set to torch; on CPU only
     when it is forced to triton (the interpreter: a correctness path, far slower than the CPU kernels)."""
     backend = os.environ.get(BACKEND_ENV, "")
-    if backend == "torch" or not available():
-        return False
     if x.is_cuda:
-        return True
-    return backend == "triton" and x.device.type == "cpu" and interpreted()
+        return backend != "torch" and available()
+    return backend == "triton" and x.device.type == "cpu" and interpreted() and available()
