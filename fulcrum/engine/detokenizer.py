@@ -31,8 +31,13 @@ class IncrementalDetokenizer:
         stop: list[str] | None = None,
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ):
+        """`min_tokens`: stop strings are looked for only once this many output tokens are read (as vLLM checks them),
+        so a request asking for at least N tokens is not cut short by a stop string among its first ones."""
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
+        self.num_read = 0  # output tokens read so far
         self.skip_special = skip_special_tokens
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
@@ -80,13 +85,14 @@ class IncrementalDetokenizer:
         self.taken = 0
         for tid in new_ids:
             self.taken += 1
+            self.num_read += 1
             self.token_ids.append(tid)
             new = self._stream_step(tid) if self.stream is not None else self._window_step()
             if new:
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
                 before = len(self.output_text)
                 self.output_text += new
-                hit = self._find_stop(before, len(new))
+                hit = self._find_stop(before, len(new)) if self.num_read >= self.min_tokens else None
                 if hit is not None:
                     return hit
         return None

@@ -43,8 +43,9 @@ class OutputProcessor:
         parent = _Parent(request_id, prompt, prompt_ids, params)
         for i, cid in enumerate(child_ids):
             detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
-            )
+                self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output,
+                params.min_tokens,
+            )  # fmt: skip
             lp = [] if params.logprobs is not None else None
             parent.children[cid] = _Child(i, detok, CompletionOutput(index=i, logprobs=lp))
             self.child_to_parent[cid] = request_id

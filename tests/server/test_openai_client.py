@@ -108,3 +108,15 @@ def test_32_concurrent_streams(server):
     results = asyncio.run(main())
     assert len(results) == 32
     assert all(finish in ("stop", "length") and text for text, finish in results)
+
+
+def test_stop_strings_wait_for_min_tokens(client):
+    """A stop string among the first min_tokens tokens does not end the answer (vLLM checks them only after),
+    streamed or not; without min_tokens the same stop ends it at once."""
+    kw = dict(model="shakespeare", prompt="ROMEO:", max_tokens=30, temperature=0, stop=["\n"])
+    assert client.completions.create(**kw).usage.completion_tokens == 1  # the bundled model answers "\n" first
+    whole = client.completions.create(**kw, extra_body={"min_tokens": 20})
+    assert whole.usage.completion_tokens >= 20
+    chunks = list(client.completions.create(**kw, extra_body={"min_tokens": 20}, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
