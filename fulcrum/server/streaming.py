@@ -144,7 +144,17 @@ def sse(event: BaseModel) -> str:
     for key in ("usage", "prompt_logprobs"):  # each rides on one chunk only, when the client asked for it
         if body.get(key, 0) is None:
             del body[key]
+    for choice in body.get("choices") or []:
+        # a tool call's later deltas carry only what they add (as OpenAI and vLLM send them): the openai SDK's
+        # stream helper merges each key it sees, so a "type": null would overwrite the call's type
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and delta.get("tool_calls"):
+            delta["tool_calls"] = [_without_nones(call) for call in delta["tool_calls"]]
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _without_nones(d: dict) -> dict:
+    return {k: _without_nones(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
 
 
 def usage_of(outputs) -> UsageInfo:

@@ -173,3 +173,19 @@ def test_without_a_parser_auto_is_refused_and_required_works(server):
         create(client, tools=TOOLS)
     r = create(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, seed=3)
     check_calls(r.choices[0].message.tool_calls)
+
+
+def test_the_sdk_stream_helper_reads_streamed_calls(served):
+    """openai's `chat.completions.stream(...)` merges each delta's keys into the call it builds: deltas after the
+    first must leave out what they do not set (a "type": null failed its assertion on every streamed call)."""
+    _, client = served
+    kw = dict(model="shakespeare", messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    with client.chat.completions.stream(seed=1, temperature=1.0, max_tokens=300, **kw) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    calls = final.choices[0].message.tool_calls
+    check_calls(calls)
+    whole = create(client, seed=1, **{k: v for k, v in kw.items() if k not in ("model", "messages")})
+    same_calls(whole.choices[0].message.tool_calls, [{"name": c.function.name, "arguments": c.function.arguments}
+                                                    for c in calls])  # fmt: skip
