@@ -296,7 +296,18 @@ def _serve(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         log_level=args.log_level,
         tool_call_parser=args.tool_call_parser,
+        allowed_origins=args.allowed_origins,
     )
+
+
+def _non_negative(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    if not x >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return x
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -320,7 +331,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="the model name clients use (default: folder name)")
     s.add_argument("--metrics-compat", choices=["vllm"], default=None, help="also expose metrics under vLLM names")
     s.add_argument("--max-waiting-requests", type=int, default=1024, help="beyond this, answer 503 + Retry-After")
-    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    s.add_argument(
+        "--drain-timeout", type=_non_negative, default=30.0, help="seconds to finish in-flight requests on SIGTERM"
+    )
+    s.add_argument(
+        "--allowed-origins",
+        type=lambda v: [o.strip() for o in v.split(",") if o.strip()],
+        default=[],
+        help="web origins allowed to call the API from a browser (CORS), comma-separated, or * for any; "
+        "default: none (CORS off)",
+    )
     s.add_argument("--log-level", default="info")
     s.add_argument(
         "--tool-call-parser",

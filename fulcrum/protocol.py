@@ -460,7 +460,9 @@ class ChatMessage(OpenAIBase):
     def for_template(self) -> dict:
         """The message as chat templates read it: text content; tool calls' arguments as objects (the templates
         of Qwen, Llama 3 and Mistral serialize them again)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        # OpenAI's "developer" turn is what earlier models called the system turn; chat templates know only that one
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_call_id is not None:

@@ -42,6 +42,15 @@ def test_generate_names_an_out_of_range_seed():
     assert res.returncode == 2 and "seed" in res.stderr and "Traceback" not in res.stderr
 
 
+def test_serve_refuses_a_negative_drain_timeout_before_loading():
+    for bad in ("-1", "nan", "soon"):
+        res = subprocess.run(
+            [sys.executable, "-m", "fulcrum.cli", "serve", "--drain-timeout", bad], capture_output=True, text=True,
+            timeout=60,
+        )  # fmt: skip
+        assert res.returncode == 2 and "--drain-timeout" in res.stderr and "Traceback" not in res.stderr
+
+
 def test_serve_on_a_taken_port_fails_at_once_without_loading_the_model(tmp_path):
     # weights that cannot load: an error about the port, not about the weights, shows the port came first
     model = tmp_path / "model"

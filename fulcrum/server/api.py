@@ -7,6 +7,7 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -71,6 +72,11 @@ def build_app(state: ServerState) -> FastAPI:
                 return error(415, f"the request body must be application/json, not {content_type!r}")
         return await call_next(request)
 
+    if state.allowed_origins:  # added last, so outermost: a browser's preflight carries no API key
+        app.add_middleware(
+            CORSMiddleware, allow_origins=state.allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
+
     @app.post("/v1/completions", response_model=None, responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES})
     async def completions(req: CompletionRequest, request: Request):
         return await create_completion(state, req, request)
@@ -113,6 +119,15 @@ def build_app(state: ServerState) -> FastAPI:
             id=state.model_name, root=str(state.engine.model_path), max_model_len=state.engine.ready.max_model_len
         )
         return ModelList(data=[card])
+
+    @app.get(
+        "/v1/models/{model_id:path}",
+        response_model=ModelCard,
+        responses={401: ERROR_RESPONSES[401], 404: ERROR_RESPONSES[404]},
+    )
+    async def model(model_id: str):
+        state.check_model(model_id)
+        return (await models()).data[0]
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize(req: TokenizeRequest):

@@ -63,6 +63,7 @@ def serve(
     drain_timeout: float = 30.0,
     log_level: str = "info",
     tool_call_parser: str | None = None,
+    allowed_origins: list[str] | None = None,
 ) -> int:
     try:
         sock = bind_port(host, port)
@@ -80,6 +81,7 @@ def serve(
             drain_timeout,
             log_level,
             tool_call_parser,
+            allowed_origins,
         )
 
 
@@ -93,6 +95,7 @@ def _run(
     drain_timeout: float,
     log_level: str,
     tool_call_parser: str | None = None,
+    allowed_origins: list[str] | None = None,
 ) -> int:
     host, port = sock.getsockname()[:2]  # the port is the system's choice under --port 0
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -101,6 +104,7 @@ def _run(
     name = served_model_name or default_model_name(config.model, engine.model_path)
     state = ServerState(engine, name, api_key, ServerMetrics(name, compat_vllm=metrics_compat == "vllm"))
     state.tool_call_parser = tool_call_parser
+    state.allowed_origins = list(allowed_origins or [])
     app = build_app(state)
     # our own drain runs first (DrainingServer.shutdown); uvicorn's grace is for the answers it leaves
     uvicorn_config = uvicorn.Config(

@@ -3,7 +3,7 @@ translation of a request's fields into the engine's terms (prompt ids, SamplingP
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fulcrum.engine.async_llm import AsyncLLM
 from fulcrum.engine.structured import validate
@@ -22,6 +22,7 @@ class ServerState:
     metrics: ServerMetrics
     draining: bool = False  # SIGTERM: requests in flight finish, new ones get 503
     tool_call_parser: str | None = None  # --tool-call-parser: how the model writes tool calls
+    allowed_origins: list[str] = field(default_factory=list)  # --allowed-origins: browsers' origins (CORS); none: off
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

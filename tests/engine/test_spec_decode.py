@@ -361,6 +361,7 @@ def test_stats_report_acceptance():
         ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram, draft_model"),
         ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 1000}, "at most 32"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "<="),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
         ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "draft_tensor_parallel"),

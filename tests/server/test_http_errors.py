@@ -102,13 +102,51 @@ def test_metrics_have_vllm_names_when_asked(fresh_server):
         assert name in text, name
 
 
+def test_one_model_by_id_and_unknown_ids_404(server):
+    r = httpx.get(f"{server.url}/v1/models/shakespeare")
+    assert r.status_code == 200 and r.json()["id"] == "shakespeare" and r.json()["object"] == "model"
+    assert_error(httpx.get(f"{server.url}/v1/models/gpt-9"), 404, "model")
+    assert_error(httpx.get(f"{server.url}/v1/models/org/gpt-9"), 404, "model")
+
+
+def test_a_developer_turn_is_a_system_turn(server):
+    """OpenAI's newer name for the system message: accepted, and answered exactly as the system turn is."""
+    turns = [{"role": "developer", "content": "Speak as a king."}, {"role": "user", "content": "What news?"}]
+    body = {"messages": turns, "max_tokens": 12, "temperature": 0}
+    dev = post(server, "/v1/chat/completions", body)
+    assert dev.status_code == 200, dev.text
+    turns[0]["role"] = "system"
+    assert (
+        dev.json()["choices"][0]["message"]
+        == post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    )
+
+
+def test_no_cors_headers_unless_origins_are_allowed(server):
+    r = httpx.options(
+        f"{server.url}/v1/completions",
+        headers={"Origin": "http://app.test", "Access-Control-Request-Method": "POST"},
+    )
+    assert "access-control-allow-origin" not in r.headers
+
+
 def test_api_key_is_required(fresh_server):
-    s = fresh_server("--api-key", "sesame")
+    s = fresh_server("--api-key", "sesame", "--allowed-origins", "http://app.test")
     assert_error(post(s, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}), 401)
     assert_error(post(s, "/v1/completions", {"prompt": "Hi"}, headers={"Authorization": "Bearer nope"}), 401)
     ok = post(s, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, headers={"Authorization": "Bearer sesame"})
     assert ok.status_code == 200
     assert httpx.get(f"{s.url}/health").status_code == 200 and httpx.get(f"{s.url}/metrics").status_code == 200
+    assert_error(httpx.get(f"{s.url}/v1/models/shakespeare"), 401)
+    # --allowed-origins: a browser's preflight (which carries no key) is answered for that origin only
+    ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    pre = httpx.options(f"{s.url}/v1/completions", headers={"Origin": "http://app.test", **ask})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://app.test"
+    other = httpx.options(f"{s.url}/v1/completions", headers={"Origin": "http://evil.test", **ask})
+    assert "access-control-allow-origin" not in other.headers
+    r = post(s, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, headers={"Authorization": "Bearer sesame",
+                                                                               "Origin": "http://app.test"})  # fmt: skip
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.test"
 
 
 def test_full_waiting_queue_is_503_with_retry_after(fresh_server):

@@ -31,6 +31,9 @@ _KEYS = {
 }
 
 
+MAX_SPECULATIVE_TOKENS = 32
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str  # one of METHODS
@@ -67,6 +70,11 @@ class SpeculativeConfig:
         k = value.get("num_speculative_tokens")
         if not _is_count(k, 1):
             raise _bad(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if k > MAX_SPECULATIVE_TOKENS:
+            raise _bad(
+                f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, got {k} (each step verifies k + 1 "
+                "tokens of every request, and acceptance falls with each position)"
+            )
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         if method == "ngram":
             # vLLM's defaults: both 5, or the one given for both
