@@ -9,6 +9,7 @@ import time
 
 from fulcrum.defaults import DEFAULT_MODEL, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANTIZATIONS
 from fulcrum.sampling_params import DEFAULT_MAX_TOKENS
+from fulcrum.utils.arg_types import non_negative_seconds
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -300,16 +301,6 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
 
-def _non_negative(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
-    if not x >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return x
-
-
 def build_parser() -> argparse.ArgumentParser:
     from fulcrum.server.tool_parsers import TOOL_PARSERS
 
@@ -332,7 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-compat", choices=["vllm"], default=None, help="also expose metrics under vLLM names")
     s.add_argument("--max-waiting-requests", type=int, default=1024, help="beyond this, answer 503 + Retry-After")
     s.add_argument(
-        "--drain-timeout", type=_non_negative, default=30.0, help="seconds to finish in-flight requests on SIGTERM"
+        "--drain-timeout",
+        type=non_negative_seconds,
+        default=30.0,
+        help="seconds to finish in-flight requests on SIGTERM",
     )
     s.add_argument(
         "--allowed-origins",

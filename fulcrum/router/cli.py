@@ -6,6 +6,7 @@ import argparse
 import shlex
 
 from fulcrum.router.policies import POLICIES
+from fulcrum.utils.arg_types import non_negative_seconds
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:
@@ -133,7 +134,9 @@ def add_scaling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--panic-window", type=float, default=6.0, help="seconds averaged to react to a burst")
     g.add_argument("--panic-threshold", type=float, default=2.0, help="panic at this many times the current pool")
     g.add_argument("--tick", type=float, default=1.0, help="seconds between decisions")
-    g.add_argument("--drain-timeout", type=float, default=60.0, help="seconds a scale-down waits for in-flight work")
+    g.add_argument(
+        "--drain-timeout", type=non_negative_seconds, default=60.0, help="seconds a scale-down waits for in-flight work"
+    )
     g.add_argument("--kv-usage-limit", type=float, default=0.9,
                    help="the replicas' mean KV-cache usage over the panic window above this adds a replica")  # fmt: skip
 
