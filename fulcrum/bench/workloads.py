@@ -198,11 +198,15 @@ def _jsonl(spec: WorkloadSpec, text: TextMaker) -> Iterator[Session]:
 
 
 def _jsonl_item(obj: dict, spec: WorkloadSpec, text: TextMaker) -> tuple[str, int] | None:
+    if not isinstance(obj, dict):
+        raise ValueError(f"each line must be a JSON object, not {_json_kind(obj)}")
     if "prompt" in obj:
         return str(obj["prompt"]), int(obj.get("max_tokens") or spec.output_len.a)
     turns = obj.get("conversations") or obj.get("messages")
     if not isinstance(turns, list):
         raise ValueError('each line needs "prompt", "conversations" or "messages"')
+    if not all(isinstance(t, dict) for t in turns):
+        raise ValueError("each turn of a conversation must be a JSON object with from/value or role/content")
     pairs = [(t.get("from") or t.get("role"), t.get("value") or t.get("content") or "") for t in turns]
     users = [i for i, (who, _) in enumerate(pairs) if who in ("human", "user")]
     if not users:
@@ -211,3 +215,8 @@ def _jsonl_item(obj: dict, spec: WorkloadSpec, text: TextMaker) -> tuple[str, in
     reply = next((c for who, c in pairs[first + 1 :] if who in ("gpt", "assistant")), None)
     max_tokens = max(1, text.count(reply)) if reply else int(spec.output_len.a)
     return pairs[first][1], max_tokens
+
+
+def _json_kind(value) -> str:
+    names = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)

@@ -3,6 +3,7 @@ conversations, your own JSONL, and the same sessions from the same seed."""
 
 import itertools
 import json
+import re
 
 import numpy as np
 import pytest
@@ -113,3 +114,19 @@ def test_jsonl_errors_name_the_line(tmp_path, text):
         next(sessions(WorkloadSpec("jsonl", dataset=str(tmp_path / "missing.jsonl")), text))
     with pytest.raises(ValueError, match="needs --dataset"):
         next(sessions(WorkloadSpec("jsonl"), text))
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("[1, 2]", "bad.jsonl:2: each line must be a JSON object, not an array"),
+        ('"just text"', "bad.jsonl:2: each line must be a JSON object, not a string"),
+        ("null", "bad.jsonl:2: each line must be a JSON object, not null"),
+        ('{"messages": ["hi"]}', "bad.jsonl:2: each turn of a conversation must be a JSON object"),
+    ],
+)
+def test_jsonl_lines_that_are_not_objects_are_named(tmp_path, text, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        next(sessions(WorkloadSpec("jsonl", dataset=str(path)), text))
