@@ -20,6 +20,7 @@ from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec, load_model_spec, loa
 from fulcrum.plan.report import Plan, plot, render, to_json
 from fulcrum.plan.roofline import INT4_GROUP_SIZES, QUANT_METHODS, Efficiency, batch_sizes, decode_step, prefill
 from fulcrum.plan.validate import KV_CACHE_DTYPES
+from fulcrum.utils.arg_types import non_negative_float, positive_int
 from fulcrum.utils.console import wide_console
 
 WEIGHT_DTYPES = ["bf16", "fp16", "fp8", "int8", "int4", "fp4", "fp32"]
@@ -56,17 +57,23 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--context",
-        type=int,
+        type=positive_int,
         default=None,
         help=f"tokens per sequence for the memory plan (default: {DEFAULT_CONTEXT}, or the model's "
         "max_position_embeddings when smaller)",
     )
-    p.add_argument("--concurrency", type=int, default=64, help="concurrent sequences of --context tokens")
-    p.add_argument("--input-len", type=int, default=None, help="prompt tokens for prefill (1024; 512 to validate)")
-    p.add_argument("--output-len", type=int, default=None, help="output tokens (256; 64 to validate)")
-    p.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: the fewest GPUs that fit)")
-    p.add_argument("--pp", type=int, default=None, help="pipeline parallel size")
-    p.add_argument("--price-per-hour", type=float, default=None, help="dollars per GPU-hour, for cost per 1M tokens")
+    p.add_argument("--concurrency", type=positive_int, default=64, help="concurrent sequences of --context tokens")
+    p.add_argument(
+        "--input-len", type=positive_int, default=None, help="prompt tokens for prefill (1024; 512 to validate)"
+    )
+    p.add_argument("--output-len", type=positive_int, default=None, help="output tokens (256; 64 to validate)")
+    p.add_argument(
+        "--tp", type=positive_int, default=None, help="tensor parallel size (default: the fewest GPUs that fit)"
+    )
+    p.add_argument("--pp", type=positive_int, default=None, help="pipeline parallel size")
+    p.add_argument(
+        "--price-per-hour", type=non_negative_float, default=None, help="dollars per GPU-hour, for cost per 1M tokens"
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", default=None, metavar="FILE", help="save TPOT and throughput against batch size")
     p.add_argument("--validate", action="store_true", help="predict on this machine, then measure fulcrum's engine")

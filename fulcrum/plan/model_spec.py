@@ -114,9 +114,53 @@ def checkpoint_weight_format(cfg: dict) -> str | None:
     return None
 
 
+# the sizes a plan reads, each a whole number from 1 to its bound: far past any model's, so that a config that
+# is not one (10^9 layers) is refused at once rather than planned for minutes
+CONFIG_BOUNDS = {
+    "num_hidden_layers": 10_000,
+    "hidden_size": 1 << 20,
+    "vocab_size": 1 << 24,
+    "num_attention_heads": 1 << 14,
+    "num_key_value_heads": 1 << 14,
+    "intermediate_size": 1 << 22,
+    "head_dim": 1 << 14,
+    "max_position_embeddings": 1 << 30,
+    "moe_intermediate_size": 1 << 22,
+    "num_local_experts": 1 << 16,
+    "n_routed_experts": 1 << 16,
+    "num_experts": 1 << 16,
+    "num_experts_per_tok": 1 << 16,
+    "kv_lora_rank": 1 << 16,
+}
+REQUIRED = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "intermediate_size")
+
+
+def check_config(cfg) -> None:
+    """A config.json's sizes, named when missing or out of range (ValueError), before any arithmetic on them."""
+    if not isinstance(cfg, dict):
+        raise ValueError("config.json must hold a JSON object")
+    missing = [k for k in REQUIRED if k not in cfg]
+    if missing:
+        raise ValueError(f"config.json has no {', '.join(missing)}")
+    for key, bound in CONFIG_BOUNDS.items():
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
+            raise ValueError(f"config.json: {key} must be a whole number from 1 to {bound:,}, got {value!r}")
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if heads % kv_heads:
+        raise ValueError(
+            f"config.json: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
+        )
+
+
 def from_config(cfg: dict, name: str = "model") -> ModelSpec:
+    if not isinstance(cfg, dict):
+        raise ValueError("config.json must hold a JSON object")
     weight_format = checkpoint_weight_format(cfg)
     cfg = cfg.get("text_config", cfg)  # multimodal configs keep the language model's fields there
+    check_config(cfg)
     ns = SimpleNamespace(**cfg)
     mla = None
     if cfg.get("kv_lora_rank"):
@@ -201,7 +245,11 @@ def load_model_spec(model: str | Path) -> ModelSpec:
             f"{model!r} is neither a model folder, a config.json, nor a preset; presets: {', '.join(presets)}"
         )
     name = path.parent.name if path.name == "config.json" else path.stem
-    return from_config(json.loads(path.read_text()), name=name)
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    return from_config(cfg, name=name)
 
 
 # -- parameters ------------------------------------------------------------------------------------

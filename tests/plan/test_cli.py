@@ -90,3 +90,49 @@ def test_plan_errors_a_user_can_act_on(capsys):
     assert "known: H100-SXM" in capsys.readouterr().err
     assert main(["plan", "--model", "nope"]) == 2
     assert "presets: llama-3.1-8b" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--tp", "-2"], "--tp"),
+        (["--pp", "0"], "--pp"),
+        (["--concurrency", "-1"], "--concurrency"),
+        (["--context", "0"], "--context"),
+        (["--input-len", "x"], "--input-len"),
+        (["--price-per-hour", "-3"], "--price-per-hour"),
+        (["--price-per-hour", "inf"], "--price-per-hour"),
+    ],
+)
+def test_nonsense_flags_are_usage_errors(capsys, flags, named):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", "llama-3.1-8b", *flags])
+    assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"num_hidden_layers": 10**9}, "num_hidden_layers must be a whole number from 1 to 10,000"),
+        ({"hidden_size": -64}, "hidden_size"),
+        ({"vocab_size": "many"}, "vocab_size"),
+        ({"num_attention_heads": True}, "num_attention_heads"),
+        ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
+        ({"intermediate_size": None}, "intermediate_size"),
+    ],
+)
+def test_nonsense_configs_are_refused_at_once(capsys, tmp_path, change, named):
+    cfg = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+           "vocab_size": 100, **change}  # fmt: skip
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["plan", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
+
+
+def test_a_config_that_is_not_json_or_not_an_object(capsys, tmp_path):
+    for text in ("{not json", "[1, 2]"):
+        (tmp_path / "config.json").write_text(text)
+        assert main(["plan", "--model", str(tmp_path)]) == 2
+        assert "config.json" in capsys.readouterr().err
