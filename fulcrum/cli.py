@@ -9,7 +9,7 @@ import time
 
 from fulcrum.defaults import DEFAULT_MODEL, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANTIZATIONS
 from fulcrum.sampling_params import DEFAULT_MAX_TOKENS
-from fulcrum.utils.arg_types import non_negative_seconds
+from fulcrum.utils.arg_types import non_negative_float, non_negative_seconds
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -298,6 +298,8 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         tool_call_parser=args.tool_call_parser,
         allowed_origins=args.allowed_origins,
+        max_body_mb=args.max_request_body_mb,
+        header_timeout=args.header_timeout,
     )
 
 
@@ -327,6 +329,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=non_negative_seconds,
         default=30.0,
         help="seconds to finish in-flight requests on SIGTERM",
+    )
+    s.add_argument(
+        "--max-request-body-mb",
+        type=non_negative_float,
+        default=32.0,
+        help="request bodies larger than this many MiB get 413 (default 32)",
+    )
+    s.add_argument(
+        "--header-timeout",
+        type=non_negative_seconds,
+        default=10.0,
+        help="seconds a connection may take to send a request's headers before it is closed (default 10)",
     )
     s.add_argument(
         "--allowed-origins",

@@ -30,6 +30,7 @@ from fulcrum.server import errors
 from fulcrum.server.chat import create_chat_completion
 from fulcrum.server.completions import create_completion
 from fulcrum.server.errors import ERROR_RESPONSES, error, error_of
+from fulcrum.server.limits import BodyLimit, off_loop
 from fulcrum.server.state import ServerState
 
 OPEN_PATHS = {"/health", "/metrics", "/version", "/ping", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"}
@@ -72,6 +73,7 @@ def build_app(state: ServerState) -> FastAPI:
                 return error(415, f"the request body must be application/json, not {content_type!r}")
         return await call_next(request)
 
+    app.add_middleware(BodyLimit, max_bytes=state.max_body_bytes)
     if state.allowed_origins:  # added last, so outermost: a browser's preflight carries no API key
         app.add_middleware(
             CORSMiddleware, allow_origins=state.allowed_origins, allow_methods=["*"], allow_headers=["*"]
@@ -133,9 +135,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def tokenize(req: TokenizeRequest):
         state.check_model(req.model)
         if req.messages is not None:
-            ids = state.chat_ids(req.messages, req.add_generation_prompt)
+            ids = await off_loop(state.chat_ids, req.messages, req.add_generation_prompt)
         else:
-            ids = state.engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+            encode = state.engine.tokenizer
+            ids = (await off_loop(lambda: encode(req.prompt, add_special_tokens=req.add_special_tokens)))["input_ids"]
         return TokenizeResponse(count=len(ids), max_model_len=state.engine.ready.max_model_len, tokens=ids)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)

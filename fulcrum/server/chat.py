@@ -17,6 +17,7 @@ from fulcrum.protocol import (
     DeltaMessage,
     random_id,
 )
+from fulcrum.server.limits import off_loop
 from fulcrum.server.logprobs import chat_logprobs, prompt_logprobs
 from fulcrum.server.state import ServerState, sampling_params
 from fulcrum.server.streaming import Run, check_kv_transfer_request, merged, usage_of
@@ -27,7 +28,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     state.check_model(req.model)
     tok = state.engine.tokenizer
     tools = ToolCalling.of(req, state.tool_call_parser)
-    ids = state.chat_ids(req.messages, req.add_generation_prompt, tools.tools if tools else None)
+    ids = await off_loop(state.chat_ids, req.messages, req.add_generation_prompt, tools.tools if tools else None)
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, req.max_completion_tokens or req.max_tokens, k, req.prompt_logprobs)
     if tools is not None:

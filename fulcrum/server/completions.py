@@ -8,6 +8,7 @@ from fastapi import Request
 from fulcrum.engine.prompts import tokenize_prompts
 from fulcrum.errors import InvalidRequestError
 from fulcrum.protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
+from fulcrum.server.limits import off_loop
 from fulcrum.server.logprobs import completion_logprobs, echo_logprobs, joined, prompt_logprobs
 from fulcrum.server.state import ServerState, sampling_params
 from fulcrum.server.streaming import Run, check_kv_transfer_request, merged, usage_of
@@ -20,7 +21,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     if req.stream and req.max_tokens == 0:
         raise InvalidRequestError("max_tokens 0 (scoring the prompt) is not supported with stream", "max_tokens")
     tok = state.engine.tokenizer
-    prompts = tokenize_prompts(req.prompt, tok)
+    prompts = await off_loop(tokenize_prompts, req.prompt, tok)
     k = req.logprobs
     score_echo = req.echo and k is not None
     wanted = [x for x in (req.prompt_logprobs, k if score_echo else None) if x is not None]

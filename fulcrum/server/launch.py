@@ -16,6 +16,7 @@ from fulcrum.config import EngineConfig
 from fulcrum.engine.async_llm import AsyncLLM
 from fulcrum.server.api import build_app
 from fulcrum.server.drain import ANSWER_GRACE_S, DrainingServer
+from fulcrum.server.limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_BODY_MB, header_timeout_protocol
 from fulcrum.server.metrics import ServerMetrics
 from fulcrum.server.state import ServerState
 
@@ -64,6 +65,8 @@ def serve(
     log_level: str = "info",
     tool_call_parser: str | None = None,
     allowed_origins: list[str] | None = None,
+    max_body_mb: float = DEFAULT_MAX_BODY_MB,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
 ) -> int:
     try:
         sock = bind_port(host, port)
@@ -82,6 +85,8 @@ def serve(
             log_level,
             tool_call_parser,
             allowed_origins,
+            max_body_mb,
+            header_timeout,
         )
 
 
@@ -96,6 +101,8 @@ def _run(
     log_level: str,
     tool_call_parser: str | None = None,
     allowed_origins: list[str] | None = None,
+    max_body_mb: float = DEFAULT_MAX_BODY_MB,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
 ) -> int:
     host, port = sock.getsockname()[:2]  # the port is the system's choice under --port 0
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -105,11 +112,13 @@ def _run(
     state = ServerState(engine, name, api_key, ServerMetrics(name, compat_vllm=metrics_compat == "vllm"))
     state.tool_call_parser = tool_call_parser
     state.allowed_origins = list(allowed_origins or [])
+    state.max_body_bytes = int(max_body_mb * 2**20)
     app = build_app(state)
     # our own drain runs first (DrainingServer.shutdown); uvicorn's grace is for the answers it leaves
     uvicorn_config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=ANSWER_GRACE_S, access_log=False
-    )
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=ANSWER_GRACE_S, access_log=False,
+        http=header_timeout_protocol(header_timeout),
+    )  # fmt: skip
     server = DrainingServer(uvicorn_config, state, drain_timeout)
     exit_code = {"code": 0}
 

@@ -235,3 +235,47 @@ def test_a_request_that_fails_inside_a_step_gets_a_500_and_the_others_go_on(tmp_
 
 def test_detokenize_refuses_ids_outside_the_vocabulary(server):
     assert_error(post(server, "/detokenize", {"tokens": [5, 99999]}), 400, "tokens")
+
+
+def test_huge_bodies_get_413_and_health_stays_quick(fresh_server):
+    """Issue 37: a body past --max-request-body-mb is refused with 413 before it is parsed (by its Content-Length
+    or, chunked, as its chunks add up); one under the limit but far past the context is tokenized off the event
+    loop, so /health answers within a second all along, and the server goes on."""
+    import socket
+
+    s = fresh_server("--max-request-body-mb", "4")
+    big = json.dumps({"prompt": "word " * (1 << 20), "max_tokens": 1}).encode()  # 5 MiB
+    assert_error(raw(s, big), 413)
+
+    def chunks():
+        for _ in range(6):
+            yield b" " * (1 << 20)
+
+    r = httpx.post(f"{s.url}/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert_error(r, 413)
+    assert "4 MiB" in r.json()["error"]["message"]
+
+    slow = {}
+    thread = threading.Thread(
+        target=lambda: slow.update(r=raw(s, json.dumps({"prompt": "word " * 700_000, "max_tokens": 1}).encode()))
+    )
+    thread.start()
+    worst = 0.0
+    while thread.is_alive():
+        t0 = time.perf_counter()
+        assert httpx.get(f"{s.url}/health", timeout=10).status_code == 200
+        worst = max(worst, time.perf_counter() - t0)
+        time.sleep(0.05)
+    thread.join()
+    assert_error(slow["r"], 400, "prompt")  # past max_model_len
+    assert worst < 1.0, worst
+    assert greedy_text(s)
+
+    # half-sent headers: the connection is closed after --header-timeout (default 10 s; 1 here)
+    t = fresh_server("--header-timeout", "1")
+    with socket.create_connection(("127.0.0.1", t.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        t0 = time.perf_counter()
+        assert sock.recv(1024) == b""  # closed, nothing answered
+        assert 0.5 < time.perf_counter() - t0 < 10
+    assert greedy_text(t)

@@ -1,0 +1,102 @@
+"""What one client may make the server hold: a request body's size (413 past --max-request-body-mb, read before the
+app parses it), the time to send a request's headers (a connection that dawdles is closed), and tokenizing, which
+runs on a worker thread so that a huge prompt never stalls the event loop (and /health with it)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from fulcrum.server.errors import error
+
+DEFAULT_MAX_BODY_MB = 32.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+
+# one thread: transformers' fast tokenizers may refuse concurrent calls on one instance ("Already borrowed")
+_tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fulcrum-tokenize")
+
+
+async def off_loop(fn, *args):
+    """fn(*args) on the tokenizing thread, awaited: the event loop serves other requests meanwhile."""
+    return await asyncio.get_running_loop().run_in_executor(_tokenizing, lambda: fn(*args))
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets a 413 naming the limit, whether its Content-Length says
+    so or its chunks add up to it; the body is read here, bounded, and handed on whole."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        chunks, total = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            total += len(message.get("body", b""))
+            if total > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay():
+            nonlocal whole
+            if whole is not None:
+                message, whole = whole, None
+                return message
+            return await receive()  # after the body: disconnects, for streaming responses
+
+        return await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send):
+        mb = self.max_bytes / 2**20
+        response = error(413, f"the request body is larger than the server's limit of {mb:g} MiB "
+                              "(fulcrum serve --max-request-body-mb)")  # fmt: skip
+        response.headers["connection"] = "close"  # the rest of the body is not read
+        await response(scope, receive, send)
+
+
+def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, closing a connection whose request headers are not complete `timeout_s` after it
+    opened or after its last response (uvicorn times out idle keep-alive connections, not half-sent headers)."""
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self) -> None:
+            self._cycle_seen = self.cycle
+            self._header_timer = self.loop.call_later(timeout_s, self._header_timeout)
+
+        def _header_timeout(self) -> None:
+            idle = self.cycle is None or self.cycle.response_complete
+            if idle and self.cycle is self._cycle_seen and not self.transport.is_closing():
+                self.transport.close()  # no request began since: nothing to answer
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is not self._cycle_seen:  # a request's headers are complete
+                self._header_timer.cancel()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._header_timer.cancel()
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._header_timer.cancel()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutProtocol
