@@ -29,7 +29,7 @@ def engine(folder: str, role: str, connector: str, dtype: str, kv_mb: int, max_l
     from fulcrum.config import EngineConfig
     from fulcrum.engine.core import EngineCore
 
-    cfg = {"kv_role": role, "kv_connector": connector, "lease_timeout_s": 60, "pull_timeout_s": 60}
+    cfg = {"kv_role": role, "kv_connector": connector, "lease_timeout_s": 60, "pull_timeout_s": 60, "secret": "bench"}
     return EngineCore(EngineConfig(model=folder, dtype=dtype, kv_cache_memory=kv_mb << 20, cpu_threads=1,
                                    cpu_bind="none", max_model_len=max_len, kv_transfer_config=cfg))  # fmt: skip
 

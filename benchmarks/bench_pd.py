@@ -110,7 +110,8 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
 
         def kv(role: str) -> tuple[str, str]:
-            return "--kv-transfer-config", json.dumps({"kv_connector": args.kv_connector, "kv_role": role})
+            cfg = {"kv_connector": args.kv_connector, "kv_role": role, "secret": "bench-pd"}  # the pair's HMAC key
+            return "--kv-transfer-config", json.dumps(cfg)
 
         P = stack.enter_context(fulcrum_server(BUNDLED, *flags, "--cpu-bind", "0", *kv("kv_producer")))
         D = stack.enter_context(fulcrum_server(BUNDLED, *flags, "--cpu-bind", "1", *kv("kv_consumer")))

@@ -21,7 +21,7 @@ import zmq.asyncio
 from fulcrum.config import EngineConfig, model_path
 from fulcrum.engine import kv_events
 from fulcrum.engine.core_proc import run_engine_core
-from fulcrum.engine.kv_transfer import KVTransferError, check_remote_prefill
+from fulcrum.engine.kv_transfer import KVTransferConfig, KVTransferError, check_remote_prefill
 from fulcrum.engine.messages import (
     ABORT,
     ADD,
@@ -50,6 +50,7 @@ STARTUP_TIMEOUT_S = 600
 class AsyncLLM:
     def __init__(self, config: EngineConfig, max_waiting_requests: int = 1024):
         self.config = config
+        self.kv_trust = KVTransferConfig.parse(config.kv_transfer_config)  # which producers a consumer may contact
         self.model_path = model_path(config.model)  # the rest of the model's facts come in the core's ready message
         self.tokenizer = load_tokenizer(self.model_path)
         self.processor = OutputProcessor(self.tokenizer)
@@ -149,7 +150,7 @@ class AsyncLLM:
         now = time.time()
         params = check_request(prompt_ids, params, priority, self.ready.max_model_len, self.ready.vocab_size)
         if kv_transfer_params is not None:
-            check_kv_transfer(kv_transfer_params, self.ready.kv_transfer, prompt_ids, params)
+            check_kv_transfer(kv_transfer_params, self.ready.kv_transfer, prompt_ids, params, self.kv_trust)
         children = fan_out(rid, params)
         # encode before anything is registered, so that a failure here holds no queue slot
         msgs = [
@@ -271,7 +272,9 @@ class _Core:
     given: int = 0  # samples sent to it since start
 
 
-def check_kv_transfer(params: dict, local: dict | None, prompt_ids: list[int], sp: SamplingParams) -> None:
+def check_kv_transfer(
+    params: dict, local: dict | None, prompt_ids: list[int], sp: SamplingParams, trust: KVTransferConfig | None = None
+) -> None:
     """The frontend's check of a request's kv_transfer_params, so that a refusal is a 400 before it is queued."""
     if not isinstance(params, dict):
         raise KVTransferError("kv_transfer_params must be an object", "kv_transfer_params")
@@ -282,7 +285,7 @@ def check_kv_transfer(params: dict, local: dict | None, prompt_ids: list[int], s
     if sp.n != 1:
         raise KVTransferError("kv_transfer_params takes one sample per request (n 1)", "kv_transfer_params")
     if params.get("do_remote_prefill"):
-        check_remote_prefill(params, local, prompt_ids)
+        check_remote_prefill(params, local, prompt_ids, trust)
     elif params.get("do_remote_decode") and local.get("role") == "kv_consumer":
         raise KVTransferError(
             "kv_transfer_params asks for a remote decode, but this engine offers no KV "

@@ -25,7 +25,7 @@ from fulcrum.engine.kv_transfer.shm_connector import (
     sweep_dead_segments,
 )
 from fulcrum.utils.tokenizer import load_tokenizer
-from tests.engine.test_kv_transfer import GREEDY, PREFILL, TEXT, all_free, make_core, run, settle
+from tests.engine.test_kv_transfer import GREEDY, PREFILL, TEXT, TRUST, all_free, make_core, run, settle
 
 CONNECTORS = ["SharedMemoryConnector", "TorchDistributedConnector"]
 
@@ -153,7 +153,7 @@ def test_a_zmq_consumer_pulls_from_any_producer(pair, plain, tok):
     params = prefill(pair, "p-4", ids)
     z = make_core("kv_consumer", pull_timeout_s=1.0)
     try:
-        check_remote_prefill(params, z.kv_transfer.describe(), ids)
+        check_remote_prefill(params, z.kv_transfer.describe(), ids, TRUST)
         toks, _ = run(z, "z-4", ids, params=params)
         assert toks == ref and z.stats().kv_transfer_blocks_received == len(params["remote_block_ids"])
         assert z.kv_transfer.connector.stats.pulls_via == {"inline": 1} and z.stats().kv_transfer_inline_pulls == 1
@@ -283,12 +283,12 @@ def test_handshake_refuses_data_paths_that_cannot_meet(pair, tok):
     ids = tok("FALSTAFF: If sack and sugar be a fault, God help the wicked!")["input_ids"]
     params = prefill(pair, "p-7", ids)
     local = pair["decode"].kv_transfer.describe()
-    check_remote_prefill(params, local, ids)  # the real pair agrees
+    check_remote_prefill(params, local, ids, TRUST)  # the real pair agrees
     with pytest.raises(KVTransferError, match="the prefill engine offers zmq"):
-        check_remote_prefill({**params, "kv_transport": "zmq"}, local, ids)
+        check_remote_prefill({**params, "kv_transport": "zmq"}, local, ids, TRUST)
     if pair["name"] == "SharedMemoryConnector":
         with pytest.raises(KVTransferError, match="needs the prefill engine on this host"):
-            check_remote_prefill({**params, "host_id": "elsewhere/1234"}, local, ids)
+            check_remote_prefill({**params, "host_id": "elsewhere/1234"}, local, ids, TRUST)
     assert settled(pair)
 
 

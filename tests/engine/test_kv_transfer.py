@@ -22,8 +22,12 @@ PREFILL = SamplingParams(max_tokens=1, temperature=0)
 TEXT = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. " * 3
 
 
+SECRET = "the pair's own"  # producers sign their kv_transfer_params with it, consumers check them
+TRUST = KVTransferConfig.parse({"kv_role": "kv_consumer", "secret": SECRET})  # a consumer's, for the handshake
+
+
 def make_core(role: str, **kw) -> EngineCore:
-    cfg = {"kv_role": role, **kw}
+    cfg = {"kv_role": role, "secret": SECRET, **kw}
     return EngineCore(EngineConfig(kv_cache_memory=40 << 20, cpu_threads=1, cpu_bind="none", kv_transfer_config=cfg))
 
 
@@ -175,22 +179,57 @@ def test_handshake_refuses_a_mismatched_pair(cores, tok):
     ids = tok("FALSTAFF: If sack and sugar be a fault, God help the wicked!")["input_ids"]
     params = prefill(cores, "p-7", ids)
     local = cores["decode"].kv_transfer.describe()
-    check_remote_prefill(params, local, ids)  # the real pair agrees
+    check_remote_prefill(params, local, ids, TRUST)  # the real pair agrees
     bad = {**params, "block_size": 32, "kv_dtype": "bfloat16"}
     with pytest.raises(KVTransferError) as e:
-        check_remote_prefill(bad, local, ids)
+        check_remote_prefill(bad, local, ids, TRUST)
     assert "block_size (prefill engine: 32, this engine: 16)" in str(e.value)
     assert 'kv_dtype (prefill engine: "bfloat16", this engine: "float32")' in str(e.value)
     with pytest.raises(KVTransferError, match="model"):
-        check_remote_prefill({**params, "model": "other@123"}, local, ids)
+        check_remote_prefill({**params, "model": "other@123"}, local, ids, TRUST)
     with pytest.raises(KVTransferError, match="kv_layout"):
-        check_remote_prefill({**params, "kv_layout": {**params["kv_layout"], "block_shapes": [[1]]}}, local, ids)
+        check_remote_prefill({**params, "kv_layout": {**params["kv_layout"], "block_shapes": [[1]]}}, local, ids, TRUST)
     other = list(ids)
     other[3] = (other[3] + 1) % 2000  # the same length, another prompt: its blocks are not this one's
     with pytest.raises(KVTransferError, match=r"made for another prompt \(block 0 differs\)"):
-        check_remote_prefill(params, local, other)
+        check_remote_prefill(params, local, other, TRUST)
     with pytest.raises(KVTransferError, match="takes no KV"):
-        check_remote_prefill(params, None, ids)
+        check_remote_prefill(params, None, ids, TRUST)
+    settle(cores["prefill"], until=lambda: all_free(cores["prefill"]))
+
+
+def test_a_consumer_contacts_only_producers_it_trusts(cores, tok, monkeypatch):
+    """Issue 37: kv_transfer_params name the host and port a consumer pulls from, so a client could point it at
+    any service. Only a producer's signed params (the pair's shared secret), or a producer the operator listed,
+    are taken; anything else is a 400 in the frontend, and a local prefill in the core."""
+    monkeypatch.delenv("FULCRUM_KV_TRANSFER_SECRET", raising=False)
+    ids = tok("GLOUCESTER: Now is the winter of our discontent made glorious summer")["input_ids"]
+    params = prefill(cores, "p-11", ids)
+    local = cores["decode"].kv_transfer.describe()
+    check_remote_prefill(params, local, ids, TRUST)  # signed by the producer
+    forged = {**params, "remote_port": params["remote_port"] + 1}  # elsewhere on this host: never contacted
+    unsigned = {k: v for k, v in params.items() if k != "signature"}
+    for bad, trust in [(forged, TRUST), (unsigned, TRUST), (params, KVTransferConfig.parse({"kv_role": "kv_consumer",
+                                                                                          "secret": "another"}))]:  # fmt: skip
+        with pytest.raises(KVTransferError, match="not signed by a producer this engine trusts"):
+            check_remote_prefill(bad, local, ids, trust)
+    open_door = KVTransferConfig.parse({"kv_role": "kv_consumer"})
+    with pytest.raises(KVTransferError, match="contacts only producers it trusts"):
+        check_remote_prefill(params, local, ids, open_door)
+    listed = KVTransferConfig.parse({"kv_role": "kv_consumer", "allowed_producers": [
+        f"{params['remote_host']}:{params['remote_port']}"]})  # fmt: skip
+    check_remote_prefill(unsigned, local, ids, listed)
+    # the core, for an offline caller: the forged request prefills locally, right tokens, nothing pulled
+    ref, _ = run(cores["plain"], "ref-11", ids)
+    d = cores["decode"]
+    before = d.stats()
+    toks, _ = run(d, "d-11", ids, params=forged)
+    assert toks == ref
+    after = d.stats()
+    assert after.kv_transfer_fallbacks == before.kv_transfer_fallbacks + 1
+    assert after.kv_transfer_blocks_received == before.kv_transfer_blocks_received
+    with pytest.raises(InvalidRequestError, match="allowed_producers"):
+        KVTransferConfig.parse({"kv_role": "kv_consumer", "allowed_producers": ["nohost"]})
     settle(cores["prefill"], until=lambda: all_free(cores["prefill"]))
 
 
@@ -248,7 +287,7 @@ def test_stray_and_malformed_messages_leave_the_producer_serving(cores, tok):
     assert cores["decode"].stats().kv_transfer_fallbacks == cores["decode"].kv_transfer.fallbacks
     bad = {**params, "remote_port": "9", "remote_block_ids": [1, "x"]}
     with pytest.raises(KVTransferError, match="remote_port, remote_block_ids has the wrong type"):
-        check_remote_prefill(bad, cores["decode"].kv_transfer.describe(), ids)
+        check_remote_prefill(bad, cores["decode"].kv_transfer.describe(), ids, TRUST)
     settle(cores["prefill"], until=lambda: all_free(cores["prefill"]))
     assert all_free(cores["prefill"]) and all_free(cores["decode"])
 
@@ -260,7 +299,9 @@ def test_other_requests_run_while_one_waits_for_its_blocks(cores, tok):
     ref, _ = run(cores["plain"], "ref-10", ids)
     params = prefill(cores, "p-10", ids)
     d = cores["decode"]
-    d.add_request("d-10", ids, GREEDY, kv_transfer_params={**params, "remote_port": params["remote_port"] + 1})
+    hung = {**params, "remote_port": params["remote_port"] + 1}  # a trusted producer that went silent
+    hung["signature"] = TRUST.sign(hung)
+    d.add_request("d-10", ids, GREEDY, kv_transfer_params=hung)
     other = tok("LADY CAPULET: What, are you busy, ho?")["input_ids"]
     other_ref, _ = run(cores["plain"], "ref-10b", other)
     d.add_request("other", other, GREEDY)

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from fulcrum.engine.kv_transfer import KVTransferConfig
 from fulcrum.router.app import RouterConfig, build_app
 from fulcrum.router.pd import PDConfig, PDRouter
 from fulcrum.router.pool import Pool
@@ -29,12 +30,23 @@ from tests.servers import MODEL
 TEXT = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. " * 2
 
 
+SIGNER = KVTransferConfig.parse({"kv_role": "kv_producer", "secret": "pd-test"})  # the pair's shared secret
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd")
     kinds = [
-        ("--kv-role", "producer", "--kv-transfer-config", '{"kv_role": "kv_producer", "lease_timeout_s": 2}'),
-        ("--kv-transfer-config", '{"kv_connector": "ZmqConnector", "kv_role": "kv_consumer", "pull_timeout_s": 2}'),
+        (
+            "--kv-role",
+            "producer",
+            "--kv-transfer-config",
+            '{"kv_role": "kv_producer", "lease_timeout_s": 2, "secret": "pd-test"}',
+        ),
+        (
+            "--kv-transfer-config",
+            '{"kv_connector": "ZmqConnector", "kv_role": "kv_consumer", "pull_timeout_s": 2, "secret": "pd-test"}',
+        ),
     ]
     with ThreadPoolExecutor(2) as ex:
         prefill, decode = ex.map(lambda a: start_replica(tmp, "--cpu-threads", "1", "--cpu-bind", "none", *a), kinds)
@@ -227,7 +239,11 @@ def test_failed_pull_falls_back_to_local_prefill(engines):
     r = post(prefill.url, "/v1/completions", {"prompt": prompt, "max_tokens": 1,
                                               "kv_transfer_params": {"do_remote_decode": True}})  # fmt: skip
     params = r.json()["kv_transfer_params"]
-    dead = {**params, "remote_port": free_port()}  # the producer "died": nobody answers the pull
+    # a client's own params (another port, no valid signature) are refused at once: nothing is contacted
+    forged = {**params, "remote_port": free_port()}
+    r = post(decode.url, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "kv_transfer_params": forged})
+    assert r.status_code == 400 and "not signed by a producer this engine trusts" in r.json()["error"]["message"]
+    dead = {**forged, "signature": SIGNER.sign(forged)}  # a trusted producer "died": nobody answers the pull
     fallbacks = metrics(decode.url)["fulcrum:kv_transfer_fallbacks_total"]
     assert completion(decode.url, prompt, kv_transfer_params=dead) == ref
     assert metrics(decode.url)["fulcrum:kv_transfer_fallbacks_total"] == fallbacks + 1
@@ -251,7 +267,8 @@ def test_pd_over_shared_memory_between_processes(tmp_path):
     producer's segments are gone once it stops (its one released segment stays pooled while it runs)."""
 
     def flags(role):
-        cfg = {"kv_connector": "SharedMemoryConnector", "kv_role": role, "lease_timeout_s": 2, "pull_timeout_s": 5}
+        cfg = {"kv_connector": "SharedMemoryConnector", "kv_role": role, "lease_timeout_s": 2, "pull_timeout_s": 5,
+               "kv_connector_extra_config": {"secret": "pd-test"}}  # fmt: skip
         return ("--cpu-threads", "1", "--cpu-bind", "none", "--kv-transfer-config", json.dumps(cfg))
 
     with ThreadPoolExecutor(2) as ex:

@@ -3,7 +3,10 @@ as vLLM spells it) and the handshake check that refuses a pair whose caches diff
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import os
 from dataclasses import dataclass, field
 
 from fulcrum.errors import InvalidRequestError
@@ -17,7 +20,12 @@ ROLES = {"kv_producer": "kv_producer", "kv_consumer": "kv_consumer", "kv_both": 
 CONNECTORS = {"ZmqConnector": "zmq", "CpuConnector": "zmq", "fulcrum": "zmq",
               "SharedMemoryConnector": "shm", "ShmConnector": "shm",
               "TorchDistributedConnector": "torch.distributed", "P2pNcclConnector": "torch.distributed"}  # fmt: skip
-EXTRA_KEYS = ("lease_timeout_s", "pull_timeout_s", "max_held_fraction")
+EXTRA_KEYS = ("lease_timeout_s", "pull_timeout_s", "max_held_fraction", "secret", "allowed_producers")
+# the secret a producer signs its kv_transfer_params with and a consumer checks them by, when the config gives none
+SECRET_ENV = "FULCRUM_KV_TRANSFER_SECRET"
+# what a producer's signature covers: everything a consumer acts on (where it connects, what it pulls)
+SIGNED_FIELDS = ("remote_engine_id", "remote_host", "remote_port", "remote_request_id", "remote_block_ids",
+                 "block_hashes", "num_prompt_tokens")  # fmt: skip
 # the fields of kv_transfer_params that describe the producer's cache, checked against the consumer's own
 LAYOUT_FIELDS = ("block_size", "kv_dtype", "model", "kv_layout")
 
@@ -39,6 +47,11 @@ class KVTransferConfig:
     # the most of a producer's cache that leases may hold: past it the oldest lease ends early, so that prefills
     # nobody pulls (a consumer gone, a client that never decodes) cannot starve the producer's own requests
     max_held_fraction: float = 0.5
+    # Which producers a consumer contacts (a client could otherwise point it at any host and port): those whose
+    # kv_transfer_params carry an HMAC by the secret both engines share (FULCRUM_KV_TRANSFER_SECRET by default),
+    # or those listed as "host:port"
+    secret: str | None = None
+    allowed_producers: list[str] = field(default_factory=list)
     kv_connector_extra_config: dict = field(default_factory=dict)
 
     @property
@@ -97,7 +110,42 @@ class KVTransferConfig:
                 raise InvalidRequestError(f"{name} must be a positive number of seconds", "kv_transfer_config")
         if not (isinstance(cfg.max_held_fraction, int | float) and 0 < cfg.max_held_fraction <= 1):
             raise InvalidRequestError("max_held_fraction must be in (0, 1]", "kv_transfer_config")
+        cfg.secret = cfg.secret or os.environ.get(SECRET_ENV) or None
+        if cfg.secret is not None and not isinstance(cfg.secret, str):
+            raise InvalidRequestError("secret must be a string", "kv_transfer_config")
+        if not (isinstance(cfg.allowed_producers, list) and all(_is_address(a) for a in cfg.allowed_producers)):
+            raise InvalidRequestError('allowed_producers must be a list of "host:port"', "kv_transfer_config")
         return cfg
+
+    def sign(self, params: dict) -> str:
+        return hmac.new(self.secret.encode(), _signed_text(params), hashlib.sha256).hexdigest()
+
+    def distrust(self, params: dict) -> str | None:
+        """Why a consumer must not contact the producer these kv_transfer_params name; None when it may."""
+        address = f"{params.get('remote_host')}:{params.get('remote_port')}"
+        if address in self.allowed_producers:
+            return None
+        if self.secret:
+            signature = params.get("signature")
+            if isinstance(signature, str) and hmac.compare_digest(signature, self.sign(params)):
+                return None
+            return (
+                "kv_transfer_params are not signed by a producer this engine trusts (the prefill engine signs them "
+                "with the secret both engines share: kv_connector_extra_config.secret or " + SECRET_ENV + ")"
+            )
+        return (
+            f"this engine contacts only producers it trusts, and {address} is not one: give both engines the same "
+            f"kv_connector_extra_config.secret (or {SECRET_ENV}), or list the producer in allowed_producers"
+        )
+
+
+def _signed_text(params: dict) -> bytes:
+    return json.dumps({k: params.get(k) for k in SIGNED_FIELDS}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _is_address(value) -> bool:
+    host, _, port = str(value).rpartition(":")
+    return isinstance(value, str) and bool(host) and port.isdigit()
 
 
 def block_hashes(token_ids: list[int], block_size: int) -> list[str]:
@@ -133,10 +181,13 @@ def transport_problem(local: dict, params: dict) -> str | None:
     return None
 
 
-def check_remote_prefill(params: dict, local: dict | None, prompt_ids: list[int]) -> None:
+def check_remote_prefill(
+    params: dict, local: dict | None, prompt_ids: list[int], trust: KVTransferConfig | None = None
+) -> None:
     """The consumer's half of the handshake, run in the frontend so that a refusal is a 400 before anything is
-    queued. `local`: this engine's cache description (None when it was not started as a KV consumer)."""
-    if local is None or local.get("role") == "kv_producer":
+    queued. `local`: this engine's cache description (None when it was not started as a KV consumer); `trust`: its
+    config, which says which producers it may contact."""
+    if local is None or local.get("role") == "kv_producer" or trust is None:
         raise KVTransferError(
             "kv_transfer_params asks for a remote prefill, but this engine takes no KV "
             "(start it with --kv-role consumer or both)",
@@ -158,6 +209,9 @@ def check_remote_prefill(params: dict, local: dict | None, prompt_ids: list[int]
     wrong = [k for k, t in types.items() if not ok(k, t)]
     if wrong:
         raise KVTransferError(f"kv_transfer_params: {', '.join(wrong)} has the wrong type", "kv_transfer_params")
+    why = trust.distrust(params)
+    if why is not None:
+        raise KVTransferError(why, "kv_transfer_params")
     diffs = layout_differences(local, params)
     if diffs:
         raise KVTransferError(

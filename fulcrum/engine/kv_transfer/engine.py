@@ -141,6 +141,8 @@ class KVTransfer:
             **self.layout,
             **self.connector.handshake(),
         }
+        if self.cfg.secret:  # a consumer sharing the secret contacts this producer only on its word
+            req.kv_transfer_params["signature"] = self.cfg.sign(req.kv_transfer_params)
 
     def _trim(self, keep: str) -> None:
         """End the oldest leases (not one being read) while they hold more than max_held_fraction of the cache."""
@@ -170,6 +172,11 @@ class KVTransfer:
         if not params or not params.get("do_remote_prefill") or not self.cfg.consumes:
             return False
         req.kv_transfer_params = None  # consumed; the response carries none
+        why = self.cfg.distrust(params)
+        if why is not None:  # the frontend refused these already; an offline caller's go no further either
+            log.warning("request %s: %s; prefilling locally", req.request_id, why)
+            self.fallbacks += 1
+            return False
         bs = self.kv.block_size
         num_full = (req.num_tokens - 1) // bs
         try:  # the frontend checked the fields' types; a bad value still only costs this request its transfer
