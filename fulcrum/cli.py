@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 from fulcrum.defaults import DEFAULT_MODEL, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANTIZATIONS
 from fulcrum.sampling_params import DEFAULT_MAX_TOKENS
-from fulcrum.utils.arg_types import non_negative_float, non_negative_seconds
+from fulcrum.utils.arg_types import non_negative_float, non_negative_seconds, positive_int
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -285,6 +286,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.model_pos:
         args.model = args.model_pos
+    # read where grammars are checked (the frontend) and compiled (the engine core, which inherits the environment)
+    os.environ["FULCRUM_MAX_GRAMMAR_BYTES"] = str(args.max_grammar_bytes)
+    os.environ["FULCRUM_GRAMMAR_COMPILE_TIMEOUT"] = str(args.grammar_compile_timeout)
     config = EngineConfig(**engine_kwargs(args))
     return serve(
         config,
@@ -341,6 +345,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=non_negative_seconds,
         default=10.0,
         help="seconds a connection may take to send a request's headers before it is closed (default 10)",
+    )
+    s.add_argument(
+        "--max-grammar-bytes",
+        type=positive_int,
+        default=128 << 10,
+        help="the largest structured-output spec (JSON schema, regex, grammar, tools' schemas) a request may give, "
+        "in bytes; larger ones get 400 (default 131072)",
+    )
+    s.add_argument(
+        "--grammar-compile-timeout",
+        type=non_negative_seconds,
+        default=30.0,
+        help="seconds a request's grammar may take to compile before the request fails (default 30)",
     )
     s.add_argument(
         "--allowed-origins",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from traceback import format_exception_only
 
@@ -25,7 +26,7 @@ from fulcrum.engine.request import Request, RequestStatus
 from fulcrum.engine.scheduler import Scheduler, SchedulerOutput
 from fulcrum.engine.spec import SpecDecodeStats, SpeculativeConfig, make_proposer
 from fulcrum.engine.structured import StructuredOutputs
-from fulcrum.engine.structured.grammar import MAX_ROLLBACK_TOKENS
+from fulcrum.engine.structured.grammar import MAX_ROLLBACK_TOKENS, compile_timeout_s
 from fulcrum.errors import WorkerDiedError
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.utils.hf_config import layer_sliding_windows
@@ -188,8 +189,18 @@ class EngineCore:
         """Requests whose grammar finished compiling join the scheduler; one that failed to compile ends with
         the compiler's message (the frontend's check lets through little that fails here)."""
         failed = []
+        now = time.monotonic()
         for rid, (req, future) in list(self.compiling.items()):
             if not future.done():
+                if now > getattr(future, "deadline", float("inf")):  # the compile goes on; the request does not
+                    del self.compiling[rid]
+                    future.cancel()
+                    req.status = RequestStatus.FINISHED_ERROR
+                    req.error = (
+                        f"the grammar did not compile within {compile_timeout_s():g} s "
+                        "(fulcrum serve --grammar-compile-timeout); simplify the schema or grammar"
+                    )
+                    failed.append(self._output(req, []))
                 continue
             del self.compiling[rid]
             try:

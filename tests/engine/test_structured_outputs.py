@@ -270,3 +270,49 @@ def test_abort_while_compiling_leaves_nothing_behind(llm):
     while llm.core.has_unfinished_requests():
         llm.step()
     assert llm.stats()["kv_cache_usage"] == 0
+
+
+def test_a_spec_past_the_size_limit_is_refused(monkeypatch):
+    """Issue 37: a spec's size bounds what its compile may cost; past --max-grammar-bytes (128 KiB by default) it is
+    a 400 naming the limit, before anything compiles."""
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20_000)}}
+    with pytest.raises(InvalidRequestError, match=r"structured output takes specs up to 131,072 bytes") as e:
+        validate(StructuredOutputsParams(json=huge))
+    assert e.value.param == "json_schema"
+    monkeypatch.setenv("FULCRUM_MAX_GRAMMAR_BYTES", "64")
+    with pytest.raises(InvalidRequestError, match="up to 64 bytes") as e:
+        validate(StructuredOutputsParams(regex="[a-z]" * 20))
+    assert e.value.param == "regex"
+    validate(StructuredOutputsParams(regex="[a-z]+"))
+
+
+def test_slow_compiles_hold_neither_small_grammars_nor_their_requests(monkeypatch):
+    """A large spec compiles on a lane of its own: a small one submitted after it is ready long before it. And a
+    request whose grammar misses --grammar-compile-timeout ends with an error naming it while the others run."""
+    import time
+
+    real = StructuredOutputs.compile
+
+    def slow_when_large(self, spec):
+        if len(spec.json or "") > 8 << 10:
+            time.sleep(3)
+        return real(self, spec)
+
+    monkeypatch.setattr(StructuredOutputs, "compile", slow_when_large)
+    monkeypatch.setenv("FULCRUM_GRAMMAR_COMPILE_TIMEOUT", "1")
+    core = LLM(max_num_seqs=8, kv_cache_memory=16 << 20).core
+    large = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(600)}}
+    small = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    t0 = time.perf_counter()
+    core.add_request("slow", [1, 2, 3], sampled(StructuredOutputsParams(json=large), 0, max_tokens=20))
+    core.add_request("quick", [1, 2, 3], sampled(StructuredOutputsParams(json=small), 1, max_tokens=40))
+    core.add_request("plain", [4, 5, 6], SamplingParams(temperature=0, max_tokens=5))
+    done = {}
+    while core.has_unfinished_requests() and time.perf_counter() - t0 < 30:
+        for o in core.step():
+            if o.finish_reason:
+                done[o.request_id] = (o.finish_reason, o.error, time.perf_counter() - t0)
+    assert done["quick"][0] != "error" and done["quick"][2] < 2.5  # not behind the large one
+    assert done["plain"][0] == "length"
+    reason, error, _ = done["slow"]
+    assert reason == "error" and "did not compile within 1 s" in error and "--grammar-compile-timeout" in error

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +25,30 @@ MAX_ROLLBACK_TOKENS = 16
 # deep, and a model that favours newlines (the bundled one does) cannot fill max_tokens with them
 MAX_WHITESPACE = 20
 ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
+# What one grammar may cost. A spec's size bounds its compile: a 1.5 MB schema of tens of thousands of properties
+# kept a worker busy for minutes and the core at gigabytes. Both are read when used, so that the server's flags
+# (--max-grammar-bytes, --grammar-compile-timeout) reach the engine core's process through its environment.
+MAX_GRAMMAR_BYTES_ENV, DEFAULT_MAX_GRAMMAR_BYTES = "FULCRUM_MAX_GRAMMAR_BYTES", 128 << 10
+COMPILE_TIMEOUT_ENV, DEFAULT_COMPILE_TIMEOUT_S = "FULCRUM_GRAMMAR_COMPILE_TIMEOUT", 30.0
+# specs above this size compile on a worker of their own, so small ones never wait behind a large one
+LARGE_SPEC_BYTES = 8 << 10
+
+
+def max_grammar_bytes() -> int:
+    return int(os.environ.get(MAX_GRAMMAR_BYTES_ENV, DEFAULT_MAX_GRAMMAR_BYTES))
+
+
+def compile_timeout_s() -> float:
+    return float(os.environ.get(COMPILE_TIMEOUT_ENV, DEFAULT_COMPILE_TIMEOUT_S))
+
+
+def spec_bytes(spec: StructuredOutputsParams) -> int:
+    """The size of what a spec asks xgrammar to compile."""
+    text = {"json": spec.json, "regex": spec.regex, "grammar": spec.grammar, "structural_tag": spec.structural_tag}
+    if spec.kind == "choice":
+        return sum(len(c.encode()) for c in spec.choice)
+    value = text.get(spec.kind)
+    return len(value.encode()) if isinstance(value, str) else 0
 
 
 def _choice_ebnf(choices: list[str]) -> str:
@@ -80,6 +105,14 @@ def validate(spec: StructuredOutputsParams) -> None:
     """Refuse, with a 400 naming the problem, a spec that does not parse or that xgrammar cannot support.
     Needs no tokenizer: building the grammar catches what compiling it would."""
     kind = spec.kind
+    size, limit = spec_bytes(spec), max_grammar_bytes()
+    if size > limit:
+        name = {"json": "json_schema"}.get(kind, kind)
+        raise InvalidRequestError(
+            f"the {name} is {size:,} bytes; structured output takes specs up to {limit:,} bytes "
+            "(fulcrum serve --max-grammar-bytes)",
+            param=name,
+        )
     try:
         if kind == "json":
             schema = _parse_json(spec.json, "json_schema")
@@ -147,9 +180,11 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._compiler: xgr.GrammarCompiler | None = None
-        # Compiles release the GIL, so steps go on meanwhile; two workers, so that one slow grammar (a 20,000-value
-        # enum took 10 s here) does not hold every other request with a grammar behind it
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fulcrum-grammar")
+        # Compiles release the GIL, so steps go on meanwhile. Two lanes of one worker each: large specs (a
+        # 20,000-value enum took 10 s here) on one, the rest on the other, so that no number of slow grammars holds
+        # a small one behind them
+        self._small = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fulcrum-grammar")
+        self._large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fulcrum-grammar-large")
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads) if threads > 1 else None
         self.compile_seconds: list[float] = []  # per compile, for the log and the closing figures
 
@@ -187,8 +222,12 @@ class StructuredOutputs:
         return out
 
     def submit(self, spec: StructuredOutputsParams) -> Future:
-        """Compile on the worker thread; the future's result is a fresh GrammarState."""
-        return self._pool.submit(lambda: GrammarState(self.compile(spec)))
+        """Compile on a worker thread (its lane by the spec's size); the future's result is a fresh GrammarState.
+        The future carries its deadline (`deadline`): the core ends a request whose grammar is not ready by then."""
+        pool = self._large if spec_bytes(spec) > LARGE_SPEC_BYTES else self._small
+        future = pool.submit(lambda: GrammarState(self.compile(spec)))
+        future.deadline = time.monotonic() + compile_timeout_s()
+        return future
 
     def fill_bitmask(self, states: list[GrammarState | None]) -> tuple[torch.Tensor, list[int]] | None:
         """The allowed-token bitmask of a batch (int32, 32 tokens a word; rows without a grammar allow all) and the
@@ -205,4 +244,5 @@ class StructuredOutputs:
         return bitmask, rows
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._small, self._large):
+            pool.shutdown(wait=False, cancel_futures=True)
