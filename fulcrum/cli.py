@@ -282,6 +282,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from fulcrum.config import EngineConfig
+    from fulcrum.errors import FulcrumError
     from fulcrum.server.launch import serve
 
     if args.model_pos:
@@ -289,7 +290,11 @@ def _serve(args: argparse.Namespace) -> int:
     # read where grammars are checked (the frontend) and compiled (the engine core, which inherits the environment)
     os.environ["FULCRUM_MAX_GRAMMAR_BYTES"] = str(args.max_grammar_bytes)
     os.environ["FULCRUM_GRAMMAR_COMPILE_TIMEOUT"] = str(args.grammar_compile_timeout)
-    config = EngineConfig(**engine_kwargs(args))
+    try:
+        config = EngineConfig(**engine_kwargs(args))
+    except (FulcrumError, ValueError) as e:  # a flag's value: one line, as `fulcrum generate` answers
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return serve(
         config,
         host=args.host,

@@ -83,3 +83,29 @@ def test_the_client_verbs_start_without_the_engines_libraries():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+def test_serve_answers_a_bad_model_in_one_line(tmp_path):
+    """Issue 37: a missing folder, a folder without a tokenizer, a truncated checkpoint (the engine core fails) and
+    a bad flag each end with one line and exit 2, as `fulcrum generate` answers; no traceback."""
+    broken = tmp_path / "truncated"
+    shutil.copytree(DEFAULT_MODEL, broken)
+    weights = sorted(broken.glob("*.safetensors"))[0]
+    weights.write_bytes(weights.read_bytes()[:10_000])
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
+    cases = [
+        ([str(tmp_path / "missing")], "not a model folder"),
+        ([str(no_tokenizer)], "no tokenizer"),
+        ([str(broken)], "the engine core failed to start"),
+        (["--max-num-seqs", "-3"], "max_num_seqs"),
+    ]
+    for args, said in cases:
+        res = subprocess.run(
+            [sys.executable, "-m", "fulcrum.cli", "serve", "--port", "0", "--kv-cache-memory", "0.05", *args],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+        assert res.returncode == 2 and "Traceback" not in res.stderr, (args, res.stderr[-2000:])
+        assert len(errors) == 1 and said in errors[0], (args, res.stderr[-2000:])

@@ -26,7 +26,7 @@ from fulcrum.engine.messages import (
     encoder,
 )
 from fulcrum.engine.outputs import EngineCoreOutput
-from fulcrum.errors import InvalidRequestError
+from fulcrum.errors import FulcrumError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 200
@@ -45,8 +45,13 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     try:
         core = EngineCore(config, own_process=True)
     except Exception as e:
-        push.send(encoder.encode(CoreReady(error=f"{type(e).__name__}: {e}")))
-        raise
+        # the frontend reports it in one line; the trace is for --log-level debug
+        log.debug("the engine core failed to start", exc_info=True)
+        message = str(e) if isinstance(e, FulcrumError) else f"{type(e).__name__}: {e}"
+        push.send(encoder.encode(CoreReady(error=message)))
+        push.close()
+        ctx.term()
+        return
     ready = CoreReady(
         core.kv.num_blocks, config.block_size, core.max_model_len, core.vocab_size,
         kv_cache_dtype=core.runner.kv_cache_dtype_name,

@@ -14,6 +14,7 @@ import uvicorn
 
 from fulcrum.config import EngineConfig
 from fulcrum.engine.async_llm import AsyncLLM
+from fulcrum.errors import FulcrumError
 from fulcrum.server.api import build_app
 from fulcrum.server.drain import ANSWER_GRACE_S, DrainingServer
 from fulcrum.server.limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_BODY_MB, header_timeout_protocol
@@ -107,7 +108,12 @@ def _run(
     host, port = sock.getsockname()[:2]  # the port is the system's choice under --port 0
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(asctime)s %(name)s %(message)s")
-    engine = AsyncLLM(config, max_waiting_requests=max_waiting_requests)
+    try:
+        engine = AsyncLLM(config, max_waiting_requests=max_waiting_requests)
+    except (FulcrumError, ValueError, OSError) as e:  # the model's folder, config or tokenizer
+        log.debug("the model failed to load", exc_info=True)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     name = served_model_name or default_model_name(config.model, engine.model_path)
     state = ServerState(engine, name, api_key, ServerMetrics(name, compat_vllm=metrics_compat == "vllm"))
     state.tool_call_parser = tool_call_parser
@@ -143,6 +149,10 @@ def _run(
         asyncio.run(main())
     except Exception as e:
         in_use = isinstance(e, OSError) and e.errno == errno.EADDRINUSE  # the listen itself, see bind_port
-        print(_bind_error(e, host, port) if in_use else f"error: {e}", file=sys.stderr)
-        return 1
+        if in_use:
+            print(_bind_error(e, host, port), file=sys.stderr)
+            return 1
+        log.debug("the server failed", exc_info=True)
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, FulcrumError | ValueError) else 1
     return exit_code["code"] or server.exit_code
