@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from fulcrum.engine.structured.grammar import unenforced_keywords
+from fulcrum.engine.structured.grammar import unenforced_keywords, validate
 from fulcrum.errors import InvalidRequestError
 from fulcrum.protocol import (
     ChatCompletionRequest,
@@ -81,6 +81,10 @@ class ToolCalling:
                     + ", ".join(unenforced[:5]),
                     param="tools",
                 )
+            try:  # each tool's schema on its own, so that a fault is named by its tool, not by the whole tag
+                validate(StructuredOutputsParams(json=schema))
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"the parameters of {fn['name']}: {e}", param="tools") from None
             tags.append(
                 {
                     "type": "tag",

@@ -165,6 +165,13 @@ def test_tool_request_errors(served):
     bad_schema = [{"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}]
     with pytest.raises(openai.BadRequestError, match="uniqueItems"):
         create(client, tools=bad_schema, tool_choice="required")
+    # a schema xgrammar cannot build: named by its tool and param "tools", without xgrammar's own source paths
+    dangling = [{"type": "function", "function": {"name": "g", "parameters": {"$ref": "#/$defs/missing"}}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        create(client, tools=dangling, tool_choice="required")
+    err = e.value.body
+    assert err["param"] == "tools" and "the parameters of g" in err["message"]
+    assert ".cc:" not in err["message"] and "/project/" not in err["message"]
 
 
 def test_without_a_parser_auto_is_refused_and_required_works(server):

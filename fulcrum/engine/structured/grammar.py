@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -143,9 +144,15 @@ def validate(spec: StructuredOutputsParams) -> None:
         raise InvalidRequestError(f"the {what} cannot be used for structured output: {_first_line(e)}", kind) from None
 
 
+# xgrammar prefixes its messages with a time and its own source location ("[08:32:28] /project/cpp/x.cc:94: "):
+# nothing a client can act on, and nothing to show them
+_XGRAMMAR_PREFIX = re.compile(r"^(\[[0-9:]+\]\s*)?(\S+\.(cc|h|cpp):\d+:\s*)?")
+
+
 def _first_line(e: Exception) -> str:
     text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0] if len(text) < 2000 else text[:2000]
+    line = text.splitlines()[0] if len(text) < 2000 else text[:2000]
+    return _XGRAMMAR_PREFIX.sub("", line) or line
 
 
 class GrammarState:
