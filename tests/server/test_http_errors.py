@@ -33,11 +33,21 @@ def assert_error(r, status, param=None):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 0}, None),
         (  # past --max-grammar-bytes (issue 37: such schemas kept the grammar workers busy for minutes)
             "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "json_schema", "json_schema": {
-                "name": "huge", "schema": {"type": "object", "properties": {f"p{i}": {"type": "string"}
-                                                                             for i in range(20_000)}}}}},
+            {
+                "messages": [{"role": "user", "content": "Hi"}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "huge",
+                        "schema": {
+                            "type": "object",
+                            "properties": {f"p{i}": {"type": "string"} for i in range(20_000)},
+                        },
+                    },
+                },
+            },
             "response_format",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_invalid_values_are_400(server, path, body, param):
