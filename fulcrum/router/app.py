@@ -21,7 +21,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from fulcrum.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
+from fulcrum import http_errors
+from fulcrum.http_errors import error, error_body
+from fulcrum.protocol import ChatCompletionRequest, CompletionRequest
 from fulcrum.router.kv_index import KVIndex, Subscriber, Subscriptions
 from fulcrum.router.metrics import RouterMetrics
 from fulcrum.router.policies import NEEDS_TOKENS, POLICIES, Decision
@@ -29,21 +31,9 @@ from fulcrum.router.pool import Pool, Replica
 from fulcrum.router.tokens import PromptTokenizer, hasher
 
 log = logging.getLogger("fulcrum.router")
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 502: "BadGatewayError",
-               503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}  # fmt: skip
+OPEN_PATHS = {"/health", "/ping", "/metrics", "/version", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"}
 RETRY_STATUS = {500, 502, 503, 504}  # a replica failing, draining or overloaded: another may answer
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host", "keep-alive"}
-
-
-def error_body(status: int, message: str) -> dict:
-    return ErrorResponse(
-        error=ErrorInfo(message=message, type=ERROR_TYPES.get(status, "Error"), code=status)
-    ).model_dump()
-
-
-def error(status: int, message: str) -> JSONResponse:
-    headers = {"Retry-After": "1"} if status == 503 else None
-    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
 
 
 def sse_error(status: int, message: str) -> bytes:
@@ -303,17 +293,26 @@ def build_app(router: Router, autoscaler=None) -> FastAPI:
 
     app = FastAPI(title="fulcrum router", lifespan=lifespan)
     app.state.router = router
+    http_errors.install(app)  # the server's error layer: every error in OpenAI's shape, never {"detail": ...}
+    app.openapi = lambda: http_errors.openapi_schema(app)
 
-    async def generate(request: Request, path: str, endpoint: str, schema):
-        if router.cfg.api_key:
+    @app.middleware("http")
+    async def gate(request: Request, call_next):
+        """The API key on every API route, as the server asks it (health, metrics and the docs stay open)."""
+        if router.cfg.api_key and request.url.path not in OPEN_PATHS:
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or token.strip() != router.cfg.api_key:
-                return JSONResponse(error_body(401, "invalid or missing API key"), status_code=401)
+                return error(401, "invalid or missing API key")
+        return await call_next(request)
+
+    async def generate(request: Request, path: str, endpoint: str, schema):
         raw = await request.body()
         try:
             body = json.loads(raw)
             if router.cfg.validate:
                 schema.model_validate(body)
+        except RecursionError:
+            return error(400, "the request body is nested too deeply")
         except (ValueError, ValidationError) as e:
             first = e.errors()[0] if isinstance(e, ValidationError) else None
             where = ".".join(str(x) for x in first["loc"]) if first and first.get("loc") else "request"
@@ -336,10 +335,6 @@ def build_app(router: Router, autoscaler=None) -> FastAPI:
         return await router.get("/v1/models")
 
     async def any_replica(request: Request, path: str):
-        if router.cfg.api_key:
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or token.strip() != router.cfg.api_key:
-                return JSONResponse(error_body(401, "invalid or missing API key"), status_code=401)
         return await router.get(path, await request.body(), router._headers(request))
 
     @app.post("/tokenize")

@@ -12,8 +12,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import fulcrum
+from fulcrum import http_errors as errors
 from fulcrum.engine.request import check_token_ids
 from fulcrum.errors import ShuttingDownError
+from fulcrum.http_errors import ERROR_RESPONSES, error, error_of
 from fulcrum.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -26,10 +28,8 @@ from fulcrum.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from fulcrum.server import errors
 from fulcrum.server.chat import create_chat_completion
 from fulcrum.server.completions import create_completion
-from fulcrum.server.errors import ERROR_RESPONSES, error, error_of
 from fulcrum.server.limits import BodyLimit, off_loop
 from fulcrum.server.state import ServerState
 

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from fulcrum.server.errors import error
+from fulcrum.http_errors import error
 
 DEFAULT_MAX_BODY_MB = 32.0
 DEFAULT_HEADER_TIMEOUT_S = 10.0

@@ -16,9 +16,9 @@ from pydantic import BaseModel
 from fulcrum.engine.async_llm import AsyncLLM
 from fulcrum.engine.outputs import RequestOutput
 from fulcrum.errors import InvalidRequestError, ShuttingDownError
+from fulcrum.http_errors import sse_error, status_of
 from fulcrum.protocol import UsageInfo
 from fulcrum.sampling_params import SamplingParams
-from fulcrum.server.errors import sse_error, status_of
 
 log = logging.getLogger("fulcrum.server")
 Item = tuple[int, RequestOutput, dict[int, str]]  # (prompt index, output so far, new text per sample)

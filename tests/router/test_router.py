@@ -54,6 +54,25 @@ def test_bad_request_is_a_400_in_openai_shape(replicas):
         resp = httpx.post(f"{r.url}/v1/completions", json={"model": "shakespeare", "prompt": "x", "max_tokens": -1})
         assert resp.status_code == 400
         assert resp.json()["error"]["code"] == 400
+        # issue 37: the router's own errors in the server's shape too: an unknown route, deep JSON
+        for resp in (
+            httpx.get(f"{r.url}/v1/nothing-here"),
+            httpx.post(f"{r.url}/v1/completions", content=b"[" * 100_000, headers={"content-type": "application/json"}),
+        ):
+            assert resp.status_code in (400, 404) and set(resp.json()["error"]) >= {"message", "type", "code"}
+
+
+def test_the_api_key_guards_every_api_route_as_the_servers_does(replicas):
+    """Issue 37: with --api-key the router asked for it on generation only; /v1/models (which the server guards)
+    was open. Health, metrics and the docs stay open on both."""
+    with run_router([s.url for s in replicas], api_key="sesame") as r:
+        for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize")]:
+            resp = httpx.request(method, f"{r.url}{path}", json={"prompt": "x"})
+            assert resp.status_code == 401 and resp.json()["error"]["type"] == "AuthenticationError", path
+        ok = httpx.get(f"{r.url}/v1/models", headers={"Authorization": "Bearer sesame"})
+        assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "shakespeare"
+        for path in ("/health", "/metrics", "/openapi.json"):
+            assert httpx.get(f"{r.url}{path}").status_code == 200, path
 
 
 def test_least_load_avoids_the_busy_replica(replicas):

@@ -1,6 +1,6 @@
-"""Every error the server sends, in OpenAI's shape, on every route: fulcrum's own errors, the
-framework's (validation, unknown route, unreadable body) and anything unexpected; and the OpenAPI
-document made to list the status codes the server really answers with."""
+"""Every error an HTTP app of fulcrum sends (the server's and the router's alike), in OpenAI's shape, on every
+route: fulcrum's own errors, the framework's (validation, unknown route, unreadable body) and anything unexpected;
+and the OpenAPI document made to list the status codes the app really answers with."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from fulcrum.errors import (
 )
 from fulcrum.protocol import ErrorInfo, ErrorResponse
 
-log = logging.getLogger("fulcrum.server")
+log = logging.getLogger("fulcrum.http")
 RETRY_AFTER_S = 1
 
 # status code -> OpenAI's error type name, as vLLM spells them
@@ -35,7 +35,9 @@ ERROR_TYPES = {
     413: "RequestTooLargeError",
     415: "UnsupportedMediaTypeError",
     500: "InternalServerError",
+    502: "BadGatewayError",
     503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
 }
 
 # fulcrum's errors -> status code
