@@ -76,6 +76,14 @@ class Runner:
         r = triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, quantiles=[0.5])
         return float(r[0] if isinstance(r, (list, tuple)) else r)
 
+    def against_torch(self, name: str, kernel, baseline, nbytes: int, **labels) -> dict:
+        """Time the kernel and the PyTorch it replaces, print the line, return the row (`labels` first)."""
+        ms, base_ms = self.time_ms(kernel), self.time_ms(baseline)
+        row = {**labels, **self.rate(nbytes, ms), "torch_ms": base_ms, "speedup_vs_torch": ratio(base_ms, ms)}
+        tb = "-" if base_ms is None else f"{base_ms * 1e3:.1f} us"
+        print(f"{name:40s} {fmt_rate(row)}; torch {tb}: {fmt_x(row['speedup_vs_torch'])}", flush=True)
+        return row
+
     def rate(self, nbytes: int, ms: float | None) -> dict:
         """Effective GB/s of `nbytes` in `ms` and its share of the copy bandwidth."""
         if ms is None:
@@ -358,12 +366,7 @@ def bench_rope(run: Runner, shapes, tokens, device) -> list[dict]:
             nbytes = t * (
                 (heads + 2 * kvh) * d * BF16 + 2 * d * BF16 + 8 + (heads + kvh) * d * BF16 + 2 * kvh * d * BF16
             )
-            ms, base_ms = run.time_ms(kernel), run.time_ms(baseline)
-            row = {"shape": shape, "tokens": t, **run.rate(nbytes, ms), "torch_ms": base_ms}
-            row["speedup_vs_torch"] = ratio(base_ms, ms)
-            rows.append(row)
-            tb = "-" if base_ms is None else f"{base_ms * 1e3:.1f} us"
-            print(f"{name:40s} {fmt_rate(row)}; torch {tb}: {fmt_x(row['speedup_vs_torch'])}", flush=True)
+            rows.append(run.against_torch(name, kernel, baseline, nbytes, shape=shape, tokens=t))
     return rows
 
 
@@ -389,12 +392,7 @@ def bench_norm(run: Runner, hiddens, rows_list, device, eps: float = 1e-6) -> li
                 return w * xf.to(x.dtype), x
 
             nbytes = 4 * t * hidden * BF16 + hidden * BF16  # read h, residual; write residual, out; the weight
-            ms, base_ms = run.time_ms(kernel), run.time_ms(baseline)
-            row = {"hidden": hidden, "rows": t, **run.rate(nbytes, ms), "torch_ms": base_ms}
-            row["speedup_vs_torch"] = ratio(base_ms, ms)
-            rows.append(row)
-            tb = "-" if base_ms is None else f"{base_ms * 1e3:.1f} us"
-            print(f"{name:40s} {fmt_rate(row)}; torch {tb}: {fmt_x(row['speedup_vs_torch'])}", flush=True)
+            rows.append(run.against_torch(name, kernel, baseline, nbytes, hidden=hidden, rows=t))
     return rows
 
 

@@ -8,7 +8,18 @@ import os
 import sys
 import time
 
-from fulcrum.defaults import DEFAULT_MODEL, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANTIZATIONS
+from fulcrum.defaults import (
+    COMPILE_TIMEOUT_ENV,
+    DEFAULT_COMPILE_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_BODY_MB,
+    DEFAULT_MAX_GRAMMAR_BYTES,
+    DEFAULT_MODEL,
+    INT4_GROUP_SIZES,
+    KV_CACHE_DTYPES,
+    MAX_GRAMMAR_BYTES_ENV,
+    QUANTIZATIONS,
+)
 from fulcrum.sampling_params import DEFAULT_MAX_TOKENS
 from fulcrum.utils.arg_types import non_negative_float, non_negative_seconds, positive_int
 
@@ -288,8 +299,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.model_pos:
         args.model = args.model_pos
     # read where grammars are checked (the frontend) and compiled (the engine core, which inherits the environment)
-    os.environ["FULCRUM_MAX_GRAMMAR_BYTES"] = str(args.max_grammar_bytes)
-    os.environ["FULCRUM_GRAMMAR_COMPILE_TIMEOUT"] = str(args.grammar_compile_timeout)
+    os.environ[MAX_GRAMMAR_BYTES_ENV] = str(args.max_grammar_bytes)
+    os.environ[COMPILE_TIMEOUT_ENV] = str(args.grammar_compile_timeout)
     try:
         config = EngineConfig(**engine_kwargs(args))
     except (FulcrumError, ValueError) as e:  # a flag's value: one line, as `fulcrum generate` answers
@@ -342,27 +353,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--max-request-body-mb",
         type=non_negative_float,
-        default=32.0,
-        help="request bodies larger than this many MiB get 413 (default 32)",
+        default=DEFAULT_MAX_BODY_MB,
+        help=f"request bodies larger than this many MiB get 413 (default {DEFAULT_MAX_BODY_MB:g})",
     )
     s.add_argument(
         "--header-timeout",
         type=non_negative_seconds,
-        default=10.0,
-        help="seconds a connection may take to send a request's headers before it is closed (default 10)",
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a connection may take to send a request's headers before it is closed "
+        f"(default {DEFAULT_HEADER_TIMEOUT_S:g})",
     )
     s.add_argument(
         "--max-grammar-bytes",
         type=positive_int,
-        default=128 << 10,
+        default=DEFAULT_MAX_GRAMMAR_BYTES,
         help="the largest structured-output spec (JSON schema, regex, grammar, tools' schemas) a request may give, "
-        "in bytes; larger ones get 400 (default 131072)",
+        f"in bytes; larger ones get 400 (default {DEFAULT_MAX_GRAMMAR_BYTES})",
     )
     s.add_argument(
         "--grammar-compile-timeout",
         type=non_negative_seconds,
-        default=30.0,
-        help="seconds a request's grammar may take to compile before the request fails (default 30)",
+        default=DEFAULT_COMPILE_TIMEOUT_S,
+        help=f"seconds a request's grammar may take to compile before the request fails "
+        f"(default {DEFAULT_COMPILE_TIMEOUT_S:g})",
     )
     s.add_argument(
         "--allowed-origins",

@@ -20,3 +20,11 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 
 # The model that ships in the repository; every command uses it when no model is given.
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-shakespeare-target"
+
+# What one client may make the server hold (fulcrum/server/limits.py, fulcrum/engine/structured/grammar.py). The
+# grammar bounds are read from the environment where grammars are checked (the frontend) and compiled (the engine
+# core's process, which inherits it): `fulcrum serve` sets them from its flags.
+DEFAULT_MAX_BODY_MB = 32.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+MAX_GRAMMAR_BYTES_ENV, DEFAULT_MAX_GRAMMAR_BYTES = "FULCRUM_MAX_GRAMMAR_BYTES", 128 << 10
+COMPILE_TIMEOUT_ENV, DEFAULT_COMPILE_TIMEOUT_S = "FULCRUM_GRAMMAR_COMPILE_TIMEOUT", 30.0

@@ -209,6 +209,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty reads the output so far (presence, frequency, repetition)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
     def token_ids_to_check(self) -> dict[str, list[int]]:
         """The token ids this request names, by field, for the engine to check against its vocabulary."""
         return {"stop_token_ids": self.stop_token_ids, "logit_bias": list(self.logit_bias or {})}

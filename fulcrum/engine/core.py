@@ -37,9 +37,7 @@ log = logging.getLogger(__name__)
 def needs_every_token(req: Request) -> bool:
     """A request whose next step needs all its tokens on the host: its grammar's mask, its penalties' counts, or its
     prompt's scoring reads them (async scheduling runs such steps synchronously)."""
-    p = req.sampling_params
-    penalties = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
-    return req.grammar is not None or bool(penalties) or req.wants_prompt_logprobs
+    return req.grammar is not None or req.sampling_params.penalized or req.wants_prompt_logprobs
 
 
 def is_fatal(e: BaseException) -> bool:
@@ -176,8 +174,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         busy = self.kv_transfer is not None and self.kv_transfer.busy()
-        in_flight = getattr(self, "in_flight", None) is not None
-        return self.scheduler.has_unfinished() or bool(self.compiling) or busy or in_flight
+        return self.scheduler.has_unfinished() or bool(self.compiling) or busy or self.in_flight is not None
 
     def housekeeping(self) -> None:
         """What goes on between steps, idle ones too: KV pulls that ended join the scheduler, leases end."""

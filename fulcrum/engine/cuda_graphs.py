@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fulcrum.engine.step_inputs import StepInputs, to_device
+from fulcrum.engine.step_inputs import StepInputs
 from fulcrum.layers.attention import Attention, AttentionMetadata
+from fulcrum.utils.device import to_device
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from fulcrum.engine import cuda_graphs, step_inputs
 from fulcrum.engine.request import Request
 from fulcrum.engine.scheduler import ScheduledRequest, SchedulerOutput
 from fulcrum.engine.spec.rejection import verify
-from fulcrum.engine.step_inputs import StepInputs, to_device
+from fulcrum.engine.step_inputs import StepInputs
 from fulcrum.engine.structured import StructuredOutputs
 from fulcrum.errors import InvalidRequestError, KVCacheTooSmallError
 from fulcrum.kernels import cpu_malloc, cpu_threads, huge_page_empty, move_parameters_to_huge_pages, warm_up
@@ -28,6 +28,7 @@ from fulcrum.layers.sampler import Sampler, SamplingMetadata
 from fulcrum.models.loader import load_model
 from fulcrum.quant import describe
 from fulcrum.quant import kv as kv_quant
+from fulcrum.utils.device import to_device
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.enforce_eager or self.world_size > 1:
             return None
         why = cuda_graphs.supported(self.model)
-        if why is None and not triton_kernels.usable(torch.empty(0, device=self.device)):
+        if why is None and not triton_kernels.usable_on(self.device):
             why = "the Triton kernels are not in use"
         if why is not None:
             log.info("CUDA graphs off: %s", why)
@@ -227,8 +228,7 @@ class ModelRunner:
             meta.top_k = col([p.top_k if 0 < p.top_k < V else V for p in params], torch.long)
         if any(p.min_p > 0 for p in params):
             meta.min_p = col([p.min_p for p in params])
-        need_counts = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params)
-        if need_counts:
+        if any(p.penalized for p in params):
             meta.output_counts = self._token_counts([r.output_token_ids + a for r, a in zip(reqs, ahead)])
             if any(p.presence_penalty for p in params):
                 meta.presence_penalty = col([p.presence_penalty for p in params])
@@ -322,7 +322,8 @@ class ModelRunner:
             if self.graphs is not None and self.graphs.fits(si):
                 out.append(self.graphs.run(si, in_flight))  # a decode step: one graph replay
                 continue
-            input_ids, positions, meta = step_inputs.to_tensors(si, self.device)
+            varlen = triton_kernels.usable_on(self.device)  # only the Triton attention reads a mixed step's varlen view
+            input_ids, positions, meta = step_inputs.to_tensors(si, self.device, varlen)
             if in_flight is not None:
                 input_ids[in_flight[0]] = in_flight[1]
             hidden = None

@@ -112,7 +112,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_placeholders and self._finishes_in_flight(req):
+            if req.num_placeholders and self._at_length_limit(req, req.num_placeholders):
                 i += 1  # its last token is being sampled now: nothing more to compute
                 continue
             known = req.num_tokens + req.num_placeholders - req.num_computed_tokens
@@ -177,13 +177,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.push(req)
 
-    def _finishes_in_flight(self, req: Request) -> bool:
-        """Whether the tokens in flight take the request to its length limit (a stop token cannot be foreseen)."""
+    def _at_length_limit(self, req: Request, ahead: int = 0) -> bool:
+        """Whether the request reaches max_tokens or the context limit with `ahead` more tokens (its tokens in
+        flight, under async scheduling: a stop token cannot be foreseen, a length can)."""
         max_tokens = req.sampling_params.max_tokens
-        n = req.num_placeholders
-        return (max_tokens is not None and req.num_output_tokens + n >= max_tokens) or req.num_tokens + n >= (
-            self.max_model_len
-        )
+        if max_tokens is not None and req.num_output_tokens + ahead >= max_tokens:
+            return True
+        return req.num_tokens + ahead >= self.max_model_len
 
     def advance(self, out: SchedulerOutput) -> list[str]:
         """Async scheduling, once a step is launched: its requests move past its tokens now, and each that samples
@@ -257,8 +257,7 @@ class Scheduler:
             if tok in sp.stop_token_ids:
                 req.stop_reason = tok
                 return RequestStatus.FINISHED_STOPPED
-        max_tokens = sp.max_tokens
-        if (max_tokens is not None and req.num_output_tokens >= max_tokens) or req.num_tokens >= self.max_model_len:
+        if self._at_length_limit(req):
             return RequestStatus.FINISHED_LENGTH
         return None
 

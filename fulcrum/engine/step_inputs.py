@@ -10,6 +10,7 @@ import torch
 
 from fulcrum.engine.scheduler import ScheduledRequest
 from fulcrum.layers.attention import AttentionMetadata
+from fulcrum.utils.device import to_device
 
 
 @dataclass
@@ -107,23 +108,25 @@ def split(scheduled: list[ScheduledRequest], parts: int) -> list[list[ScheduledR
     return [g for g in groups if g]
 
 
-def to_tensors(si: StepInputs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+def to_tensors(
+    si: StepInputs, device: torch.device, varlen: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """The step's tensors on `device`. Every integer field travels in one host-to-device copy (from pinned memory on
     CUDA, without waiting for it): a copy per field costs a launch and a sync each, which a GPU step cannot spare.
-    A step with prefills also gets its sequences as one varlen batch (prefill chunks and decode rows alike), for the
-    attention kernels that take a mixed step in one call."""
+    `varlen`: a step with prefills also gets its sequences as one varlen batch (prefill chunks and decode rows
+    alike), for the attention kernels that take a mixed step in one call."""
     host = _Packed()
     ids, positions, slots = host.add(si.ids), host.add(si.positions), host.add(si.slots)
     prefill_tables = host.add_table(si.prefill_tables) if si.prefill_tables else None
     decode = None
     if si.decode_idx:
         decode = host.add(si.decode_idx), host.add_table(si.decode_tables), host.add(si.decode_ctx)
-    varlen = None
-    if si.prefills:
+    seq_fields = None
+    if varlen and si.prefills:
         seqs = [(start, n, ctx, si.prefill_tables[row]) for start, n, ctx, row in si.prefills]
         seqs += [(t, 1, c, tb) for t, c, tb in zip(si.decode_idx, si.decode_ctx, si.decode_tables)]
         starts, lens, ctxs, tables = (list(x) for x in zip(*seqs))
-        varlen = host.add(starts), host.add(lens), host.add(ctxs), host.add_table(tables), max(lens)
+        seq_fields = host.add(starts), host.add(lens), host.add(ctxs), host.add_table(tables), max(lens)
     dev = host.to(device)
     meta = AttentionMetadata(
         query_lens=si.query_lens,
@@ -134,22 +137,12 @@ def to_tensors(si: StepInputs, device: torch.device) -> tuple[torch.Tensor, torc
     if decode is not None:
         meta.decode_token_idx, meta.decode_block_tables, meta.decode_context_lens = (dev(x) for x in decode)
         meta.decode_max_context = max(si.decode_ctx)
-    if varlen is not None:
+    if seq_fields is not None:
         meta.seq_query_start, meta.seq_query_lens, meta.seq_context_lens, meta.seq_block_tables = (
-            dev(x) for x in varlen[:4]
+            dev(x) for x in seq_fields[:4]
         )
-        meta.max_query_len = varlen[4]
+        meta.max_query_len = seq_fields[4]
     return dev(ids), dev(positions), meta
-
-
-def to_device(x: torch.Tensor | list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Values on `device` without waiting: on CUDA through pinned memory and an asynchronous copy (a copy from
-    pageable memory waits for everything queued before it, which would stall async scheduling behind the step in
-    flight). The caching host allocator keeps the pinned buffer until the copy is done."""
-    host = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=dtype)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
 
 
 class _Packed:
@@ -159,10 +152,10 @@ class _Packed:
     def __init__(self):
         self.values: list[int] = []
 
-    def add(self, values: list[int], shape: tuple[int, ...] | None = None) -> tuple[int, tuple[int, ...]]:
+    def add(self, values: list[int]) -> tuple[int, tuple[int, ...]]:
         start = len(self.values)
         self.values.extend(values)
-        return start, shape or (len(values),)
+        return start, (len(values),)
 
     def add_table(self, rows: list[list[int]]) -> tuple[int, tuple[int, ...]]:
         """Rows padded with block 0 to the longest (entries past a row's context are never read)."""

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from fulcrum.kernels import cpu_argmax
+from fulcrum.utils.device import to_device
 
 
 @dataclass
@@ -167,9 +168,7 @@ def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | N
     if generators:
         for row, gen in enumerate(generators):
             if gen is not None:
-                drawn = seeded_noise(gen, probs.shape[1])
-                # pinned and asynchronous on CUDA: a copy from pageable memory would wait for the queued step
-                noise[row] = drawn.pin_memory().to(probs.device, non_blocking=True) if probs.is_cuda else drawn
+                noise[row] = to_device(seeded_noise(gen, probs.shape[1]), probs.device)
     return noise
 
 

@@ -230,7 +230,7 @@ class LlamaModel(nn.Module):
             self._stack = fused_decode_stack(self.local_layers()) or False
             if self._stack is False:
                 return None
-        if not 0 < x.shape[0] <= self._stack.max_rows or x.dtype != self._stack.dtype or x.device.type != "cpu":
+        if not 0 < x.shape[0] <= self._stack.max_rows or x.dtype != self._stack.dtype:
             return None
         return self._stack
 

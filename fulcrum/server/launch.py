@@ -13,11 +13,12 @@ from pathlib import Path
 import uvicorn
 
 from fulcrum.config import EngineConfig
+from fulcrum.defaults import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_BODY_MB
 from fulcrum.engine.async_llm import AsyncLLM
 from fulcrum.errors import FulcrumError
 from fulcrum.server.api import build_app
 from fulcrum.server.drain import ANSWER_GRACE_S, DrainingServer
-from fulcrum.server.limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_BODY_MB, header_timeout_protocol
+from fulcrum.server.limits import header_timeout_protocol
 from fulcrum.server.metrics import ServerMetrics
 from fulcrum.server.state import ServerState
 

@@ -11,9 +11,6 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from fulcrum.http_errors import error
 
-DEFAULT_MAX_BODY_MB = 32.0
-DEFAULT_HEADER_TIMEOUT_S = 10.0
-
 # one thread: transformers' fast tokenizers may refuse concurrent calls on one instance ("Already borrowed")
 _tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fulcrum-tokenize")
 

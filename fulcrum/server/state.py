@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fulcrum.defaults import DEFAULT_MAX_BODY_MB
 from fulcrum.engine.async_llm import AsyncLLM
 from fulcrum.engine.structured import validate
 from fulcrum.errors import InvalidRequestError, ModelNotFoundError
@@ -23,7 +24,7 @@ class ServerState:
     draining: bool = False  # SIGTERM: requests in flight finish, new ones get 503
     tool_call_parser: str | None = None  # --tool-call-parser: how the model writes tool calls
     allowed_origins: list[str] = field(default_factory=list)  # --allowed-origins: browsers' origins (CORS); none: off
-    max_body_bytes: int = 32 << 20  # --max-request-body-mb: larger bodies get 413
+    max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20)  # --max-request-body-mb: larger bodies get 413
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

@@ -5,31 +5,29 @@ from __future__ import annotations
 import argparse
 
 
-def non_negative_seconds(value: str) -> float:
+def _parsed(value: str, kind: type, what: str):
     try:
-        x = float(value)
+        return kind(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}") from None
+
+
+def non_negative_seconds(value: str) -> float:
+    x = _parsed(value, float, "a number of seconds")
     if not x >= 0:  # NaN too
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return x
 
 
 def positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    n = _parsed(value, int, "a whole number")
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return n
 
 
 def non_negative_float(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    x = _parsed(value, float, "a number")
     if not 0 <= x < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
     return x

@@ -15,6 +15,12 @@ from pathlib import Path
 import torch
 import xgrammar as xgr
 
+from fulcrum.defaults import (
+    COMPILE_TIMEOUT_ENV,
+    DEFAULT_COMPILE_TIMEOUT_S,
+    DEFAULT_MAX_GRAMMAR_BYTES,
+    MAX_GRAMMAR_BYTES_ENV,
+)
 from fulcrum.errors import InvalidRequestError
 from fulcrum.sampling_params import StructuredOutputsParams
 
@@ -26,11 +32,8 @@ MAX_ROLLBACK_TOKENS = 16
 # deep, and a model that favours newlines (the bundled one does) cannot fill max_tokens with them
 MAX_WHITESPACE = 20
 ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
-# What one grammar may cost. A spec's size bounds its compile: a 1.5 MB schema of tens of thousands of properties
-# kept a worker busy for minutes and the core at gigabytes. Both are read when used, so that the server's flags
-# (--max-grammar-bytes, --grammar-compile-timeout) reach the engine core's process through its environment.
-MAX_GRAMMAR_BYTES_ENV, DEFAULT_MAX_GRAMMAR_BYTES = "FULCRUM_MAX_GRAMMAR_BYTES", 128 << 10
-COMPILE_TIMEOUT_ENV, DEFAULT_COMPILE_TIMEOUT_S = "FULCRUM_GRAMMAR_COMPILE_TIMEOUT", 30.0
+# What one grammar may cost (bounds in fulcrum/defaults.py). A spec's size bounds its compile: a 1.5 MB schema of
+# tens of thousands of properties kept a worker busy for minutes and the core at gigabytes.
 # specs above this size compile on a worker of their own, so small ones never wait behind a large one
 LARGE_SPEC_BYTES = 8 << 10
 

@@ -28,9 +28,14 @@ def interpreted() -> bool:
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether a layer should run its Triton kernel on `x`: on CUDA unless the backend is set to torch; on CPU only
-    when it is forced to triton (the interpreter: a correctness path, far slower than the CPU kernels)."""
+    """Whether a layer should run its Triton kernel on `x` (see `usable_on`)."""
+    return usable_on(x.device)
+
+
+def usable_on(device: torch.device) -> bool:
+    """Whether the Triton kernels run on `device`: on CUDA unless the backend is set to torch; on CPU only when it is
+    forced to triton (the interpreter: a correctness path, far slower than the CPU kernels)."""
     backend = os.environ.get(BACKEND_ENV, "")
-    if x.is_cuda:
+    if device.type == "cuda":
         return backend != "torch" and available()
-    return backend == "triton" and x.device.type == "cpu" and interpreted() and available()
+    return backend == "triton" and device.type == "cpu" and interpreted() and available()

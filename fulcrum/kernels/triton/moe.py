@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from fulcrum.kernels.triton import interpreted
-from fulcrum.kernels.triton.rms_norm import _cast
+from fulcrum.kernels.triton.rounding import _cast
 
 
 @triton.jit

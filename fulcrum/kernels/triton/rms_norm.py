@@ -8,17 +8,18 @@ import torch
 import triton
 import triton.language as tl
 
+from fulcrum.kernels.triton.rounding import _cast
+
 _MAX_BLOCK = 8192  # wider rows are read in chunks, twice
 
 
 @triton.jit
-def _cast(x, ty: tl.constexpr):
-    """fp32 x to `ty`, rounded to nearest even: the interpreter truncates fp32 -> bf16, so bf16 is rounded here first
-    and the cast meets only exact values (on the GPU too, a few integer ops in a kernel bound by memory)."""
-    if ty == tl.bfloat16:
-        b = x.to(tl.int32, bitcast=True)
-        x = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    return x.to(ty)
+def _load_sum(x_row, res_row, o, m, x_ty: tl.constexpr, RESIDUAL: tl.constexpr):
+    """x's values at `o` in fp32; with a residual, x + residual rounded to x's dtype, as PyTorch's add rounds it."""
+    xv = tl.load(x_row + o, mask=m, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        xv = _cast(xv + tl.load(res_row + o, mask=m, other=0.0).to(tl.float32), x_ty).to(tl.float32)
+    return xv
 
 
 @triton.jit
@@ -46,12 +47,9 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     if CHUNKS == 1:
         m = offs < N
-        xv = tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
+        xv = _load_sum(x_row, res_row, offs, m, x_ty, RESIDUAL)  # the norm reads the rounded sum
         if RESIDUAL:
-            # x + residual rounded to x's dtype, as PyTorch's add; the norm reads the rounded sum
-            xv = _cast(xv + tl.load(res_row + offs, mask=m, other=0.0).to(tl.float32), x_ty)
-            tl.store(res_row + offs, xv, mask=m)
-            xv = xv.to(tl.float32)
+            tl.store(res_row + offs, xv, mask=m)  # exact in the residual's dtype
         # sqrt_rn and div_rn: NVIDIA's rsqrt is approximate, the references' (on CPU) correctly rounded
         r = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(xv * xv, 0), N * 1.0) + eps))
         wv = tl.load(w + offs, mask=m, other=0.0).to(tl.float32)
@@ -63,19 +61,15 @@ def _rms_norm_kernel(
         for c in range(CHUNKS):
             o = c * BLOCK + offs
             m = o < N
-            xv = tl.load(x_row + o, mask=m, other=0.0).to(tl.float32)
-            if RESIDUAL:
-                xv = _cast(xv + tl.load(res_row + o, mask=m, other=0.0).to(tl.float32), x_ty).to(tl.float32)
+            xv = _load_sum(x_row, res_row, o, m, x_ty, RESIDUAL)
             acc += xv * xv
         r = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(acc, 0), N * 1.0) + eps))
         for c in range(CHUNKS):
             o = c * BLOCK + offs
             m = o < N
-            xv = tl.load(x_row + o, mask=m, other=0.0).to(tl.float32)
+            xv = _load_sum(x_row, res_row, o, m, x_ty, RESIDUAL)
             if RESIDUAL:
-                xs = _cast(xv + tl.load(res_row + o, mask=m, other=0.0).to(tl.float32), x_ty)
-                tl.store(res_row + o, xs, mask=m)
-                xv = xs.to(tl.float32)
+                tl.store(res_row + o, xv, mask=m)
             wv = tl.load(w + o, mask=m, other=0.0).to(tl.float32)
             tl.store(out_row + o, _normalize(xv, wv, r, out_ty, x_ty, GEMMA), mask=m)
 
