@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import jsonschema_rs
+
 from fulcrum.engine.structured.grammar import unenforced_keywords, validate
 from fulcrum.errors import InvalidRequestError
 from fulcrum.protocol import (
@@ -46,6 +48,7 @@ class ToolCalling:
             )
         self.parser_name = parser_name or DEFAULT_FORCED_FORMAT
         self.parser_class = type(get_tool_parser(self.parser_name))
+        self._validators = {t["function"]["name"]: _arguments_validator(t["function"]) for t in self.tools}
 
     @classmethod
     def of(cls, req: ChatCompletionRequest, parser_name: str | None) -> ToolCalling | None:
@@ -55,7 +58,17 @@ class ToolCalling:
 
     def parser(self) -> ToolParser:
         """A fresh parser (streaming keeps state: one per sample)."""
-        return get_tool_parser(self.parser_name, self.tools)
+        return get_tool_parser(self.parser_name, self.tools, self.check_call)
+
+    def check_call(self, name: str, arguments: str) -> None:
+        """A call the model wrote is taken as one only when it names a tool of the request's and its arguments
+        fit that tool's parameters; otherwise (ValueError) the parser gives its text back as content, as for
+        text that is no call at all. A forced call's grammar already keeps to both."""
+        if name not in self._validators:
+            raise ValueError(f"{name!r} is not one of the request's tools")
+        validator = self._validators[name]
+        if validator is not None and not validator.is_valid(json.loads(arguments)):
+            raise ValueError(f"the arguments of {name!r} do not fit its parameters")
 
     @property
     def skip_special_tokens(self) -> bool:
@@ -111,6 +124,28 @@ class ToolCalling:
         return finish_reason
 
 
+def _no_fetch(uri: str):
+    raise ValueError(f"{uri}: a tool's parameters may refer only within themselves")
+
+
+def _arguments_validator(function: dict) -> jsonschema_rs.Validator | None:
+    """A checker of a function's arguments against its parameters schema (None: it declares none, so any
+    object). jsonschema-rs: every keyword enforced, regexes in linear time (a pattern that backtracks cannot
+    stall the server on the model's output), and nothing fetched over the network for a $ref."""
+    schema = function.get("parameters")
+    if schema is None:
+        return None
+    try:
+        return jsonschema_rs.validator_for(
+            schema, retriever=_no_fetch, pattern_options=jsonschema_rs.RegexOptions(), validate_formats=True
+        )
+    except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InvalidRequestError(
+            f"the parameters of {function['name']} are not a usable JSON schema: {reason}", param="tools"
+        ) from None
+
+
 def response_calls(extracted: ExtractedToolCalls) -> list[ResponseToolCall]:
     return [
         ResponseToolCall(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
@@ -123,10 +158,7 @@ def delta_calls(delta: StreamDelta) -> list[DeltaToolCall] | None:
         return None
     return [
         DeltaToolCall(
-            index=d.index,
-            id=d.id,
-            type="function" if d.id is not None else None,
-            function=DeltaFunction(name=d.name, arguments=d.arguments),
+            index=d.index, id=d.id, type="function", function=DeltaFunction(name=d.name, arguments=d.arguments)
         )
         for d in delta.tool_calls
     ]

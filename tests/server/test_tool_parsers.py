@@ -1,5 +1,6 @@
 """Tool-call parsers: what a client of /v1/chat/completions gets from each format's output, whole and
-streamed, and that streaming (any split of the text) ends with what the whole-output parse gives."""
+streamed, and that streaming (any split of the text, malformed or cut-off output included) ends with exactly
+what the whole-output parse gives."""
 
 from __future__ import annotations
 
@@ -90,12 +91,13 @@ def examples(cls: type[ToolParser]) -> dict[str, str]:
         "plain with braces": "Use {curly} and [square] brackets, or <angle> ones.",
         "empty": "",
         "whitespace": "  \n",
-        # malformed before the call's first delta went out (after it, see test_fault_after_a_call_went_out)
         "malformed": cls.calls_text(['{"name": "get_weather" "arguments": {"city": "Paris"}}']),
         "malformed name": cls.calls_text(['{"name": get_weather, "arguments": {"city": "Paris"}}']),
         "name not a string": cls.calls_text(['{"name": 3, "arguments": {}}']),
         "no arguments": cls.calls_text(['{"name": "get_time"}']),
         "not an object": cls.calls_text(['["get_time", {}]']),
+        "malformed after a call": cls.calls_text([obj_text(WEATHER, cls), '{"name": "get_time", "arguments": {']),
+        "cut inside the second call": output(cls, WEATHER, NESTED)[: output(cls, WEATHER, NESTED).index("attendees")],
     }
     if cls is not Llama3JsonToolParser:  # Llama's calls are the whole output: no content beside them
         cases["content before"] = output(cls, WEATHER, before="Let me look that up.\n")
@@ -159,11 +161,15 @@ def test_plain_text_is_content(cls, text):
         "not json at all",
     ],
 )
-def test_malformed_call_is_all_content(cls, obj):
+def test_a_malformed_call_and_what_follows_are_content(cls, obj):
+    # the complete call before it stays a call; the text from the malformed one on is the client's to read
     text = cls.calls_text([obj_text(WEATHER, cls), obj])
     got = cls().extract(text)
-    assert got.tool_calls == []
-    assert got.content == text
+    assert [(c.name, json.loads(c.arguments)) for c in got.tool_calls] == [("get_weather", WEATHER["arguments"])]
+    assert text.endswith(got.content) and obj in got.content
+    assert_stream_matches_extract(cls, text)
+    alone = cls.calls_text([obj])
+    assert cls().extract(alone) == type(got)(content=alone, tool_calls=[])
 
 
 @pytest.mark.parametrize("cls", FORMATS, ids=lambda c: c.name)
@@ -184,15 +190,17 @@ def test_call_ids(cls):
 
 
 @pytest.mark.parametrize("cls", FORMATS, ids=lambda c: c.name)
-def test_arguments_stream_before_the_call_is_complete(cls):
+def test_a_call_goes_out_whole_once_complete(cls):
+    # nothing of a call is sent before its object closes (a later fault would have to take it back), then all
+    # of it in one delta: id, name and compact arguments
     text = output(cls, NESTED)
-    cut = text.index("attendees")
+    end = text.rindex("}") + 1
     parser = cls()
-    sent = [parser.feed(ch) for ch in text[:cut]]
-    first = [tc for d in sent for tc in d.tool_calls]
-    assert first[0].name == "create_event" and first[0].id
-    args = "".join(tc.arguments for tc in first)
-    assert args.startswith('{"title": "Review"') and len(args) > 50
+    before = [parser.feed(ch) for ch in text[: end - 1]]
+    assert not any(d.tool_calls or d.content for d in before)
+    [call] = parser.feed(text[end - 1 :]).tool_calls + parser.finish().tool_calls
+    assert call.name == "create_event" and call.id and call.index == 0
+    assert call.arguments == json.dumps(NESTED["arguments"], ensure_ascii=False)
 
 
 def test_hermes_real_output():
@@ -265,7 +273,6 @@ def test_llama3_variants(text):
         '{"answer": 42}',  # JSON content, not a call
         '{"name": "Bob", "age": 41}',
         '<|python_tag|>brave_search.call(query="weather Paris")',  # the built-in tools' Python form
-        '{"name": "get_weather", "parameters": {"city": "Paris"}} and then some words',
         '{"name": "a", "parameters": {}, "arguments": {}}',
         "<|python_ta",
     ],
@@ -273,8 +280,14 @@ def test_llama3_variants(text):
 def test_llama3_not_calls_is_content(text):
     got = Llama3JsonToolParser().extract(text)
     assert got == type(got)(content=text, tool_calls=[])
-    if '"parameters"' not in text:  # those are found malformed only after their call went out
-        assert_stream_matches_extract(Llama3JsonToolParser, text)
+    assert_stream_matches_extract(Llama3JsonToolParser, text)
+
+
+def test_llama3_words_after_a_call_are_content():
+    text = '{"name": "get_weather", "parameters": {"city": "Paris"}} and then some words'
+    got = Llama3JsonToolParser().extract(text)
+    assert [c.name for c in got.tool_calls] == ["get_weather"] and got.content == " and then some words"
+    assert_stream_matches_extract(Llama3JsonToolParser, text)
 
 
 def test_mistral_real_output():
@@ -322,15 +335,15 @@ def test_no_piece_of_a_marker_is_sent_as_content(cls, marker):
 
 @pytest.mark.parametrize("cls", FORMATS, ids=lambda c: c.name)
 def test_output_cut_inside_arguments(cls):
-    # max_tokens hit inside the second call's arguments: extract gives it all as content; a stream cannot
-    # take back what it sent, and ends without an error
+    # max_tokens hit inside the second call's arguments: the first call stands, the cut one is text, streamed
+    # or not (a stream never sent any of it as a call)
     text = output(cls, WEATHER, NESTED)
     text = text[: text.index("attendees")]
-    assert cls().extract(text).tool_calls == []
+    got = cls().extract(text)
+    assert [c.name for c in got.tool_calls] == ["get_weather"]
+    assert got.content.lstrip(" ,;\n").startswith(cls.call_prefix + '{"name": "create_event"')
     content, calls = stream(cls(), list(text))
-    assert [c["name"] for c in calls] == ["get_weather", "create_event"]
-    assert json.loads(calls[0]["arguments"]) == WEATHER["arguments"]
-    assert text.endswith(calls[1]["arguments"]) and content == ""
+    assert [c["name"] for c in calls] == ["get_weather"] and content == got.content
 
 
 def test_garbage_after_a_streamed_call_is_content():
@@ -351,8 +364,8 @@ def test_random_garbage_never_raises(cls):
         for call in want.tool_calls:
             assert isinstance(json.loads(call.arguments), dict)
         content, calls = stream(cls(), splits(text, rng))
-        if not calls:  # nothing went out as a call: the stream is the whole-output answer exactly
-            assert content == (want.content or "") and want.tool_calls == []
+        assert content == (want.content or "")
+        assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in want.tool_calls]
 
 
 def test_registry_and_unknown_name():
@@ -364,10 +377,20 @@ def test_registry_and_unknown_name():
         get_tool_parser("qwen")
 
 
-def test_calls_to_unknown_functions_are_kept():
-    tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
-    [call] = HermesToolParser(tools).extract(output(HermesToolParser, WEATHER)).tool_calls
-    assert call.name == "get_weather"
+@pytest.mark.parametrize("cls", FORMATS, ids=lambda c: c.name)
+def test_a_call_the_check_refuses_is_content(cls):
+    def only_get_time(name: str, arguments: str) -> None:
+        if name != "get_time" or json.loads(arguments):
+            raise ValueError("not a call to take")
+
+    text = output(cls, NO_ARGS, WEATHER)
+    got = cls(check=only_get_time).extract(text)
+    assert [c.name for c in got.tool_calls] == ["get_time"] and '"get_weather"' in got.content
+    rng = random.Random(3)
+    for pieces in [list(text), splits(text, rng)]:
+        content, calls = stream(cls(check=only_get_time), pieces)
+        assert content == got.content and [c["name"] for c in calls] == ["get_time"]
+    assert [c.name for c in cls().extract(text).tool_calls] == ["get_time", "get_weather"]  # no check: any call
 
 
 def test_grammar_pieces():

@@ -10,6 +10,7 @@ import jsonschema
 import openai
 import pytest
 
+from fulcrum.server.tool_parsers import TOOL_PARSERS
 from fulcrum.server.tools import MAX_PARALLEL_CALLS
 from tests.servers import start_server
 
@@ -196,3 +197,71 @@ def test_the_sdk_stream_helper_reads_streamed_calls(served):
     whole = create(client, seed=1, **{k: v for k, v in kw.items() if k not in ("model", "messages")})
     same_calls(whole.choices[0].message.tool_calls, [{"name": c.function.name, "arguments": c.function.arguments}
                                                     for c in calls])  # fmt: skip
+
+
+def literal(text: str) -> str:
+    """A regex that writes exactly `text` (the model made to write a given output)."""
+    return re.escape(text).replace("\\\n", "\\n")
+
+
+def call_text(parser: str, name: str, arguments: str, before: str = "") -> str:
+    cls = TOOL_PARSERS[parser]
+    return before + cls.calls_text([f'{{"name": "{name}", "{cls.arguments_key}": {arguments}}}'])
+
+
+@pytest.mark.parametrize(
+    "name, arguments",
+    [
+        ("get_stock", '{"symbol": "x"}'),  # not one of the request's tools
+        ("get_weather", '{"city": "verona", "days": 9}'),  # days above its maximum
+        ("get_weather", '{"city": "verona"}'),  # a required argument missing
+        ("get_time", '{"zone": "EST"}'),  # not in its enum
+    ],
+)
+def test_auto_takes_only_calls_that_fit_the_tools(served, name, arguments):
+    """tool_choice auto: a call outside the request's tools, or arguments that break the tool's parameters, is
+    text the model wrote (as when it writes no call), streamed or not; never a call the client would run."""
+    parser, client = served
+    text = call_text(parser, name, arguments, before="" if parser == "llama3_json" else "Let me look. ")
+    extra = {"guided_regex": literal(text)}
+    whole = create(client, tools=TOOLS, seed=1, extra_body=extra).choices[0]
+    assert (whole.message.content, whole.message.tool_calls, whole.finish_reason) == (text, None, "stop")
+    assert streamed(client, tools=TOOLS, seed=1, extra_body=extra) == (text, [], "stop")
+    # the same call to a tool that fits is a call
+    fits = call_text(parser, "get_weather", '{"city": "verona", "days": 3}')
+    r = create(client, tools=TOOLS, seed=1, extra_body={"guided_regex": literal(fits)}).choices[0]
+    check_calls(r.message.tool_calls, ["get_weather"])
+
+
+def test_auto_schema_that_cannot_check_arguments_is_refused(served):
+    _, client = served
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]
+    with pytest.raises(openai.BadRequestError, match="the parameters of f") as e:
+        create(client, tools=bad)
+    assert e.value.body["param"] == "tools"
+    remote = [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "http://127.0.0.1:9/s.json"}}}]
+    with pytest.raises(openai.BadRequestError, match="the parameters of f"):
+        create(client, tools=remote)
+
+
+def test_malformed_and_cut_off_calls_give_one_answer_streamed_or_not(served):
+    """One parser path: malformed JSON inside a call is content in both answers (a stream never sent a call it
+    would have had to take back), and a forced turn cut by max_tokens keeps the same complete calls in both."""
+    parser, client = served
+    text = call_text(parser, "get_weather", '{"city": verona, "days": 2}', before="Let me look. ")
+    extra = {"guided_regex": literal(text)}
+    whole = create(client, tools=TOOLS, seed=1, extra_body=extra).choices[0]
+    assert (whole.message.content, whole.message.tool_calls) == (text, None)
+    assert streamed(client, tools=TOOLS, seed=1, extra_body=extra) == (text, [], "stop")
+    cut_calls = []
+    for max_tokens in (40, 90, 150):
+        kw = dict(tools=TOOLS, tool_choice="required", seed=2, max_tokens=max_tokens)
+        whole = create(client, **kw).choices[0]
+        content, calls, finish = streamed(client, **kw)
+        assert (whole.finish_reason, whole.message.content) == (finish, content)
+        same_calls(whole.message.tool_calls or [], calls)
+        if whole.message.tool_calls:
+            check_calls(whole.message.tool_calls)  # never a call with half its arguments
+        if finish == "length" and content:
+            cut_calls.append(content)
+    assert cut_calls and all('{"n' in c for c in cut_calls)  # the cut call comes back as its text

@@ -3,7 +3,14 @@ family's format out of the generated text, whole or streamed (--tool-call-parser
 
 from __future__ import annotations
 
-from fulcrum.server.tool_parsers.base import ExtractedToolCalls, StreamDelta, ToolCall, ToolCallDelta, ToolParser
+from fulcrum.server.tool_parsers.base import (
+    CallCheck,
+    ExtractedToolCalls,
+    StreamDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+)
 from fulcrum.server.tool_parsers.hermes import HermesToolParser
 from fulcrum.server.tool_parsers.llama3_json import Llama3JsonToolParser
 from fulcrum.server.tool_parsers.mistral import MistralToolParser
@@ -13,13 +20,14 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 }
 
 
-def get_tool_parser(name: str, tools: list[dict] | None = None) -> ToolParser:
-    """A fresh parser for one request (streaming keeps state), given the request's `tools`."""
+def get_tool_parser(name: str, tools: list[dict] | None = None, check: CallCheck | None = None) -> ToolParser:
+    """A fresh parser for one request (streaming keeps state), given the request's `tools` and what a call must
+    pass to be taken as one (base.CallCheck)."""
     try:
         cls = TOOL_PARSERS[name]
     except KeyError:
         raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(sorted(TOOL_PARSERS))}") from None
-    return cls(tools)
+    return cls(tools, check)
 
 
 __all__ = [

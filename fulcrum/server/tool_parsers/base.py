@@ -1,18 +1,23 @@
 """What every tool-call format shares: the parsed calls and streamed deltas in OpenAI's shape, the reading
 of one call object ({"name": ..., "arguments": {...}}), and the streaming machinery (text held back
-while it could start a marker, arguments sent as they arrive, a malformed call turned back into text).
+while it could start a marker, a call sent whole once it is complete and checked, a malformed call turned
+back into text).
 
-A format is a character-level state machine (`_step`, `_end`); `extract` runs the same machine over
-the whole text, so that streaming and the whole-output result agree by construction."""
+A format is a character-level state machine (`_step`, `_end`); `extract` joins what streaming sends, so that
+the streamed and the whole answer are the same by construction."""
 
 from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from fulcrum.server.tool_parsers.json_scan import WHITESPACE, JsonScanner, JsonSyntaxError
+
+# (name, arguments JSON text) -> None, or ValueError when the call is not to be taken as one
+CallCheck = Callable[[str, str], None]
 
 
 @dataclass
@@ -32,12 +37,13 @@ class ExtractedToolCalls:
 
 @dataclass
 class ToolCallDelta:
-    """One streamed piece of a call, as OpenAI's chunk.choices[0].delta.tool_calls[i]."""
+    """One call as streamed, OpenAI's chunk.choices[0].delta.tool_calls[i]: a call goes out in one delta, once
+    complete and checked."""
 
     index: int
-    id: str | None = None  # only on the first delta of a call
-    name: str | None = None  # only on the first delta of a call
-    arguments: str = ""  # the next piece of the arguments JSON text
+    id: str
+    name: str
+    arguments: str  # the arguments' JSON text
 
 
 @dataclass
@@ -51,9 +57,9 @@ _KEY_OR_END, _KEY_START, _KEY, _COLON, _VALUE_START, _VALUE, _COMMA_OR_END = ran
 
 
 class _CallObject:
-    """Reads one call object a character at a time, '{' already consumed. Argument text in an object is
-    passed on as it comes (`take_arguments`); arguments written as a JSON string holding an object (some
-    models encode them twice) are decoded once complete. Other keys are read and ignored."""
+    """Reads one call object a character at a time, '{' already consumed: its name, and its arguments as
+    OpenAI's compact JSON text (arguments written as a JSON string holding an object, as some models encode
+    them twice, are decoded once). Other keys are read and ignored."""
 
     def __init__(self, argument_keys: tuple[str, ...]):
         self._argument_keys = argument_keys
@@ -63,29 +69,14 @@ class _CallObject:
         self._key = ""
         self._seen: set[str] = set()
         self.name: str | None = None
-        self.arguments_started = False  # an arguments object has begun: its text can stream
-        self._arguments_done = False
-        self._pending: list[str] = []  # argument text not yet taken
+        self.arguments: str | None = None
         self.done = False
-
-    @property
-    def ready(self) -> bool:
-        """Whether the call's first delta can go out: its name is known and its arguments have begun."""
-        return self.name is not None and (self.arguments_started or self._arguments_done)
-
-    def take_arguments(self) -> str:
-        text = "".join(self._pending)
-        self._pending.clear()
-        return text
 
     def feed(self, ch: str) -> None:
         s = self._state
         if s in (_KEY, _VALUE):
             if self._scanner.feed(ch):
-                if s == _VALUE and self._key in self._argument_keys and self.arguments_started:
-                    self._pending.append(ch)
-                else:
-                    self._raw.append(ch)
+                self._raw.append(ch)
                 if self._scanner.done:
                     self._key_end() if s == _KEY else self._value_end()
                 return
@@ -100,17 +91,11 @@ class _CallObject:
             self._state = _VALUE_START
         elif s == _VALUE_START:
             self._state = _VALUE
-            if self._key in self._argument_keys and ch == "{":
-                self.arguments_started = True
-                self._pending.append(ch)
-                self._scanner = JsonScanner()
-                self._scanner.feed(ch)
-            else:
-                self._begin(ch)
+            self._begin(ch)
         elif s == _COMMA_OR_END and ch == ",":
             self._state = _KEY_START
         elif s in (_KEY_OR_END, _COMMA_OR_END) and ch == "}":
-            if self.name is None or not self._arguments_done:
+            if self.name is None or self.arguments is None:
                 raise ValueError("a tool call needs a name and arguments")
             self.done = True
         else:
@@ -123,7 +108,7 @@ class _CallObject:
 
     def _key_end(self) -> None:
         self._key = json.loads("".join(self._raw))
-        # a second name or arguments (under either accepted key) would contradict what was already sent
+        # a second name or arguments (under either accepted key) leaves the call ambiguous
         role = "name" if self._key == "name" else "arguments" if self._key in self._argument_keys else None
         if role is not None:
             if role in self._seen:
@@ -139,24 +124,16 @@ class _CallObject:
                 raise ValueError("a tool call's name must be a non-empty string")
             self.name = name
         elif self._key in self._argument_keys:
-            self._arguments_done = True
-            if not self.arguments_started:
-                self._pending.append(_arguments_from_string("".join(self._raw)))
+            self.arguments = _openai_arguments("".join(self._raw))
 
 
-def _arguments_from_string(raw: str) -> str:
-    """Arguments written as a JSON string that holds an object: the object's text."""
+def _openai_arguments(raw: str) -> str:
+    """The arguments as OpenAI sends them: an object's compact JSON text, non-ASCII kept as it is."""
     value = json.loads(raw)
-    if isinstance(value, str):
+    if isinstance(value, str):  # an object encoded twice
         value = json.loads(value)
     if not isinstance(value, dict):
         raise ValueError("a tool call's arguments must be a JSON object")
-    return json.dumps(value, ensure_ascii=False)
-
-
-def _openai_arguments(text: str) -> str:
-    """The arguments text as OpenAI sends it: compact JSON, non-ASCII kept as it is."""
-    value = json.loads(text)
     compact = json.dumps(value, ensure_ascii=False)
     try:
         compact.encode("utf-8")
@@ -169,16 +146,12 @@ class ToolParser:
     """Finds the tool calls in a model's output, whole (`extract`) or streamed (`feed` each new piece of
     decoded text, then `finish`). One instance per request: streaming keeps state.
 
-    Streaming and `extract` agree: the streamed content concatenated is extract().content ("" for
-    None), and per index the name and the concatenated argument text (after json.loads) are extract()'s.
-    Text that could start a marker is held back; argument text goes out as the model writes it, each
-    piece checked to still be a valid start of JSON.
-
-    A malformed call makes the whole output plain content in `extract` (as vLLM does). Streaming gives
-    the same when the fault shows before any call went out (the held-back text is sent as content). A
-    fault after a call's first delta went out (garbage in its arguments, output cut by max_tokens)
-    cannot be taken back: the calls already sent stay, and the text from the last point sent on goes
-    out as content.
+    A call goes out in one delta (id, name and its arguments as compact JSON) once its object is complete and
+    `check` (the request's tools: a known name, arguments that fit its parameters) accepts it, so nothing is
+    ever sent that must be taken back. A malformed call, a call `check` refuses, or one the output ends
+    inside (max_tokens) turns the text from that call on into content; calls complete before it stay.
+    `extract` is what streaming sends, joined: whatever the split of the text, both give one answer.
+    Text that could start a marker is held back.
 
     For a grammar that forces calls (tool_choice "required" or a named function), the text of n >= 1
     calls is
@@ -196,9 +169,9 @@ class ToolParser:
     arguments_key: ClassVar[str] = "arguments"  # the key the model is trained to write
     argument_keys: ClassVar[tuple[str, ...]] = ("arguments",)  # the keys accepted for the arguments
 
-    def __init__(self, tools: list[dict] | None = None):
-        # Calls to functions not in `tools` are kept (as vLLM does): the client sees what the model asked.
+    def __init__(self, tools: list[dict] | None = None, check: CallCheck | None = None):
         self.tools = list(tools or [])
+        self.check = check  # raises ValueError for a call that must not go out as one (None: any call goes)
         self._raw: list[str] = []  # every piece fed, for turning held-back text into content
         self._pos = 0  # characters consumed
         self._mark = 0  # the first consumed character not yet represented in what was sent
@@ -206,7 +179,6 @@ class ToolParser:
         self._segment_ws = ""  # a content segment's leading whitespace, sent once text follows
         self._segment_has_text = False
         self._call: _CallObject | None = None
-        self._call_sent = False  # the current call's first delta went out
         self._index = -1
         self._failed = False
         self._content: list[str] = []
@@ -243,18 +215,11 @@ class ToolParser:
         return self._take()
 
     def extract(self, text: str) -> ExtractedToolCalls:
-        parser = type(self)(self.tools)
+        parser = type(self)(self.tools, self.check)
         deltas = [parser.feed(text), parser.finish()]
-        if parser._failed:
-            return ExtractedToolCalls(content=text if text.strip() else None, tool_calls=[])
         content = "".join(d.content or "" for d in deltas)
-        calls: list[list] = []  # [id, name, argument pieces]
-        for tc in (tc for d in deltas for tc in d.tool_calls):
-            if tc.id is not None:
-                calls.append([tc.id, tc.name, []])
-            calls[tc.index][2].append(tc.arguments)
-        tool_calls = [ToolCall(id=i, name=n, arguments=_openai_arguments("".join(a))) for i, n, a in calls]
-        return ExtractedToolCalls(content=content or None, tool_calls=tool_calls)
+        calls = [ToolCall(tc.id, tc.name, tc.arguments) for d in deltas for tc in d.tool_calls]
+        return ExtractedToolCalls(content=content or None, tool_calls=calls)
 
     # --- what a format implements
 
@@ -314,28 +279,20 @@ class ToolParser:
 
     def _begin_call(self) -> None:
         self._call = _CallObject(self.argument_keys)
-        self._call_sent = False
 
     def _call_char(self, ch: str) -> bool:
-        """One character of the current call object; True when the object is complete."""
+        """One character of the current call object; True when the object is complete (and sent)."""
         call = self._call
         call.feed(ch)
-        if not self._call_sent:
-            if call.ready:
-                self._index += 1
-                self._deltas.append(ToolCallDelta(self._index, self._new_id(), call.name, call.take_arguments()))
-                self._call_sent = True
-                self._mark = self._pos
-        else:
-            piece = call.take_arguments()
-            if piece:
-                self._deltas.append(ToolCallDelta(self._index, arguments=piece))
-                self._mark = self._pos
-        if call.done:
-            self._call = None
-            self._mark = self._pos
-            return True
-        return False
+        if not call.done:
+            return False
+        if self.check is not None:
+            self.check(call.name, call.arguments)
+        self._index += 1
+        self._deltas.append(ToolCallDelta(self._index, self._new_id(), call.name, call.arguments))
+        self._call = None
+        self._mark = self._pos
+        return True
 
     def _fail(self) -> None:
         """The output is malformed: what was held back goes out as content, and so does the rest."""
@@ -347,11 +304,5 @@ class ToolParser:
 
     def _take(self) -> StreamDelta:
         content = "".join(self._content) or None
-        merged: list[ToolCallDelta] = []
-        for d in self._deltas:  # one delta per call and feed: a call's pieces joined
-            if merged and merged[-1].index == d.index and d.id is None:
-                merged[-1].arguments += d.arguments
-            else:
-                merged.append(d)
-        self._content, self._deltas = [], []
-        return StreamDelta(content=content, tool_calls=merged)
+        deltas, self._content, self._deltas = self._deltas, [], []
+        return StreamDelta(content=content, tool_calls=deltas)

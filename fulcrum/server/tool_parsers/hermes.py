@@ -4,7 +4,7 @@ them is content."""
 
 from __future__ import annotations
 
-from fulcrum.server.tool_parsers.base import ToolParser
+from fulcrum.server.tool_parsers.base import CallCheck, ToolParser
 from fulcrum.server.tool_parsers.json_scan import WHITESPACE
 
 _START, _END = "<tool_call>", "</tool_call>"
@@ -22,8 +22,8 @@ class HermesToolParser(ToolParser):
     call_separator = "\n"
     arguments_key = "arguments"
 
-    def __init__(self, tools: list[dict] | None = None):
-        super().__init__(tools)
+    def __init__(self, tools: list[dict] | None = None, check: CallCheck | None = None):
+        super().__init__(tools, check)
         self._state = _CONTENT
         self._end_matched = 0  # characters of </tool_call> read
 

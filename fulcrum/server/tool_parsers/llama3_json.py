@@ -4,7 +4,7 @@ content; one that starts like it but is not such calls is content as well (all o
 
 from __future__ import annotations
 
-from fulcrum.server.tool_parsers.base import ToolParser
+from fulcrum.server.tool_parsers.base import CallCheck, ToolParser
 from fulcrum.server.tool_parsers.json_scan import WHITESPACE
 
 _TAG = "<|python_tag|>"
@@ -21,8 +21,8 @@ class Llama3JsonToolParser(ToolParser):
     arguments_key = "parameters"
     argument_keys = ("parameters", "arguments")
 
-    def __init__(self, tools: list[dict] | None = None):
-        super().__init__(tools)
+    def __init__(self, tools: list[dict] | None = None, check: CallCheck | None = None):
+        super().__init__(tools, check)
         self._state = _START
         self._tag_matched = 0
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import secrets
 import string
 
-from fulcrum.server.tool_parsers.base import ToolParser
+from fulcrum.server.tool_parsers.base import CallCheck, ToolParser
 from fulcrum.server.tool_parsers.json_scan import WHITESPACE
 
 _MARKER = "[TOOL_CALLS]"
@@ -31,8 +31,8 @@ class MistralToolParser(ToolParser):
     call_separator = ", "
     arguments_key = "arguments"
 
-    def __init__(self, tools: list[dict] | None = None):
-        super().__init__(tools)
+    def __init__(self, tools: list[dict] | None = None, check: CallCheck | None = None):
+        super().__init__(tools, check)
         self._state = _CONTENT
 
     @staticmethod
