@@ -37,6 +37,10 @@ class WorkerDiedError(EngineDeadError):
     """A rank of a parallel engine died: the model is incomplete, so the engine cannot go on."""
 
 
+class EngineClosedError(FulcrumError):
+    """An `LLM` was used after close(): its engine and workers are gone; build a new one."""
+
+
 class EngineOverloadedError(FulcrumError):
     """The waiting queue is over its bound; the client should retry later (HTTP 503)."""
 

@@ -96,6 +96,13 @@ def destroy() -> None:
     set_single_process()
 
 
+def held(world_size: int = 1) -> bool:
+    """Whether this process cannot host an engine of `world_size` ranks in place: another engine's ranks are joined
+    here (the layers read this module's one state), or, for a parallel engine, torch.distributed's one default group
+    is already initialized (by an engine, or by the caller)."""
+    return _STATE.world_size > 1 or (world_size > 1 and dist.is_initialized())
+
+
 def tp_rank() -> int:
     return _STATE.tp_rank
 

@@ -109,10 +109,12 @@ class EngineCore:
         )
 
     def shutdown(self) -> None:
-        """Stop a parallel engine's workers, the KV connector's threads and the KV-events publisher (a plain engine
-        holds nothing to stop)."""
+        """Stop a parallel engine's workers (and release this process's torch.distributed group), the grammar
+        compiler's threads, the KV connector's threads and the KV-events publisher."""
         if getattr(self, "workers", None) is not None:
             self.workers.shutdown()
+        if getattr(self, "structured", None) is not None:
+            self.structured.shutdown()
         if getattr(self, "kv_transfer", None) is not None:
             self.kv_transfer.close()
         if getattr(self, "kv_events", None) is not None:

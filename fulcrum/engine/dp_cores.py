@@ -1,7 +1,8 @@
 """Data parallel for the offline API: `LLM(data_parallel_size=N)` runs N engine cores, each in a process of its own
 with its own KV cache and a share of the CPU cores (the server's engine-core processes, engine/core_proc.py), behind
 the interface of one EngineCore, so that LLM drives them as it drives one. A request (all its samples) goes to the
-core with the fewest in flight; `step()` returns what any core has finished since the last call."""
+core with the fewest in flight; `step()` returns what any core has finished since the last call. One core (N = 1) is
+how an LLM runs whose ranks this process cannot join, another engine holding its torch.distributed group."""
 
 from __future__ import annotations
 
@@ -155,6 +156,7 @@ class DataParallelCores:
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
+                proc.join(5)
         self._ctx.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
 

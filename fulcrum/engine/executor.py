@@ -138,11 +138,17 @@ class Workers:
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig):
         check_parallel(config, model_config)
+        if parallel_state.held(config.world_size):
+            raise ModelLoadError(
+                "this process's torch.distributed group is already held (by another parallel engine, or the caller): "
+                "close() that engine first, or run this one in a process of its own"
+            )
         self.config, self.backend = config, config.distributed_executor_backend or "mp"
         self.world = config.world_size
         self.workers: list[_Worker] = []
         self.died: str | None = None
         self._stopping = False
+        self._joined = False  # this process's torch.distributed is ours to take down (held() was false before)
         if self.backend == "ray":
             self._start_ray()
         else:
@@ -166,6 +172,7 @@ class Workers:
         try:
             for w in self.workers:
                 self._expect(w, "alive")
+            self._joined = True
             join(self.config, 0, init_method)
         except BaseException:
             self.shutdown()
@@ -179,6 +186,7 @@ class Workers:
         self.workers = [_Worker(rank, actor) for rank, actor in enumerate(self._ray.actors, start=1)]
         try:
             self._ray.start(init_method)
+            self._joined = True
             join(self.config, 0, init_method)
         except BaseException:
             self.shutdown()
@@ -238,10 +246,12 @@ class Workers:
             raise WorkerDiedError(self.died)
 
     def shutdown(self) -> None:
+        """Stop the workers and leave torch.distributed as it was before this engine (so another can start)."""
         if self._stopping:
             return
         self._stopping = True
-        if parallel_state.state().world_size > 1 and not self.died:
+        atexit.unregister(self.shutdown)
+        if self._joined and parallel_state.state().world_size > 1 and not self.died:
             with contextlib.suppress(Exception):  # a worker already gone: the others see the failure and exit too
                 parallel_state.broadcast_control(None)
         if self.backend == "ray":
@@ -252,4 +262,6 @@ class Workers:
                 if w.handle.is_alive():
                     w.handle.kill()
                     w.handle.join(5)
-        parallel_state.destroy()
+                w.conn.close()
+        if self._joined:
+            parallel_state.destroy()

@@ -1,13 +1,22 @@
-"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)`."""
+"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)`.
+
+An LLM holds processes (a parallel engine's workers, data-parallel engine cores), threads and, as rank 0 of a parallel
+engine, this process's one torch.distributed group: close() (or a `with` block, or dropping the last reference)
+releases them all, so that another LLM of any layout can start after it. One started while another engine holds the
+group runs its core in a process of its own, as vLLM's does, instead of failing.
+"""
 
 from __future__ import annotations
 
 import itertools
+import logging
+import weakref
 
 import msgspec
 from tqdm import tqdm
 
 from fulcrum.config import EngineConfig
+from fulcrum.distributed import parallel_state
 from fulcrum.engine.core import EngineCore
 from fulcrum.engine.dp_cores import DataParallelCores
 from fulcrum.engine.output_processor import OutputProcessor
@@ -15,46 +24,105 @@ from fulcrum.engine.outputs import RequestOutput
 from fulcrum.engine.prompts import tokenize_prompts
 from fulcrum.engine.request import check_request, fan_out
 from fulcrum.engine.spec.stats import acceptance_rate, mean_accepted_length
-from fulcrum.errors import InvalidRequestError
+from fulcrum.errors import EngineClosedError, InvalidRequestError
 from fulcrum.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from fulcrum.utils.tokenizer import chat_prompt_ids, load_tokenizer
 
+log = logging.getLogger(__name__)
+
 
 class LLM:
+    _in_place: weakref.ref | None = None  # the parallel LLM whose ranks this process joined, to name it
+
     def __init__(self, model: str | None = None, **engine_kwargs):
         self.config = EngineConfig(model=model, **engine_kwargs)
-        # data parallel: that many engine cores, each in a process of its own, behind EngineCore's interface
-        self.core = DataParallelCores(self.config) if self.config.data_parallel_size > 1 else EngineCore(self.config)
-        self.tokenizer = load_tokenizer(self.core.model_config.path)
+        self.core: EngineCore | DataParallelCores | None = self._start_core()
+        # runs once: on close(), when this LLM is garbage-collected, or at the interpreter's exit
+        self._finalizer = weakref.finalize(self, self.core.shutdown)
+        try:
+            self.tokenizer = load_tokenizer(self.core.model_config.path)
+        except BaseException:
+            self.close()
+            raise
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
-    def shutdown(self) -> None:
-        """Stop a parallel engine's worker processes now (they stop at exit otherwise)."""
-        self.core.shutdown()
+    def _start_core(self) -> EngineCore | DataParallelCores:
+        """The engine core in this process; data parallel's cores, or one whose ranks this process cannot join (the
+        layers read one parallel state per process), each in a process of its own behind EngineCore's interface."""
+        config = self.config
+        if config.data_parallel_size > 1:
+            return DataParallelCores(config)
+        if parallel_state.held(config.world_size):
+            holder = LLM._in_place() if LLM._in_place is not None else None
+            holder = holder if holder is not None and holder.core is not None else None
+            log.info(
+                "%s holds this process's torch.distributed group: this engine's core runs in a process of its own",
+                holder or "another engine (or the caller)",
+            )
+            return DataParallelCores(config)
+        core = EngineCore(config)
+        if config.world_size > 1:
+            LLM._in_place = weakref.ref(self)
+        return core
+
+    def close(self) -> None:
+        """Stop the engine now: its worker or engine-core processes, its grammar compiler's threads, and this
+        process's torch.distributed group (so another LLM, of any parallel layout, can start); rank 0's weights and KV
+        cache go with the last reference to the engine. Idempotent; a `with` block's end, the garbage collection of
+        the LLM and the interpreter's exit do it too. Using the LLM afterwards raises EngineClosedError."""
+        self._finalizer()
+        self.core = None
+
+    shutdown = close  # the earlier name
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"LLM(model={c.model!r}, tensor_parallel_size={c.tensor_parallel_size}, "
+            f"pipeline_parallel_size={c.pipeline_parallel_size}, data_parallel_size={c.data_parallel_size}"
+            f"{', closed' if getattr(self, 'core', None) is None else ''})"
+        )
+
+    def _open_core(self) -> EngineCore | DataParallelCores:
+        if self.core is None:
+            raise EngineClosedError(
+                "this LLM was closed (close(), shutdown() or the end of its `with` block); build a new LLM"
+            )
+        return self.core
 
     # -- request intake ---------------------------------------------------------------------------
 
     def add_request(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> str:
         """Queue one prompt (its n samples become n engine requests sharing the prompt's blocks)."""
+        core = self._open_core()
         rid = str(next(self._ids))
-        params = check_request(prompt_ids, params, priority, self.core.max_model_len, self.core.vocab_size)
+        params = check_request(prompt_ids, params, priority, core.max_model_len, core.vocab_size)
         children = fan_out(rid, params)
         for child_id, child_params in children:
-            self.core.add_request(child_id, prompt_ids, child_params, priority)
+            core.add_request(child_id, prompt_ids, child_params, priority)
         self.processor.add_request(rid, prompt, list(prompt_ids), params, [c for c, _ in children])
         return rid
 
     def abort(self, request_id: str) -> None:
-        self.core.abort_requests(self.processor.abort(request_id))
+        children = self.processor.abort(request_id)
+        if self.core is not None:  # a closed engine runs nothing
+            self.core.abort_requests(children)
 
     # -- running ---------------------------------------------------------------------------------
 
     def step(self) -> list[tuple[RequestOutput, dict[int, str]]]:
         """One engine step; returns the requests that progressed, with each sample's new text."""
-        results, stop_now = self.processor.process(self.core.step())
+        core = self._open_core()
+        results, stop_now = self.processor.process(core.step())
         if stop_now:
-            self.core.finish_requests(stop_now)
+            core.finish_requests(stop_now)
         return results
 
     def generate(
@@ -64,6 +132,7 @@ class LLM:
         use_tqdm: bool = True,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
+        self._open_core()
         items = tokenize_prompts(prompts, self.tokenizer)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -106,7 +175,7 @@ class LLM:
     def stats(self) -> dict:
         """The engine's gauges and counters now (KV blocks, prefix cache, preemptions, queue; with speculative
         decoding its counters, their acceptance rate and mean accepted length, and the draft's KV blocks)."""
-        s = msgspec.structs.asdict(self.core.stats())
+        s = msgspec.structs.asdict(self._open_core().stats())
         s["spec_acceptance_rate"] = acceptance_rate(s["spec_num_accepted_tokens"], s["spec_num_draft_tokens"])
         s["spec_mean_accepted_length"] = mean_accepted_length(s["spec_num_accepted_tokens"], s["spec_num_drafts"])
         return s
