@@ -276,7 +276,7 @@ class StructuredOutputsFields(StrictPart):
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: dict[str, Any] | str | None = None
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool | None = None  # None: a little whitespace; false: free (engine/structured)
 
 
 class StreamOptions(OpenAIBase):

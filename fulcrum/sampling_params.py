@@ -54,7 +54,9 @@ class StructuredOutputsParams:
     grammar: str | None = None  # EBNF (GBNF, as xgrammar and llama.cpp write it)
     json_object: bool = False  # any JSON object (response_format {"type": "json_object"})
     structural_tag: str | None = None  # xgrammar's structural tag, as JSON text
-    disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
+    # JSON's whitespace between tokens: True none; False (vLLM's "any whitespace") free, up to indentation several
+    # levels deep; None (not given) a little, MAX_WHITESPACE in a row (engine/structured/grammar.py)
+    disable_any_whitespace: bool | None = None
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -83,7 +85,8 @@ class StructuredOutputsParams:
             if v is not None and (not isinstance(v, str) or not v):
                 raise InvalidRequestError(f"structured_outputs.{name} must be a non-empty string", name)
         for name in ("json_object", "disable_any_whitespace"):
-            if not isinstance(getattr(self, name), bool):
+            v = getattr(self, name)
+            if not isinstance(v, bool) and not (v is None and name == "disable_any_whitespace"):
                 raise InvalidRequestError(f"structured_outputs.{name} must be true or false", name)
         given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
