@@ -101,7 +101,7 @@ def compile_times(llm: LLM) -> tuple[float, float, float]:
 
     fresh = StructuredOutputs(llm.core.model_config.path, llm.core.vocab_size, llm.core.model_config.eos_token_ids)
     t0 = time.perf_counter()
-    fresh.compiler()
+    fresh.tokenizer_info()
     vocab_s = time.perf_counter() - t0
     cold = [_timed(fresh, s) for s in SCHEMAS]
     warm = [_timed(fresh, s) for s in SCHEMAS]

@@ -9,7 +9,9 @@ import sys
 import time
 
 from fulcrum.defaults import (
+    COMPILE_MEMORY_ENV,
     COMPILE_TIMEOUT_ENV,
+    DEFAULT_COMPILE_MEMORY_MB,
     DEFAULT_COMPILE_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_BODY_MB,
@@ -301,6 +303,7 @@ def _serve(args: argparse.Namespace) -> int:
     # read where grammars are checked (the frontend) and compiled (the engine core, which inherits the environment)
     os.environ[MAX_GRAMMAR_BYTES_ENV] = str(args.max_grammar_bytes)
     os.environ[COMPILE_TIMEOUT_ENV] = str(args.grammar_compile_timeout)
+    os.environ[COMPILE_MEMORY_ENV] = str(args.grammar_compile_memory)
     try:
         config = EngineConfig(**engine_kwargs(args))
     except (FulcrumError, ValueError) as e:  # a flag's value: one line, as `fulcrum generate` answers
@@ -376,6 +379,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_COMPILE_TIMEOUT_S,
         help=f"seconds a request's grammar may take to compile before the request fails "
         f"(default {DEFAULT_COMPILE_TIMEOUT_S:g})",
+    )
+    s.add_argument(
+        "--grammar-compile-memory",
+        type=positive_int,
+        default=DEFAULT_COMPILE_MEMORY_MB,
+        help="MiB one grammar compile may use (it runs in a worker process); a compile that needs more fails its "
+        f"request with a message naming this limit (default {DEFAULT_COMPILE_MEMORY_MB})",
     )
     s.add_argument(
         "--allowed-origins",

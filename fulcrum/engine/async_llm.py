@@ -38,7 +38,13 @@ from fulcrum.engine.messages import (
 from fulcrum.engine.output_processor import OutputProcessor
 from fulcrum.engine.outputs import RequestOutput
 from fulcrum.engine.request import check_request, fan_out
-from fulcrum.errors import EngineDeadError, EngineOverloadedError, ModelLoadError, RequestFailedError
+from fulcrum.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    ModelLoadError,
+    RequestFailedError,
+)
 from fulcrum.kernels import cpu_threads
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.utils.tokenizer import load_tokenizer
@@ -178,6 +184,8 @@ class AsyncLLM:
                 finished = ro.finished
                 failed = next((o for o in ro.outputs if o.finish_reason == "error"), None)
                 if failed is not None:
+                    if failed.error_status == 400:  # the request's own fault: its grammar cannot be compiled
+                        raise InvalidRequestError(failed.error)
                     raise RequestFailedError(failed.error or "the engine failed on this request")
                 yield item
                 if finished:

@@ -169,7 +169,7 @@ class EngineCore:
         for rid in request_ids:
             if rid in self.compiling:
                 req, future = self.compiling.pop(rid)
-                future.cancel()
+                self.structured.abandon(future)
                 req.status = status
                 done.append(req)
         return done
@@ -191,10 +191,10 @@ class EngineCore:
         now = time.monotonic()
         for rid, (req, future) in list(self.compiling.items()):
             if not future.done():
-                if now > getattr(future, "deadline", float("inf")):  # the compile goes on; the request does not
+                if now > getattr(future, "deadline", float("inf")):  # the request ends, and its compile is stopped
                     del self.compiling[rid]
-                    future.cancel()
-                    req.status = RequestStatus.FINISHED_ERROR
+                    self.structured.abandon(future)
+                    req.status, req.error_status = RequestStatus.FINISHED_ERROR, 400
                     req.error = (
                         f"the grammar did not compile within {compile_timeout_s():g} s "
                         "(fulcrum serve --grammar-compile-timeout); simplify the schema or grammar"
@@ -205,7 +205,8 @@ class EngineCore:
             try:
                 req.grammar = future.result()
             except Exception as e:
-                req.status, req.error = RequestStatus.FINISHED_ERROR, f"the grammar failed to compile: {e}"
+                req.status, req.error_status = RequestStatus.FINISHED_ERROR, 400
+                req.error = f"the grammar cannot be compiled: {e}"
                 failed.append(self._output(req, []))
                 continue
             if self.kv_transfer is None or not self.kv_transfer.add(req):  # a remote prefill pulls its blocks first
@@ -460,6 +461,7 @@ class EngineCore:
             first_token_time=req.first_token_time,
             finish_time=req.finish_time,
             error=req.error,
+            error_status=req.error_status,
             kv_transfer_params=req.kv_transfer_params if req.status.finished else None,
         )
 

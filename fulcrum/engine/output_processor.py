@@ -90,6 +90,7 @@ class OutputProcessor:
             elif o.finish_reason is not None:
                 child.detok.flush()
                 out.finish_reason, out.stop_reason, out.error = o.finish_reason, o.stop_reason, o.error
+                out.error_status = o.error_status
             out.text = child.detok.output_text
             self._merge_metrics(parent, o)
             if o.kv_transfer_params is not None:

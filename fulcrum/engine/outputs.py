@@ -23,6 +23,7 @@ class EngineCoreOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None  # with finish_reason "error": why the request failed
+    error_status: int = 500  # 400 when the request itself was at fault (a grammar that cannot be compiled)
     kv_transfer_params: dict | None = None  # a KV producer's finished prefill: where its blocks can be pulled
 
 
@@ -52,6 +53,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # stop, length, abort, error
     stop_reason: int | str | None = None
     error: str | None = None  # with finish_reason "error": why this sample failed
+    error_status: int = 500  # 400 when the request itself was at fault (a grammar that cannot be compiled)
 
     @property
     def finished(self) -> bool:

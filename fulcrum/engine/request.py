@@ -51,6 +51,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     error: str | None = None  # why it failed, with FINISHED_ERROR
+    error_status: int = 500  # 400 when the request itself was at fault (its grammar cannot be compiled)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

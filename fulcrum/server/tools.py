@@ -28,7 +28,7 @@ NO_PARAMETERS = {"type": "object", "properties": {}}
 # would otherwise write calls until max_tokens cuts one in half and none can be read.
 MAX_PARALLEL_CALLS = 8
 # Models write their calls' JSON compactly (Hermes, Llama 3 and Mistral alike): a little whitespace per gap, not
-# the 20 a free JSON answer may indent with
+# the free whitespace (grammar.FREE_WHITESPACE) a client may ask for
 CALL_WHITESPACE = 4
 
 

@@ -3,6 +3,7 @@ temperature 1 on the bundled model always give text that parses and validates; r
 grammar share a batch without changing each other; grammar state follows the tokens, rollback included."""
 
 import json
+import os
 import re
 
 import jsonschema
@@ -289,33 +290,113 @@ def test_a_spec_past_the_size_limit_is_refused(monkeypatch):
     validate(StructuredOutputsParams(regex="[a-z]+"))
 
 
-def test_slow_compiles_hold_neither_small_grammars_nor_their_requests(monkeypatch):
-    """A large spec compiles on a lane of its own: a small one submitted after it is ready long before it. And a
-    request whose grammar misses --grammar-compile-timeout ends with an error naming it while the others run."""
+def _slow_when_titled_slow(monkeypatch, seconds: float):
+    """Compiles of schemas titled "slow" take `seconds` longer, in the worker process that runs them."""
     import time
 
-    real = StructuredOutputs.compile
+    from fulcrum.engine.structured import grammar
 
-    def slow_when_large(self, spec):
-        if len(spec.json or "") > 8 << 10:
-            time.sleep(3)
-        return real(self, spec)
+    real = grammar.compile_spec
 
-    monkeypatch.setattr(StructuredOutputs, "compile", slow_when_large)
-    monkeypatch.setenv("FULCRUM_GRAMMAR_COMPILE_TIMEOUT", "1")
-    core = LLM(max_num_seqs=8, kv_cache_memory=16 << 20).core
-    large = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(600)}}
-    small = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    t0 = time.perf_counter()
-    core.add_request("slow", [1, 2, 3], sampled(StructuredOutputsParams(json=large), 0, max_tokens=20))
-    core.add_request("quick", [1, 2, 3], sampled(StructuredOutputsParams(json=small), 1, max_tokens=40))
-    core.add_request("plain", [4, 5, 6], SamplingParams(temperature=0, max_tokens=5))
-    done = {}
-    while core.has_unfinished_requests() and time.perf_counter() - t0 < 30:
+    def slow(compiler, spec):
+        if '"title": "slow"' in (spec.json or ""):
+            time.sleep(seconds)
+        return real(compiler, spec)
+
+    monkeypatch.setattr(grammar, "compile_spec", slow)
+
+
+LARGE = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(300)}}  # > 8 KiB
+SLOW = {**LARGE, "title": "slow"}
+SMALL = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def _run(core, seconds: float) -> dict:
+    import time
+
+    t0, done = time.perf_counter(), {}
+    while core.has_unfinished_requests() and time.perf_counter() - t0 < seconds:
         for o in core.step():
             if o.finish_reason:
                 done[o.request_id] = (o.finish_reason, o.error, time.perf_counter() - t0)
-    assert done["quick"][0] != "error" and done["quick"][2] < 2.5  # not behind the large one
+    return done
+
+
+def test_slow_compiles_hold_neither_small_grammars_nor_their_requests(monkeypatch):
+    """A large spec compiles on a lane of its own: a small one submitted after it is ready long before it. A
+    request whose grammar misses --grammar-compile-timeout ends with an error naming it while the others run, and
+    its compile is stopped (its worker process ended), so the lane takes the next spec at once."""
+    import time
+
+    _slow_when_titled_slow(monkeypatch, 60)
+    monkeypatch.setenv("FULCRUM_GRAMMAR_COMPILE_TIMEOUT", "1")
+    llm = LLM(max_num_seqs=8, kv_cache_memory=16 << 20)
+    core = llm.core
+    core.add_request("slow", [1, 2, 3], sampled(StructuredOutputsParams(json=SLOW), 0, max_tokens=20))
+    core.add_request("quick", [1, 2, 3], sampled(StructuredOutputsParams(json=SMALL), 1, max_tokens=40))
+    core.add_request("plain", [4, 5, 6], SamplingParams(temperature=0, max_tokens=5))
+    done = _run(core, 30)
+    assert done["quick"][0] != "error" and done["quick"][2] < 10  # not behind the 60 s compile
     assert done["plain"][0] == "length"
     reason, error, _ = done["slow"]
     assert reason == "error" and "did not compile within 1 s" in error and "--grammar-compile-timeout" in error
+    large_lane = core.structured._lanes["large"]
+    t0 = time.perf_counter()
+    while large_lane.pid is not None and time.perf_counter() - t0 < 5:
+        time.sleep(0.05)
+    assert large_lane.pid is None and large_lane.stopped == 1  # the 60 s compile was stopped, not left running
+    # the lane is free: a large spec that compiles at once is ready within the timeout
+    monkeypatch.setenv("FULCRUM_GRAMMAR_COMPILE_TIMEOUT", "30")
+    core.add_request("next", [1, 2, 3], sampled(StructuredOutputsParams(json=LARGE), 2, max_tokens=10))
+    assert _run(core, 30)["next"][0] != "error"
+    llm.close()
+
+
+def test_a_client_that_leaves_stops_its_compile(monkeypatch):
+    """An abort while the grammar compiles (the client went away before its first token) ends the compile's worker
+    and frees the lane: nothing keeps computing for a request nobody waits for."""
+    import time
+
+    _slow_when_titled_slow(monkeypatch, 60)
+    llm = LLM(max_num_seqs=4, kv_cache_memory=16 << 20)
+    rid = llm.add_request(None, [1, 2, 3], sampled(StructuredOutputsParams(json=SLOW), 0))
+    lane = llm.core.structured._lane("large")
+    t0 = time.perf_counter()
+    while lane.pid is None and time.perf_counter() - t0 < 5:  # the compile has started in its worker
+        time.sleep(0.02)
+    pid = lane.pid
+    llm.abort(rid)
+    while llm.core.has_unfinished_requests():
+        llm.step()
+    while lane.pid is not None and time.perf_counter() - t0 < 10:
+        time.sleep(0.02)
+    assert lane.pid is None and lane.stopped == 1
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert llm.stats()["kv_cache_usage"] == 0 and llm.stats()["num_waiting"] == 0 and not llm.core.compiling
+    llm.close()
+
+
+def test_a_compile_that_needs_too_much_memory_fails_and_the_core_stays_small(monkeypatch):
+    """2,000 optional properties are a 57 KB schema (under the size limit) that xgrammar compiles in memory
+    quadratic in them: tens of GB. The compile runs in a worker capped by --grammar-compile-memory; the request
+    ends with an error naming that limit, and the engine's own memory does not grow."""
+    monkeypatch.setenv("FULCRUM_GRAMMAR_COMPILE_MEMORY_MB", "512")
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}}
+    validate(StructuredOutputsParams(json=huge))  # passes the frontend's checks: only compiling shows its cost
+    llm = LLM(max_num_seqs=4, kv_cache_memory=16 << 20)
+    core = llm.core
+    rss = _rss_mb()
+    core.add_request("huge", [1, 2, 3], sampled(StructuredOutputsParams(json=huge), 0, max_tokens=10))
+    core.add_request("plain", [4, 5, 6], SamplingParams(temperature=0, max_tokens=5))
+    done = _run(core, 60)
+    reason, error, _ = done["huge"]
+    assert reason == "error" and "512 MiB" in error and "--grammar-compile-memory" in error, error
+    assert done["plain"][0] == "length"
+    assert _rss_mb() - rss < 200
+    llm.close()
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024

@@ -9,7 +9,9 @@ import logging
 import math
 import os
 import re
+import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,11 +19,14 @@ import torch
 import xgrammar as xgr
 
 from fulcrum.defaults import (
+    COMPILE_MEMORY_ENV,
     COMPILE_TIMEOUT_ENV,
+    DEFAULT_COMPILE_MEMORY_MB,
     DEFAULT_COMPILE_TIMEOUT_S,
     DEFAULT_MAX_GRAMMAR_BYTES,
     MAX_GRAMMAR_BYTES_ENV,
 )
+from fulcrum.engine.structured.compile_worker import CompileLane
 from fulcrum.errors import InvalidRequestError
 from fulcrum.sampling_params import StructuredOutputsParams
 
@@ -44,6 +49,10 @@ ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
 # tens of thousands of properties kept a worker busy for minutes and the core at gigabytes.
 # specs above this size compile on a worker of their own, so small ones never wait behind a large one
 LARGE_SPEC_BYTES = 8 << 10
+# A compiled grammar may take this much (its token-mask cache; an 11 KB schema of 400 optional properties takes
+# ~100 MB), and the core keeps compiled grammars by spec up to GRAMMAR_CACHE_BYTES in all
+MAX_COMPILED_GRAMMAR_BYTES = 256 << 20
+GRAMMAR_CACHE_BYTES = 512 << 20
 
 
 def max_whitespace(spec: StructuredOutputsParams) -> int:
@@ -57,6 +66,11 @@ def max_grammar_bytes() -> int:
 
 def compile_timeout_s() -> float:
     return float(os.environ.get(COMPILE_TIMEOUT_ENV, DEFAULT_COMPILE_TIMEOUT_S))
+
+
+def grammar_memory_bytes() -> int:
+    """What one compile may take beyond its worker's inherited memory (--grammar-compile-memory)."""
+    return int(float(os.environ.get(COMPILE_MEMORY_ENV, DEFAULT_COMPILE_MEMORY_MB)) * 2**20)
 
 
 def spec_bytes(spec: StructuredOutputsParams) -> int:
@@ -525,63 +539,119 @@ class GrammarState:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
+def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    """A spec compiled against the compiler's vocabulary (run in a compile worker: compile_worker.py)."""
+    kind = spec.kind
+    any_ws = not spec.disable_any_whitespace
+    if kind == "json":
+        return compiler.compile_json_schema(spec.json, any_whitespace=any_ws, max_whitespace_cnt=max_whitespace(spec))
+    if kind == "json_object":
+        # any object (xgrammar's builtin JSON grammar also takes arrays and scalars, and any whitespace)
+        return compiler.compile_json_schema(ANY_OBJECT, any_whitespace=any_ws, max_whitespace_cnt=max_whitespace(spec))
+    if kind == "regex":
+        return compiler.compile_regex(spec.regex)
+    if kind == "choice":
+        return compiler.compile_grammar(_choice_ebnf(spec.choice))
+    if kind == "grammar":
+        return compiler.compile_grammar(spec.grammar)
+    return compiler.compile_structural_tag(spec.structural_tag)
+
+
+def _spec_key(spec: StructuredOutputsParams) -> tuple:
+    return (spec.kind, spec.json, spec.regex, spec.grammar, spec.structural_tag, tuple(spec.choice or ()),
+            spec.disable_any_whitespace)  # fmt: skip
+
+
 class StructuredOutputs:
     """The engine core's grammar compiler for one model: the tokenizer's vocabulary is read on first use (a
-    server that never sees a grammar never pays for it)."""
+    server that never sees a grammar never pays for it).
+
+    Compiles run in two worker processes (compile_worker.py), each fed by a thread of the core: large specs on
+    one lane, the rest on the other, so that no number of slow grammars holds a small one behind them. A request
+    that ends or times out while its grammar compiles stops that compile (`abandon`), and a compile that needs
+    more memory than --grammar-compile-memory fails with that limit named. Compiled grammars are kept, by spec, up
+    to GRAMMAR_CACHE_BYTES."""
 
     def __init__(self, tokenizer_path: str | Path, vocab_size: int, eos_token_ids: list[int], threads: int = 1):
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        self._compiler: xgr.GrammarCompiler | None = None
-        # Compiles release the GIL, so steps go on meanwhile. Two lanes of one worker each: large specs (a
-        # 20,000-value enum took 10 s here) on one, the rest on the other, so that no number of slow grammars holds
-        # a small one behind them
+        self._info: xgr.TokenizerInfo | None = None
+        self._info_lock = threading.Lock()
+        self._lanes: dict[str, CompileLane] = {}
         self._small = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fulcrum-grammar")
         self._large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fulcrum-grammar-large")
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads) if threads > 1 else None
+        self._cache: OrderedDict[tuple, xgr.CompiledGrammar] = OrderedDict()
+        self._cache_bytes = 0
+        self._cache_lock = threading.Lock()
         self.compile_seconds: list[float] = []  # per compile, for the log and the closing figures
 
-    def compiler(self) -> xgr.GrammarCompiler:
-        if self._compiler is None:
-            from fulcrum.utils.tokenizer import load_tokenizer
+    def tokenizer_info(self) -> xgr.TokenizerInfo:
+        with self._info_lock:
+            if self._info is None:
+                from fulcrum.utils.tokenizer import load_tokenizer
 
-            t0 = time.perf_counter()
-            info = xgr.TokenizerInfo.from_huggingface(
-                load_tokenizer(self.tokenizer_path), vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
-            )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-            log.info("structured output: vocabulary read in %.2f s", time.perf_counter() - t0)
-        return self._compiler
+                t0 = time.perf_counter()
+                self._info = xgr.TokenizerInfo.from_huggingface(
+                    load_tokenizer(self.tokenizer_path), vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
+                )
+                log.info("structured output: vocabulary read in %.2f s", time.perf_counter() - t0)
+            return self._info
 
-    def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        c = self.compiler()
+    def _lane(self, name: str) -> CompileLane:
+        info = self.tokenizer_info()
+        with self._info_lock:
+            if name not in self._lanes:
+                self._lanes[name] = CompileLane(
+                    info,
+                    compile_spec,
+                    grammar_memory_bytes(),
+                    MAX_COMPILED_GRAMMAR_BYTES,
+                )
+            return self._lanes[name]
+
+    def compile(self, spec: StructuredOutputsParams, abandoned: threading.Event | None = None) -> xgr.CompiledGrammar:
+        """Compile (or find in the cache) on this thread; CompileFailed says why a spec cannot compile."""
+        key = _spec_key(spec)
+        with self._cache_lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
         t0 = time.perf_counter()
-        kind = spec.kind
-        any_ws = not spec.disable_any_whitespace
-        if kind == "json":
-            out = c.compile_json_schema(spec.json, any_whitespace=any_ws, max_whitespace_cnt=max_whitespace(spec))
-        elif kind == "json_object":
-            # any object (xgrammar's builtin JSON grammar also takes arrays and scalars, and any whitespace)
-            out = c.compile_json_schema(ANY_OBJECT, any_whitespace=any_ws, max_whitespace_cnt=max_whitespace(spec))
-        elif kind == "regex":
-            out = c.compile_regex(spec.regex)
-        elif kind == "choice":
-            out = c.compile_grammar(_choice_ebnf(spec.choice))
-        elif kind == "grammar":
-            out = c.compile_grammar(spec.grammar)
-        else:
-            out = c.compile_structural_tag(spec.structural_tag)
+        lane = self._lane("large" if spec_bytes(spec) > LARGE_SPEC_BYTES else "small")
+        text = lane.compile(spec, abandoned or threading.Event())
+        compiled = xgr.CompiledGrammar.deserialize_json(text, self.tokenizer_info())
         self.compile_seconds.append(time.perf_counter() - t0)
-        return out
+        self._keep(key, compiled)
+        return compiled
+
+    def _keep(self, key: tuple, compiled: xgr.CompiledGrammar) -> None:
+        size = compiled.memory_size_bytes
+        with self._cache_lock:
+            if key in self._cache or size > GRAMMAR_CACHE_BYTES:
+                return
+            self._cache[key] = compiled
+            self._cache_bytes += size
+            while self._cache_bytes > GRAMMAR_CACHE_BYTES:
+                _, old = self._cache.popitem(last=False)
+                self._cache_bytes -= old.memory_size_bytes
 
     def submit(self, spec: StructuredOutputsParams) -> Future:
-        """Compile on a worker thread (its lane by the spec's size); the future's result is a fresh GrammarState.
-        The future carries its deadline (`deadline`): the core ends a request whose grammar is not ready by then."""
+        """Compile on a lane (by the spec's size); the future's result is a fresh GrammarState. The future carries
+        its deadline (`deadline`): the core ends a request whose grammar is not ready by then, and `abandon`s it."""
         pool = self._large if spec_bytes(spec) > LARGE_SPEC_BYTES else self._small
-        future = pool.submit(lambda: GrammarState(self.compile(spec)))
+        abandoned = threading.Event()
+        future = pool.submit(lambda: GrammarState(self.compile(spec, abandoned)))
         future.deadline = time.monotonic() + compile_timeout_s()
+        future.abandoned = abandoned
         return future
+
+    @staticmethod
+    def abandon(future: Future) -> None:
+        """Nobody waits for this compile any more: drop it if queued, stop its worker if running."""
+        future.cancel()
+        future.abandoned.set()
 
     def fill_bitmask(self, states: list[GrammarState | None]) -> tuple[torch.Tensor, list[int]] | None:
         """The allowed-token bitmask of a batch (int32, 32 tokens a word; rows without a grammar allow all) and the
@@ -600,3 +670,5 @@ class StructuredOutputs:
     def shutdown(self) -> None:
         for pool in (self._small, self._large):
             pool.shutdown(wait=False, cancel_futures=True)
+        for lane in self._lanes.values():
+            lane.close()
