@@ -30,9 +30,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     tools = ToolCalling.of(req, state.tool_call_parser)
     ids = await off_loop(state.chat_ids, req.messages, req.add_generation_prompt, tools.tools if tools else None)
     k = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, req.max_completion_tokens or req.max_tokens, k, req.prompt_logprobs)
+    # off the event loop: checking a grammar builds it
+    params = await off_loop(sampling_params, req, req.max_completion_tokens or req.max_tokens, k, req.prompt_logprobs)
     if tools is not None:
-        grammar = tools.grammar()
+        grammar = await off_loop(tools.grammar)
         if grammar is not None and params.structured_outputs is not None:
             raise InvalidRequestError(
                 "tool_choice required or a named function cannot be combined with another output constraint",

@@ -27,7 +27,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     wanted = [x for x in (req.prompt_logprobs, k if score_echo else None) if x is not None]
     # max_tokens 0: the engine computes the prompt and one token, which is dropped
     zero = req.max_tokens == 0
-    params = sampling_params(req, 1 if zero else req.max_tokens, k, max(wanted) if wanted else None)
+    # off the event loop: checking a grammar builds it
+    params = await off_loop(sampling_params, req, 1 if zero else req.max_tokens, k, max(wanted) if wanted else None)
     check_kv_transfer_request(req.kv_transfer_params, len(prompts), req.stream)
     run = await Run.start(merged(state.engine, prompts, params, req.priority, req.kv_transfer_params))
     echo = [(p if p is not None else tok.decode(ids)) if req.echo else "" for p, ids in prompts]

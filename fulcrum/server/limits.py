@@ -59,8 +59,28 @@ class BodyLimit:
         mb = self.max_bytes / 2**20
         response = error(413, f"the request body is larger than the server's limit of {mb:g} MiB "
                               "(fulcrum serve --max-request-body-mb)")  # fmt: skip
-        response.headers["connection"] = "close"  # the rest of the body is not read
+        response.headers["connection"] = "close"
+        await _drain(receive, DRAIN_FACTOR * self.max_bytes)
         await response(scope, receive, send)
+
+
+# A client still sending its body when the 413 goes out and the connection closes reads a reset, not the 413: the
+# rest is read and dropped first, up to this many times the limit and DRAIN_S seconds (past that, a reset it is)
+DRAIN_FACTOR = 8
+DRAIN_S = 10.0
+
+
+async def _drain(receive, budget: int) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DRAIN_S
+    while budget > 0:
+        try:
+            message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            return
+        if message["type"] != "http.request" or not message.get("more_body"):
+            return
+        budget -= len(message.get("body", b""))
 
 
 def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:

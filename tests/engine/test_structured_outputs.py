@@ -255,6 +255,17 @@ def test_a_deeply_nested_schema_is_refused_not_a_crash():
     text = '{"type": "object", "properties": {"a": ' * 600 + '{"type": "integer"}' + "}}" * 600
     with pytest.raises(InvalidRequestError, match="nested too deeply"):
         validate(StructuredOutputsParams(json=text))
+    # xgrammar would build 300 levels of arrays, in over a second on the server's event loop: refused by depth
+    arrays = {"type": "integer"}
+    for _ in range(300):
+        arrays = {"type": "array", "items": arrays}
+    with pytest.raises(InvalidRequestError, match="up to 64 levels") as e:
+        validate(StructuredOutputsParams(json=arrays))
+    assert e.value.param == "json_schema"
+    shallow = {"type": "integer"}
+    for _ in range(31):  # 62 levels of JSON
+        shallow = {"type": "array", "items": shallow}
+    validate(StructuredOutputsParams(json=shallow))
 
 
 def test_spec_shape_errors():

@@ -441,9 +441,50 @@ def regex_fault(pattern: str) -> str | None:
     return None
 
 
+# How deeply a JSON schema (or structural tag) may nest, in JSON levels: xgrammar builds a grammar in time cubic in
+# the depth (300 levels of arrays took 1.2 s, on the server's event loop), and real schemas nest a few levels
+# (OpenAI's structured outputs take 5 levels of objects; pydantic nests through $defs, not inline)
+MAX_SPEC_DEPTH = 64
+# specs already found valid, by their key: the frontend checks a spec twice (the request's field, then the engine
+# client's check) and clients send the same schemas over and over
+_VALID_SPECS: OrderedDict[tuple, None] = OrderedDict()
+_VALID_SPECS_MAX = 1024
+_valid_lock = threading.Lock()
+
+
+def _json_depth(value) -> int:
+    """The JSON levels of `value`, counted up to MAX_SPEC_DEPTH + 1."""
+    depth, level = 0, [value] if isinstance(value, dict | list) else []
+    while level and depth <= MAX_SPEC_DEPTH:
+        depth += 1
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x) if isinstance(v, dict | list)]
+    return depth
+
+
+def _check_depth(value, param: str) -> None:
+    if _json_depth(value) > MAX_SPEC_DEPTH:
+        raise InvalidRequestError(
+            f"the {param} is nested too deeply: structured output takes up to {MAX_SPEC_DEPTH} levels of JSON",
+            param=param,
+        )
+
+
 def validate(spec: StructuredOutputsParams) -> None:
     """Refuse, with a 400 naming the problem, a spec that does not parse or that xgrammar cannot support.
     Needs no tokenizer: building the grammar catches what compiling it would."""
+    key = _spec_key(spec)
+    with _valid_lock:
+        if key in _VALID_SPECS:
+            _VALID_SPECS.move_to_end(key)
+            return
+    _validate(spec)
+    with _valid_lock:
+        _VALID_SPECS[key] = None
+        if len(_VALID_SPECS) > _VALID_SPECS_MAX:
+            _VALID_SPECS.popitem(last=False)
+
+
+def _validate(spec: StructuredOutputsParams) -> None:
     kind = spec.kind
     size, limit = spec_bytes(spec), max_grammar_bytes()
     if size > limit:
@@ -458,6 +499,7 @@ def validate(spec: StructuredOutputsParams) -> None:
             schema = _parse_json(spec.json, "json_schema")
             if not isinstance(schema, dict | bool):
                 raise InvalidRequestError("a JSON schema must be an object (or true/false)", param="json_schema")
+            _check_depth(schema, "json_schema")
             _refuse_faults(check_schema(schema))
             xgr.Grammar.from_json_schema(spec.json, any_whitespace=not spec.disable_any_whitespace)
         elif kind == "regex":
@@ -468,7 +510,9 @@ def validate(spec: StructuredOutputsParams) -> None:
         elif kind == "grammar":
             xgr.Grammar.from_ebnf(spec.grammar)
         elif kind == "structural_tag":
-            for path, schema in _tag_schemas(_parse_json(spec.structural_tag, "structural_tag"), "$"):
+            tag = _parse_json(spec.structural_tag, "structural_tag")
+            _check_depth(tag, "structural_tag")
+            for path, schema in _tag_schemas(tag, "$"):
                 _refuse_faults(check_schema(schema, path), "the structural tag's JSON schema", "structural_tag")
             xgr.Grammar.from_structural_tag(spec.structural_tag)
     except InvalidRequestError:
