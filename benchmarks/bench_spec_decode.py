@@ -72,8 +72,8 @@ class StepTimer:
         self.t = {"execute": 0.0, "propose": 0.0}
         core = llm.core
         self._wrap(core.runner, "execute", "execute")
-        if core.proposer is not None:
-            self._wrap(core.proposer, "propose", "propose")
+        if core.speculator is not None:
+            self._wrap(core.speculator.proposer, "propose", "propose")
 
     def _wrap(self, obj, name: str, key: str) -> None:
         fn = getattr(obj, name)
@@ -133,7 +133,10 @@ def verify_cost(folder: Path, dtype: str, ks, batches, threads, tokens: int = 48
                 max_num_seqs=b, cpu_threads=threads, max_model_len=1024,
                 speculative_config={"method": "ngram", "num_speculative_tokens": max(k, 1), "disable_by_batch_size": None},
             )  # fmt: skip
-            llm.core.proposer = FixedProposer(k) if k else None
+            if k:
+                llm.core.speculator.proposer = FixedProposer(k)
+            else:
+                llm.core.speculator = None
             times = []
             execute = llm.core.runner.execute
 
@@ -183,7 +186,7 @@ def draft_step(batches, rounds: int, threads, k: int = 4, tokens: int = 64) -> l
         cpu_threads=threads, speculative_config=sc,
     )  # fmt: skip
     times: dict[str, list[float]] = {"kernel": [], "torch": []}
-    propose, calls = llm.core.proposer.propose, [0]
+    propose, calls = llm.core.speculator.proposer.propose, [0]
 
     def timed(reqs, ks):
         calls[0] += 1
@@ -198,7 +201,7 @@ def draft_step(batches, rounds: int, threads, k: int = 4, tokens: int = 64) -> l
             if all(len(r.output_token_ids) > 1 for r in reqs):  # decode steps: not the prompt's catch-up
                 times[mode].append(dt)
 
-    llm.core.proposer.propose = timed
+    llm.core.speculator.proposer.propose = timed
     text = held_out_text()
     rows = []
     for b in batches:

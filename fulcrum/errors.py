@@ -77,3 +77,12 @@ class ModelNotFoundError(FulcrumError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+def is_fatal(e: BaseException) -> bool:
+    """Failures that may have corrupted state shared by every request: the process must end.
+    A CUDA error poisons the device context (and the KV cache on it); anything else raised inside
+    a forward or the sampler belongs to the requests of that step."""
+    if not isinstance(e, Exception) or isinstance(e, WorkerDiedError):
+        return True  # KeyboardInterrupt, SystemExit; a parallel engine's rank gone
+    return "CUDA error" in str(e) or type(e).__name__ == "AcceleratorError"

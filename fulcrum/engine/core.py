@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from traceback import format_exception_only
 
 import torch
@@ -25,9 +23,10 @@ from fulcrum.engine.outputs import EngineCoreOutput
 from fulcrum.engine.request import Request, RequestStatus
 from fulcrum.engine.scheduler import Scheduler, SchedulerOutput
 from fulcrum.engine.spec import SpecDecodeStats, SpeculativeConfig, make_proposer
+from fulcrum.engine.spec.speculator import Speculator
 from fulcrum.engine.structured import StructuredOutputs
-from fulcrum.engine.structured.grammar import MAX_ROLLBACK_TOKENS, compile_timeout_s
-from fulcrum.errors import WorkerDiedError
+from fulcrum.engine.structured.pending import PendingGrammars
+from fulcrum.errors import WorkerDiedError, is_fatal
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.utils.hf_config import layer_sliding_windows
 
@@ -40,15 +39,6 @@ def needs_every_token(req: Request) -> bool:
     return req.grammar is not None or req.sampling_params.penalized or req.wants_prompt_logprobs
 
 
-def is_fatal(e: BaseException) -> bool:
-    """Failures that may have corrupted state shared by every request: the process must end.
-    A CUDA error poisons the device context (and the KV cache on it); anything else raised inside
-    a forward or the sampler belongs to the requests of that step."""
-    if not isinstance(e, Exception) or isinstance(e, WorkerDiedError):
-        return True  # KeyboardInterrupt, SystemExit; a parallel engine's rank gone
-    return "CUDA error" in str(e) or type(e).__name__ == "AcceleratorError"
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, own_process: bool = False):
         """`own_process`: the core runs in a process of its own beside a frontend (fulcrum serve): on CPU its
@@ -58,22 +48,25 @@ class EngineCore:
             config.model, config.dtype, config.max_model_len, config.quantization, config.quantization_group_size
         )
         # speculative decoding: a draft model loads first, so that the target sizes the cache for both
-        self.spec = SpeculativeConfig.parse(config.speculative_config, config.device)
-        self.proposer = make_proposer(self.spec, config, self.model_config) if self.spec else None
-        draft = getattr(self.proposer, "runner", None)
+        spec = SpeculativeConfig.parse(config.speculative_config, config.device)
+        proposer = make_proposer(spec, config, self.model_config) if spec else None
+        draft = getattr(proposer, "runner", None)
+        self.structured = StructuredOutputs(self.model_config.path, self.vocab_size, self.model_config.eos_token_ids)
         # a parallel engine: this process is rank 0 (scheduler, sampler, last pipeline stage), the workers the rest
         self.workers = Workers(config, self.model_config) if config.world_size > 1 else None
         try:
             agree = self.workers.agree_blocks if self.workers else None
-            self.runner = ModelRunner(config, self.model_config, own_process, draft=draft, agree_blocks=agree)
+            self.runner = ModelRunner(
+                config, self.model_config, own_process, draft=draft, agree_blocks=agree, structured=self.structured
+            )
         except BaseException:
             self.shutdown()
             raise
         if self.workers is not None:
             self.workers.exit_on_death = own_process
         if draft is not None:
-            self.proposer.attach(config.enable_prefix_caching)
-        self.spec_stats = SpecDecodeStats()
+            proposer.attach(config.enable_prefix_caching)
+        self.speculator = Speculator(spec, proposer, self.model_config.max_model_len) if spec else None
         # blocks fall out of the window only when they do for every layer (Gemma's global layers keep them all)
         windows = {a.sliding_window for a in self.runner.attn_layers}
         if self.workers is not None:  # this rank holds one pipeline stage's layers; the window is every layer's
@@ -91,13 +84,10 @@ class EngineCore:
         if events_cfg := KVEventsConfig.parse(config.kv_events_config):
             self.kv.events, self.kv.medium = [], medium_of(config.device)
             self.kv_events = EventPublisher(events_cfg)
-        self.structured = StructuredOutputs(self.model_config.path, self.vocab_size, self.model_config.eos_token_ids)
-        self.runner.structured = self.structured
-        # requests whose grammar is compiling: they join the scheduler when it is ready
-        self.compiling: dict[str, tuple[Request, Future]] = {}
+        self.compiling = PendingGrammars(self.structured)  # requests whose grammar compiles, out of the scheduler
         # async scheduling (config.async_scheduling): the launched step not yet read back, with its sampling requests
         self.in_flight: tuple[SchedulerOutput, list[str], PendingStep] | None = None
-        self.async_scheduling = config.async_scheduling and not (self.proposer or self.workers or self.kv_transfer)
+        self.async_scheduling = config.async_scheduling and not (self.speculator or self.workers or self.kv_transfer)
         if config.async_scheduling and not self.async_scheduling:
             log.info("async scheduling off: speculative decoding, P/D and parallel engines run synchronously")
         log.info(
@@ -145,12 +135,12 @@ class EngineCore:
         if arrival_time:
             req.arrival_time = arrival_time
         if params.structured_outputs is not None:
-            self.compiling[request_id] = (req, self.structured.submit(params.structured_outputs))
+            self.compiling.add(req)
         elif self.kv_transfer is None or not self.kv_transfer.add(req):
             self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
-        done = self._drop_compiling(request_ids, RequestStatus.FINISHED_ABORTED)
+        done = self.compiling.drop(request_ids, RequestStatus.FINISHED_ABORTED)
         if self.kv_transfer is not None:
             done += self.kv_transfer.abort(request_ids, RequestStatus.FINISHED_ABORTED)
         done += self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -159,20 +149,10 @@ class EngineCore:
 
     def finish_requests(self, request_ids: list[str], stop_reason: str | None = None) -> None:
         """A stop string matched in the frontend: the request is done, free its blocks now."""
-        self._drop_compiling(request_ids, RequestStatus.FINISHED_STOPPED)
+        self.compiling.drop(request_ids, RequestStatus.FINISHED_STOPPED)
         for r in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED):
             r.stop_reason = stop_reason
         self._release_drafts()
-
-    def _drop_compiling(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
-        done = []
-        for rid in request_ids:
-            if rid in self.compiling:
-                req, future = self.compiling.pop(rid)
-                self.structured.abandon(future)
-                req.status = status
-                done.append(req)
-        return done
 
     def has_unfinished_requests(self) -> bool:
         busy = self.kv_transfer is not None and self.kv_transfer.busy()
@@ -185,33 +165,13 @@ class EngineCore:
                 self.scheduler.add_request(req)
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
-        """Requests whose grammar finished compiling join the scheduler; one that failed to compile ends with
-        the compiler's message (the frontend's check lets through little that fails here)."""
-        failed = []
-        now = time.monotonic()
-        for rid, (req, future) in list(self.compiling.items()):
-            if not future.done():
-                if now > getattr(future, "deadline", float("inf")):  # the request ends, and its compile is stopped
-                    del self.compiling[rid]
-                    self.structured.abandon(future)
-                    req.status, req.error_status = RequestStatus.FINISHED_ERROR, 400
-                    req.error = (
-                        f"the grammar did not compile within {compile_timeout_s():g} s "
-                        "(fulcrum serve --grammar-compile-timeout); simplify the schema or grammar"
-                    )
-                    failed.append(self._output(req, []))
-                continue
-            del self.compiling[rid]
-            try:
-                req.grammar = future.result()
-            except Exception as e:
-                req.status, req.error_status = RequestStatus.FINISHED_ERROR, 400
-                req.error = f"the grammar cannot be compiled: {e}"
-                failed.append(self._output(req, []))
-                continue
-            if self.kv_transfer is None or not self.kv_transfer.add(req):  # a remote prefill pulls its blocks first
+        """Requests whose grammar is ready join the scheduler (or first pull a remote prefill's blocks); those whose
+        grammar failed end with the compiler's message."""
+        ready, failed = self.compiling.take()
+        for req in ready:
+            if self.kv_transfer is None or not self.kv_transfer.add(req):
                 self.scheduler.add_request(req)
-        return failed
+        return [self._output(req, []) for req in failed]
 
     def step(self) -> list[EngineCoreOutput]:
         failed = self._admit_compiled() if self.compiling else []
@@ -231,7 +191,7 @@ class EngineCore:
 
     def _wait_idle(self) -> None:
         if self.compiling:  # nothing to run until a compile ends: wait for it, do not spin
-            wait([f for _, f in self.compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+            self.compiling.wait(0.05)
         elif self.kv_transfer is not None and self.kv_transfer.busy():  # the same for KV pulls
             self.kv_transfer.wait(0.05)
 
@@ -256,14 +216,13 @@ class EngineCore:
             failed += failed_now
         for rid, entries in result.prompt_logprobs.items():
             self.scheduler.requests[rid].prompt_logprobs.extend(entries)
-        for s in sched.scheduled:
-            if s.spec_token_ids and s.request.request_id in result.sampled:
-                self.spec_stats.observe(len(s.spec_token_ids), len(result.sampled[s.request.request_id]) - 1)
+        if self.speculator is not None:
+            self.speculator.observe(sched, result)
         before = {s.request.request_id: s.request.num_output_tokens for s in sched.scheduled}
         finished = {r.request_id for r in self.scheduler.update(sched, result.sampled)}
         outputs = failed + self._outputs(sched, result, set(result.sampled), finished, before)
-        if self.proposer is not None:
-            self._propose(sched, result)
+        if self.speculator is not None:
+            self.speculator.propose(sched, result, self.scheduler.requests, len(self.scheduler.running))
         if self.kv_events is not None:
             self.kv_events.publish(self.kv.take_events())
         return outputs
@@ -343,70 +302,9 @@ class EngineCore:
         reqs = itertools.chain(self.scheduler.running, self.scheduler.waiting)
         return not any(needs_every_token(r) for r in reqs)
 
-    # -- speculative decoding ----------------------------------------------------------------------
-
-    def _propose(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        """Proposals for the requests that just sampled a token, for the next step to verify. A step that runs
-        more requests than the policy allows proposes none (spec/config.py: disable_by_batch_size)."""
-        self._release_drafts()
-        if not self.spec.proposes_for(len(self.scheduler.running)):
-            return
-        reqs, ks = [], []
-        for s in sched.scheduled:
-            req = s.request
-            if req.status != RequestStatus.RUNNING or req.request_id not in result.sampled:
-                continue
-            k = self._room(req)
-            if k > 0:
-                reqs.append(req)
-                ks.append(k)
-        if not reqs:
-            return
-        try:
-            drafts, probs = self.proposer.propose(reqs, ks)
-        except Exception as e:  # proposals are optional: a failing draft leaves the step without them
-            if is_fatal(e):
-                raise
-            log.warning("the proposer failed (%s); this step goes on without speculation", e)
-            return
-        for i, req in enumerate(reqs):
-            d, q = drafts[i], probs[i] if probs is not None else None
-            if req.grammar is not None:
-                d, q = self._grammar_checked(req, d, q)
-            req.spec_token_ids, req.spec_token_probs = d, q
-
-    def _room(self, req: Request) -> int:
-        """Proposals worth making: no more than k, than max_tokens leaves after the token the target draws anyway,
-        than the context holds, or than a grammar can roll back."""
-        left = req.sampling_params.max_tokens - req.num_output_tokens - 1
-        k = min(self.spec.num_speculative_tokens, left, self.max_model_len - req.num_tokens)
-        return min(k, MAX_ROLLBACK_TOKENS) if req.grammar is not None else k
-
-    @staticmethod
-    def _grammar_checked(req: Request, drafts: list[int], q):
-        """The grammar checks proposals: those after the first it refuses are dropped. The refused one itself stays
-        when drawn from a draft distribution: its row masks it, so it is rejected there and the target draws from
-        the residual, which is what keeps the output exact (dropping it would draw from p instead)."""
-        ok = 0
-        for tok in drafts:
-            if not req.grammar.accept(tok):
-                break
-            ok += 1
-        if ok:
-            req.grammar.rollback(ok)
-        if ok == len(drafts):
-            return drafts, q
-        if q is None:
-            return drafts[:ok], None
-        return drafts[: ok + 1], q[: ok + 1]
-
     def _release_drafts(self) -> None:
-        """Free the draft state of every request no longer running (finished, aborted, failed or preempted)."""
-        if self.proposer is None:
-            return
-        live = self.scheduler.requests
-        gone = [rid for rid in self.proposer.tracked() if rid not in live or live[rid].status != RequestStatus.RUNNING]
-        self.proposer.release(gone)
+        if self.speculator is not None:
+            self.speculator.release(self.scheduler.requests)
 
     def _execute_one_by_one(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, list[EngineCoreOutput]]:
         """After a failed step, find the request(s) that make it fail: each runs alone, those that still
@@ -468,7 +366,8 @@ class EngineCore:
     def stats(self, step_time: float = 0.0) -> SchedulerStats:
         """What the engine holds now, for the server's gauges and `LLM.stats()` alike."""
         kv = self.kv.stats()
-        draft = self.proposer.stats() if self.proposer is not None else None
+        draft = self.speculator.proposer.stats() if self.speculator is not None else None
+        spec = self.speculator.stats if self.speculator is not None else SpecDecodeStats()
         return SchedulerStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -479,10 +378,10 @@ class EngineCore:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             step_time=step_time,
-            spec_num_drafts=self.spec_stats.num_drafts,
-            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
-            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
-            spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=list(spec.accepted_per_pos),
             draft_num_blocks=draft.num_blocks if draft else 0,
             draft_num_free_blocks=draft.num_blocks - draft.num_used_blocks if draft else 0,
             **(self.kv_transfer.stats() if self.kv_transfer is not None else {}),

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fulcrum import SamplingParams
-from fulcrum.engine.core import is_fatal
+from fulcrum.errors import is_fatal
 from tests.engine.test_llm_parity import assert_all_blocks_free, greedy, make_llm, random_prompts
 
 POISON = 4  # a prompt starting with this token id makes the (patched) forward fail

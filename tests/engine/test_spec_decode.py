@@ -290,13 +290,13 @@ def test_a_long_prompts_draft_catch_up_is_spread_over_steps_within_the_budget(mo
     want = tokens(bundled(**kw), prompts, greedy(40))
     llm = bundled(draft(3), **kw)
     forwards = []  # per draft forward: {request id: tokens computed}
-    real = llm.core.proposer.runner.last_logits
+    real = llm.core.speculator.proposer.runner.last_logits
 
     def last_logits(steps):
         forwards.append({s.request.request_id: s.num_new_tokens for s in steps})
         return real(steps)
 
-    monkeypatch.setattr(llm.core.proposer.runner, "last_logits", last_logits)
+    monkeypatch.setattr(llm.core.speculator.proposer.runner, "last_logits", last_logits)
     assert tokens(llm, prompts, greedy(40)) == want
     assert max(sum(f.values()) for f in forwards) <= budget
     n_long = len(llm.tokenizer(long_prompt)["input_ids"])
@@ -410,7 +410,7 @@ def test_a_failing_draft_leaves_the_step_without_proposals(tiny_pair, monkeypatc
     prompts = random_prompts(3, 10, 30, seed=24)
     want = tokens(make_llm(target), prompts, greedy(16))
     llm = make_llm(target, speculative_config=draft(3, str(target)), kv_cache_memory=32 << 20)
-    real, calls = llm.core.proposer.runner.last_logits, []
+    real, calls = llm.core.speculator.proposer.runner.last_logits, []
 
     def last_logits(steps):
         calls.append(len(steps))
@@ -418,7 +418,7 @@ def test_a_failing_draft_leaves_the_step_without_proposals(tiny_pair, monkeypatc
             raise RuntimeError("the draft failed")
         return real(steps)
 
-    monkeypatch.setattr(llm.core.proposer.runner, "last_logits", last_logits)
+    monkeypatch.setattr(llm.core.speculator.proposer.runner, "last_logits", last_logits)
     assert tokens(llm, prompts, greedy(16)) == want
     assert llm.stats()["spec_num_accepted_tokens"] > 0
     assert_no_blocks_held(llm)
