@@ -1,4 +1,7 @@
-"""Model configuration: config.json (through transformers) plus the facts fulcrum derives from it."""
+"""The engine's settings: `EngineConfig` (every setting of one engine, checked when it is built) and `ModelConfig`
+(what the engine reads from a model folder: config.json through transformers, the dtype, the context length, the EOS
+ids, the quantization), with the helpers that derive them (dtype, RoPE settings, a checkpoint's own quantization).
+The torch-free names and defaults the command line offers live in fulcrum.defaults and are re-exported here."""
 
 from __future__ import annotations
 

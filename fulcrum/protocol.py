@@ -1,11 +1,8 @@
 """OpenAI API shapes (requests, responses, stream chunks, errors), one module for server, router and bench.
 
-Request models accept the fields vLLM accepts as extras (top_k, min_p, repetition_penalty,
-ignore_eos, min_tokens) and reject unknown roles and out-of-range values with the field named.
-No request field is silently ignored: REQUEST_FIELDS lists every field of OpenAI's and vLLM's request
-schemas with what fulcrum does with it, and a field fulcrum does not implement (set to anything but its
-default) or does not know is a 400 naming it.
-"""
+Request models accept the fields vLLM accepts as extras (top_k, min_p, repetition_penalty, ignore_eos, min_tokens)
+and reject unknown roles and out-of-range values with the field named. No request field is silently ignored: one
+fulcrum does not implement (set to anything but its default) or does not know is a 400 naming it (REQUEST_FIELDS)."""
 
 from __future__ import annotations
 
@@ -151,6 +148,7 @@ _COMMON = {
     "vllm_xargs": _refused(),
 }
 
+# every field of OpenAI's and vLLM's request schemas, per endpoint, with what fulcrum does with it (check_fields)
 REQUEST_FIELDS: dict[str, dict[str, FieldSupport]] = {
     "/v1/completions": {
         **_COMMON,

@@ -1,10 +1,8 @@
 """SamplingParams: how one request is decoded. Field names and meanings follow vLLM and OpenAI.
 
-Every field is checked here, for the server, `LLM(...)` and `fulcrum generate` alike, with its real
-range: integers must fit the int64 the engine-core messages and torch generators carry, floats must
-stay meaningful once rounded to the float32 the sampler computes in. What depends on the model
-(token ids below the vocabulary, lengths against the context) is checked by the engine at admission.
-"""
+Every field is checked here, for the server, `LLM(...)` and `fulcrum generate` alike, with its real range (`_validate`);
+what depends on the model (token ids below the vocabulary, lengths against the context) is checked by the engine at
+admission."""
 
 from __future__ import annotations
 
@@ -143,6 +141,9 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        """Integers must fit the int64 the engine-core messages and torch generators carry, floats must stay
+        meaningful once rounded to the float32 the sampler computes in."""
+
         def bad(name: str, why: str):
             raise InvalidRequestError(f"{name} {why}, got {_short(getattr(self, name))}", param=name)
 

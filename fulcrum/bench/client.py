@@ -1,12 +1,8 @@
 """One streamed request to an OpenAI-compatible server, timed chunk by chunk.
 
-Timings follow vLLM's benchmark: TTFT is the arrival of the first chunk that carries content, every
-later content chunk adds one inter-token gap, and end-to-end latency ends at the last content chunk.
-Whatever the server does wrong (an error status, an error event, a malformed chunk, a dropped
-connection, a timeout, a stream without `[DONE]`) becomes a failed result, never an exception. Every
-request has two deadlines: one for the whole request, and one for the longest silence of its stream
-(a server that stops sending mid-stream is cut then, not when the whole deadline runs out).
-"""
+Timings follow vLLM's benchmark: TTFT is the arrival of the first chunk that carries content, every later
+content chunk adds one inter-token gap, and end-to-end latency ends at the last content chunk. Whatever the
+server does wrong becomes a failed result, never an exception, so one bad request never ends a run (`send`)."""
 
 from __future__ import annotations
 
@@ -152,7 +148,9 @@ async def send(
 ) -> RequestResult:
     """Post `body`, read the stream, fill `result` (timings, usage, text, or the failure). Output tokens come from
     the server's usage; without it `token_source` stays empty and the caller counts them after the run.
-    `timeout` bounds the whole request, `read_timeout` each wait for data (the headers and every line)."""
+    `timeout` bounds the whole request, `read_timeout` each wait for data (the headers and every line), so a server
+    that stops sending mid-stream is cut then, not when the whole deadline runs out. An error status or event, a
+    malformed chunk, a dropped connection, a timeout or a stream without `[DONE]` is a failed result, not a raise."""
     st = clock()
     last = st
     text_parts: list[str] = []

@@ -1,15 +1,8 @@
 """The load: a closed loop (N users, each sending its next request when the last one ends) or an
 open loop (arrivals with gamma-distributed gaps: burstiness 1 is a Poisson process, lower is burstier).
 
-A session's turns go one after another, each carrying the history and the replies so far. Sessions
-are drawn before the clock starts (prompt text is tokenizer work that would otherwise stall the
-event loop and inflate every in-flight request's ITL); only duration-bound runs draw them during the
-run, in a worker thread. The run stops at `num_prompts` sessions or after `duration` seconds (no new
-sessions after it), and on `stop` (Ctrl-C) the requests in flight are cancelled and recorded as
-interrupted, so a partial run is kept; `partial()` gives it also when the run itself was cancelled.
-Every request has a deadline (see client.send), so no run waits forever on a server; `pulse` tells a
-watchdog what the run is doing meanwhile.
-"""
+A session's turns go one after another, each carrying the history and the replies so far. A run ends at
+`num_prompts` sessions, after `duration` seconds or on `stop` (Ctrl-C), and keeps what it measured."""
 
 from __future__ import annotations
 
@@ -90,7 +83,9 @@ def arrival_gaps(rate: float, burstiness: float, rng: np.random.Generator) -> It
 
 
 class SessionSource:
-    """The sessions of a run: all drawn up front when their number is known, else drawn in a worker thread."""
+    """The sessions of a run: all drawn up front when their number is known, else drawn in a worker thread. Drawing
+    is tokenizer work (prompt text): done on the event loop during the run, it would stall it and inflate every
+    in-flight request's ITL."""
 
     def __init__(self, sessions: Iterable[Session], count: int | None):
         self._it = iter(sessions)
@@ -115,6 +110,9 @@ class SessionSource:
 
 
 class LoadGenerator:
+    """Sends a run's load and records every request. Each request has a deadline (client.send), so no run waits
+    forever on a server; `pulse` tells a watchdog what the run is doing meanwhile."""
+
     def __init__(
         self,
         http: aiohttp.ClientSession,
@@ -139,6 +137,9 @@ class LoadGenerator:
         self.t0: float | None = None
 
     async def run(self, load: LoadSpec, sessions: Iterable[Session], stop: asyncio.Event | None = None) -> RunResult:
+        """Warm up, then run `load` until `num_prompts` sessions are done or `duration` is up (no new session starts
+        after it). On `stop` the requests in flight are cancelled and recorded as interrupted, so a partial run is
+        kept; `partial()` gives it also when the run itself was cancelled."""
         it = iter(sessions)
         self.load, self.results, self.t0 = load, [], None
         if load.warmup:

@@ -1,11 +1,8 @@
 """The figures of a run, defined as vLLM's `bench serve` defines them; goodput as DistServe does.
 
-- TTFT: request start to the first content chunk. TPOT: (e2e - TTFT) / (output tokens - 1), per
-  request of two or more output tokens. ITL: every gap between content chunks, pooled over requests. E2E: start to last content chunk.
-- Throughput: completed requests, output tokens and input+output tokens per second of the run.
-- Goodput: completed requests per second that met every SLO given (TTFT, TPOT, E2E).
-- Percentiles: numpy's linear interpolation between the closest ranks.
-"""
+TTFT: start to the first content chunk. TPOT: (e2e - TTFT) / (output tokens - 1), for requests of 2+ tokens. ITL:
+every gap between content chunks, pooled. E2E: start to the last content chunk. Throughputs are per second of the run;
+goodput counts the completed requests that met every SLO given; percentiles are numpy's linear interpolation."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """Where this process sits among the ranks of one engine, and the collectives the layers call.
 
-A single process is a world of one: every call below is then a no-op. `init_distributed` joins a
-torch.distributed world of tensor_parallel x pipeline_parallel ranks (gloo on CPU, NCCL on CUDA) and makes the groups:
-one tensor-parallel group per pipeline stage, and one gloo group over every rank for the engine's control messages
-(the step's inputs, broadcast from rank 0).
-
-Rank layout: world rank 0 is the engine core (the scheduler and the sampler), so it must hold the last pipeline
-stage, whose hidden states become logits: rank r is tensor-parallel rank r % tp of stage (pp - 1) - r // tp.
-"""
+A single process is a world of one: every call below is then a no-op. Otherwise world rank 0 is the engine core
+(the scheduler and the sampler), so it holds the last pipeline stage, whose hidden states become logits
+(`stage_and_tp_rank`); `init_distributed` joins the world and makes the groups."""
 
 from __future__ import annotations
 
@@ -54,7 +49,8 @@ def state() -> ParallelState:
 
 
 def stage_and_tp_rank(rank: int, tp: int, pp: int) -> tuple[int, int]:
-    """The (pipeline stage, tensor-parallel rank) of world rank `rank` (see the module's layout)."""
+    """The (pipeline stage, tensor-parallel rank) of world rank `rank`: rank r is tensor-parallel rank r % tp of stage
+    (pp - 1) - r // tp, so that rank 0, the engine core, holds the last stage."""
     return pp - 1 - rank // tp, rank % tp
 
 
@@ -67,8 +63,10 @@ def init_distributed(
     expert_parallel: bool = False,
     layer_partition: list[int] | None = None,
 ) -> ParallelState:
-    """Join the world of tp * pp ranks at `init_method` (tcp://host:port) and make the groups. Every rank calls it
-    with the same sizes; group creation is collective, so all of them make every group in the same order."""
+    """Join the world of tp * pp ranks at `init_method` (tcp://host:port; gloo on CPU, NCCL on CUDA) and make the
+    groups: one tensor-parallel group per pipeline stage, and one gloo group over every rank for the engine's control
+    messages (the step's inputs, broadcast from rank 0). Every rank calls it with the same sizes; group creation is
+    collective, so all of them make every group in the same order."""
     global _STATE
     world = tp * pp
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=CONTROL_TIMEOUT)

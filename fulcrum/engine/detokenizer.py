@@ -1,14 +1,8 @@
 """Incremental detokenization with stop strings.
 
-Each step costs O(1): a fast (Rust) tokenizer decodes through `tokenizers`' DecodeStream, as vLLM
-does; any other tokenizer decodes a short window of recent tokens. Either way a character whose
-bytes are split across tokens is held back until it is whole. Stop strings are searched in the new
-text; a match truncates the output (the stop text is not shown unless asked for). While a request
-streams, the last `len(longest stop) - 1` characters are held back, since they might be the start
-of a stop string. Several tokens may come at once (speculative decoding): a stop string that one of them
-completes ends the output at that token, and `taken` says how many were read, so that the caller keeps those
-tokens only (their ids, logprobs and count), as it would have had they come one per step.
-"""
+Each step costs O(1): a fast (Rust) tokenizer decodes through `tokenizers`' DecodeStream, as vLLM does (measured:
+benchmarks/results/cpu-detokenizer.log); any other tokenizer decodes a short window of recent tokens. A character
+whose bytes are split across tokens, and text that might start a stop string, are held back until settled."""
 
 from __future__ import annotations
 
@@ -81,7 +75,9 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, new_ids: list[int]) -> str | None:
         """Append tokens; return the stop string that matched, if any (the text is then final, and the tokens after
-        the one that completed it are not read: `taken` counts those that were)."""
+        the one that completed it are not read: `taken` counts those that were). A match truncates the output, the
+        stop text shown only if asked for. Several tokens come at once under speculative decoding: the caller keeps
+        the `taken` ones only (their ids, logprobs and count), as it would have had they come one per step."""
         self.taken = 0
         for tid in new_ids:
             self.taken += 1
@@ -116,7 +112,8 @@ class IncrementalDetokenizer:
         return self.output_text
 
     def take_delta(self, finished: bool) -> str:
-        """Text not yet handed out; while streaming, holds back what may start a stop string."""
+        """Text not yet handed out; while streaming, holds back what may start a stop string (the last
+        `len(longest stop) - 1` characters)."""
         end = len(self.output_text) if finished else max(self.streamed, len(self.output_text) - self.hold)
         delta = self.output_text[self.streamed : end]
         self.streamed = end

@@ -2,14 +2,7 @@
 
 Full blocks are registered under a chained hash of their tokens. A freed block keeps its hash and
 goes to the tail of an LRU free queue, so a later request with the same prefix can take it back
-without recomputing; new allocations evict from the head (least recently freed) first.
-
-With `events` set to a list, the manager records what its prefix cache gains and loses (engine/kv_events.py):
-a block registered under its hash (BlockStored), a cached block evicted for reuse (BlockRemoved).
-
-When every attention layer has a sliding window, the blocks a request's next tokens can no longer see
-are released as it goes (`release_out_of_window`): a long conversation holds about a window of blocks.
-"""
+without recomputing; new allocations evict from the head (least recently freed) first."""
 
 from __future__ import annotations
 
@@ -158,8 +151,9 @@ class KVCacheManager:
 
     def release_out_of_window(self, req: Request) -> None:
         """Free the blocks wholly before the window of the request's next token (position num_computed_tokens
-        sees positions above num_computed_tokens - window). They keep their hash: a prefix hit can still take
-        them back while they wait in the free queue."""
+        sees positions above num_computed_tokens - window), when every attention layer has a sliding window: a long
+        conversation then holds about a window of blocks. They keep their hash: a prefix hit can still take them
+        back while they wait in the free queue."""
         if self.sliding_window is None:
             return
         blocks = self.req_blocks.get(req.request_id)
@@ -209,7 +203,9 @@ class KVCacheManager:
             start = k
 
     def take_events(self) -> list:
-        """The events recorded since the last call (empty when none are kept)."""
+        """The events recorded since the last call (empty when none are kept). With `events` set to a list the
+        manager records what its prefix cache gains and loses (engine/kv_events.py): a block registered under its
+        hash (BlockStored), a cached block evicted for reuse (BlockRemoved)."""
         events, self.events = self.events or [], [] if self.events is not None else None
         return events
 

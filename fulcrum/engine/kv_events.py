@@ -1,14 +1,8 @@
 """KV-cache events over ZeroMQ in vLLM's schema and wire format (fulcrum/utils/kv_events.py), so that a router
 (ours, llm-d's, Dynamo's) that reads vLLM's events can read ours: which block hashes a replica's cache holds.
 
-The KV cache manager records BlockStored when a full block is registered under its hash, BlockRemoved when a
-cached block is evicted for reuse, AllBlocksCleared when the publisher starts (a restarted replica's old entries
-are gone). The engine core hands one step's events to `EventPublisher.publish`, which encodes the batch (msgspec msgpack, as
-vLLM) and hands it to a non-blocking PUB socket as [topic, 8-byte
-big-endian sequence number, payload], keeping the last `buffer_steps` batches for the replay socket (ROUTER: a
-request carrying a start sequence number is answered with every buffered batch from it as [topic, seq, payload],
-then [b"", sequence -1, b""]).
-"""
+The KV cache manager records BlockStored and BlockRemoved, the publisher AllBlocksCleared when it starts (a restarted
+replica's old entries are gone); the engine core hands each step's events to `EventPublisher.publish`."""
 
 from __future__ import annotations
 
@@ -101,11 +95,14 @@ def _offset(endpoint: str | None, rank: int) -> str | None:
 
 
 class EventPublisher:
-    """publish() encodes a step's events and hands them to ZeroMQ without blocking: a PUB socket never waits for a
-    subscriber (beyond `hwm` queued messages it drops, and the subscriber sees the gap in the sequence numbers), and
-    ZeroMQ's own I/O thread, which needs no GIL, does the sending. A Python thread that woke to send would stall
-    the step loop on the GIL whenever the OS preempted it mid-send (measured: 5 ms at p99 per step on a busy
-    2-core machine). Only the replay socket has a thread, asleep in zmq's poll until a consumer asks."""
+    """publish() encodes a step's events (msgspec msgpack, as vLLM) and hands them to ZeroMQ without blocking, as
+    [topic, 8-byte big-endian sequence number, payload]: a PUB socket never waits for a subscriber (beyond `hwm`
+    queued messages it drops, and the subscriber sees the gap in the sequence numbers), and ZeroMQ's own I/O thread,
+    which needs no GIL, does the sending. A Python thread that woke to send would stall the step loop on the GIL
+    whenever the OS preempted it mid-send (the publisher's cost per step, measured:
+    benchmarks/results/router/summary-events.txt). The last `buffer_steps` batches are kept for the replay socket
+    (ROUTER), whose thread sleeps in zmq's poll until a consumer asks: a request carrying a start sequence number is
+    answered with every buffered batch from it as [topic, seq, payload], then [b"", sequence -1, b""]."""
 
     def __init__(self, cfg: KVEventsConfig, data_parallel_rank: int | None = None):
         import zmq

@@ -1,14 +1,7 @@
 """Perplexity of a model on a text, and how far a quantized run's next-token distributions are from a reference
 run's (the same model unquantized): mean KL divergence, its 99th percentile, top-1 agreement, perplexity ratio.
-
-The text is tokenized once and cut into windows of `context` tokens, `stride` apart; each window's last `stride`
-tokens are scored (all of the first window's), so every token is scored once, with at least context - stride tokens
-before it (as Hugging Face's perplexity guide does; llama.cpp scores the second half of each chunk, stride =
-context / 2). Both runs see the same windows and the per-token figures are computed in float32.
-
-Each window is one full forward, or, through the decode path (`decode=True`, and always when a run quantizes its KV
-cache), decoded one token per step as a server decodes: windows side by side in one batch, every attention reading
-its context back from a paged KV cache (the token's own k/v included), so a quantized cache shows in the figures.
+Both runs see the same windows (`windows`) and the per-token figures are computed in float32; a quantized KV cache is
+scored through the decode path, so that it shows in the figures (`evaluate`).
 """
 
 from __future__ import annotations
@@ -88,7 +81,9 @@ def held_out_text(path: Path = DEFAULT_DATA) -> str:
 
 def windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
     """(start, end, first scored position) of each window over n tokens: windows start `stride` apart and score
-    what the previous one did not reach, so every token after the first (which nothing predicts) is scored once."""
+    what the previous one did not reach, so every token after the first (which nothing predicts) is scored once, with
+    at least context - stride tokens before it (as Hugging Face's perplexity guide does; llama.cpp scores the second
+    half of each chunk, stride = context / 2)."""
     if not 0 < stride <= context:
         raise ValueError(f"stride must be in 1..context ({context}), got {stride}")
     out, reached = [], 1
@@ -151,7 +146,9 @@ def evaluate(
     max_windows: int | None = None,
     decode: bool = False,
 ) -> EvalResult:
-    """`decode`: score through the decode path (implied when either run quantizes its KV cache)."""
+    """`decode`: score through the decode path (implied when either run quantizes its KV cache): each window decoded
+    one token per step as a server decodes, windows side by side in one batch, every attention reading its context
+    back from a paged KV cache (the token's own k/v included). Otherwise each window is one full forward."""
     stride = stride or context // 2
     decode = decode or run.kv_cache_dtype != "auto" or (reference is not None and reference.kv_cache_dtype != "auto")
     model, mc = run.load()

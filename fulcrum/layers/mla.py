@@ -1,11 +1,7 @@
 """Multi-head latent attention (DeepSeek-V2/V3) over the paged cache. A token's cache row is its compressed latent
 and its rotated RoPE key, kv_lora_rank + qk_rope_head_dim values shared by every head (576 for V3), not k and v.
-
-Prefill expands each sequence's keys and values from the latents with kv_b_proj's weights (k_nope and v per head)
-and attends as multi-head attention. Decode absorbs those weights instead (DeepSeek-V2, section 2.1.3): the query's
-no-RoPE part goes through W_UK into the latent space, so a score is q_lat . c + q_pe . k_pe against the cached rows
-as they are, and the attended latent goes through W_UV on the way out. A decode step then reads each cached row
-once, where expanding would rebuild [context, heads, qk + v] keys and values every step.
+Prefill expands keys and values from the latents; decode absorbs kv_b_proj's weights into the query instead, so that
+a step reads each cached row once (`_decode`; measured: benchmarks/results/cpu-mla.log).
 """
 
 from __future__ import annotations
@@ -134,7 +130,11 @@ class MLAAttention(Attention):
         return o.transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """One query token per sequence, all sequences in one call: q [D, H, qk] -> [D, H, v]."""
+        """One query token per sequence, all sequences in one call: q [D, H, qk] -> [D, H, v]. Absorbed (DeepSeek-V2,
+        section 2.1.3): the query's no-RoPE part goes through W_UK into the latent space, so a score is
+        q_lat . c + q_pe . k_pe against the cached rows as they are, and the attended latent goes through W_UV on the
+        way out. A step then reads each cached row once, where expanding (as prefill does, `_expand`) would rebuild
+        [context, heads, qk + v] keys and values every step."""
         if self.absorb and triton_kernels.usable(q):
             return self._decode_triton(q, meta)
         bs = self.k_cache.shape[1]
@@ -169,8 +169,8 @@ class MLAAttention(Attention):
 
     def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T * scale) v with the scores' softmax in float32, where `mask` (True where allowed) is False
-        past each context. Two matmuls rather than SDPA: on one thread of this AVX-512 VM SDPA's CPU paths took 1.1-8.5x
-        as long for these shapes (1-8 sequences, 16-128 query rows, 1,024 cached rows; the worst bf16, 8 sequences)."""
+        past each context. Two matmuls rather than SDPA, whose CPU paths were slower for these shapes (a few
+        sequences, tens of query rows, about a thousand cached rows), bf16 most of all."""
         scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.scale
         probs = scores.masked_fill_(~mask, float("-inf")).softmax(-1).to(v.dtype)
         return torch.matmul(probs, v)

@@ -1,13 +1,8 @@
 """DeepSeek-V2 and V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM): multi-head latent attention in every layer
-(fulcrum.layers.mla: the queries from a low-rank q_a/q_b pair, or V2-Lite's plain q_proj; keys and values from one
-compressed latent), Llama's SwiGLU MLP in the first first_k_dense_replace layers and a mixture of experts after
+(fulcrum.layers.mla), Llama's SwiGLU MLP in the first first_k_dense_replace layers and a mixture of experts after
 (fulcrum.layers.moe: n_routed_experts grouped, n_shared_experts always on as one MLP of their summed width; V2's
 softmax router, greedy or group-limited; V3's sigmoid router with its score-correction bias and grouped top-k).
-
-RoPE touches only the qk_rope_head_dim part of the query and the one RoPE key all heads share; the checkpoints lay
-its dimensions out in interleaved pairs (V2 always, V3 unless rope_interleave is false). With YaRN scaling DeepSeek
-scales the softmax by mscale(factor, mscale_all_dim) squared as well as cos and sin by YaRN's attention factor.
-"""
+RoPE touches only the qk_rope_head_dim part of each head, its dimensions in interleaved pairs (`rotate_pairs`)."""
 
 from __future__ import annotations
 
@@ -35,7 +30,8 @@ LATENT_NORM_EPS = 1e-6
 
 def softmax_scale(cfg: PretrainedConfig) -> float:
     """qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared when the rope is scaled and the
-    config gives mscale_all_dim (transformers' yarn_apply_mscale): the longer context's logits are scaled up."""
+    config gives mscale_all_dim (transformers' yarn_apply_mscale): the longer context's logits are scaled up. That
+    is on top of YaRN's attention factor, which scales cos and sin."""
     scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
     params = rope_parameters(cfg)
     mscale_all_dim = params.get("mscale_all_dim")
@@ -49,7 +45,8 @@ def softmax_scale(cfg: PretrainedConfig) -> float:
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE over interleaved pairs (x0, x1), (x2, x3) ... from the rotate-half tables (cos and signed sin, whose
     first half holds each pair's angle), the result de-interleaved (evens, then odds) as transformers' V3 returns
-    it. q and k come out permuted alike, so their dot products are the interleaved rotation's."""
+    it. q and k come out permuted alike, so their dot products are the interleaved rotation's. The checkpoints lay
+    the RoPE dimensions out in pairs: V2 always, V3 unless rope_interleave is false."""
     half = x.shape[-1] // 2
     c, s = cos[..., :half], sin[..., half:]  # sin's second half carries the + sign
     x1, x2 = x[..., 0::2], x[..., 1::2]
@@ -57,8 +54,10 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class DeepseekAttention(nn.Module):
-    """The projections around MLAAttention, under the checkpoint's names. q_a_proj and kv_a_proj_with_mqa are
-    replicated across tensor-parallel ranks (LinearBase: no split), as is the latent cache; the heads split."""
+    """The projections around MLAAttention, under the checkpoint's names: the queries from a low-rank q_a/q_b pair,
+    or V2-Lite's plain q_proj; the keys and values from one compressed latent (kv_a_proj_with_mqa). q_a_proj and
+    kv_a_proj_with_mqa are replicated across tensor-parallel ranks (LinearBase: no split), as is the latent cache;
+    the heads split."""
 
     def __init__(self, cfg: PretrainedConfig, layer_idx: int, interleaved: bool, dtype, quant):
         super().__init__()

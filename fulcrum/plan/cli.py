@@ -2,9 +2,7 @@
 on a hardware entry, or `--validate` against a measured run on this machine.
 
 plan imports neither torch nor the engine: the top-level CLI sets the bundled model as --model's default and
-passes in the probes (`args.measure_machine`, `args.measure_engine`, from `fulcrum.probe`) that measure. The
-engine's own format flags (--quantization, --quantization-group-size, --kv-cache-dtype) are taken as the engine
-spells them: --validate runs the engine with them; a plan reads them as --weight-dtype / --kv-dtype."""
+passes in the probes (`args.measure_machine`, `args.measure_engine`, from `fulcrum.probe`) that measure."""
 
 from __future__ import annotations
 
@@ -103,7 +101,8 @@ def _one_of(a: tuple[str, str | None], b: tuple[str, str | None]) -> str | None:
 
 def engine_formats(args: argparse.Namespace, spec: ModelSpec) -> tuple[str | None, str]:
     """--validate's online quantization and KV-cache dtype, in the engine's names, from either spelling: plan's
-    --weight-dtype / --kv-dtype may name the model's own dtype or a format the engine has."""
+    --weight-dtype / --kv-dtype may name the model's own dtype or a format the engine has, and the engine's own
+    flags (--quantization, --quantization-group-size, --kv-cache-dtype) are taken as the engine spells them."""
     weight = None if args.weight_dtype == spec.dtype else args.weight_dtype
     if weight and weight not in QUANT_METHODS:
         raise ValueError(

@@ -2,9 +2,6 @@
 checkpoint stores them, then converts them to fulcrum's own int4 / int8 / fp8 layouts (the online methods', whose
 kernels then run them unchanged), and the factory that reads config.json's quantization_config to choose, module by
 module, a method or full precision (ignored modules: the LM head, modules_to_not_convert, `ignore` lists).
-
-A layer stacks several checkpoint modules (q/k/v, gate/up): each registered tensor holds every shard, concatenated
-along the outputs where it has them, and each shard is converted on its own, then the results are concatenated.
 """
 
 from __future__ import annotations
@@ -85,7 +82,9 @@ def check_group(group, what: str) -> int:
 
 class CheckpointLinear:
     """Mixin for a quantized format's online method (whose apply, kernels and dequantize it keeps): the layer's
-    parameters are the checkpoint's tensors, named as there; after loading, each shard is converted."""
+    parameters are the checkpoint's tensors, named as there; after loading, each shard is converted. A layer stacks
+    several checkpoint modules (q/k/v, gate/up): each registered tensor holds every shard, concatenated along the
+    outputs where it has them, and each shard is converted on its own, then the results are concatenated."""
 
     from_checkpoint = True  # the LM head registers these tensors in place of its full-precision weight
 

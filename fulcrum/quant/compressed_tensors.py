@@ -1,12 +1,7 @@
 """compressed-tensors checkpoints (what llm-compressor writes), weight-only: config_groups name the modules each
-scheme quantizes (`targets`: "Linear", names, "re:" regexes; `ignore` likewise). Formats read:
-- pack-quantized, int4 or int8: weight_packed int32 [O, I * bits / 32], the signed values plus 2^(bits-1), value k of
-  a word in its bits k*bits..; weight_scale [O, I / G] (group), [O, 1] (channel) or [1] (tensor); weight_shape;
-  asymmetric: weight_zero_point, packed the same way along the outputs ([O * bits / 32, I / G]).
-  W = (q - zero) * scale.
-- int-quantized / naive-quantized int8: weight int8 [O, I] and weight_scale (channel or tensor), symmetric.
-- float-quantized / naive-quantized fp8 (e4m3): weight float8_e4m3fn [O, I] and weight_scale (channel or tensor).
-Activations quantized on the fly (dynamic input_activations) run unquantized: the weights are what is read.
+scheme quantizes (`targets`: "Linear", names, "re:" regexes; `ignore` likewise). The formats read are SUPPORTED's
+(their layouts: `CTInt4Method`, `CTChannelsMethod`). Activations quantized on the fly (dynamic input_activations) run
+unquantized: the weights are what is read.
 """
 
 from __future__ import annotations
@@ -138,6 +133,10 @@ def check_shape(t: dict, in_f: int, out_f: int, name: str) -> None:
 
 
 class CTInt4Method(CheckpointInt4):
+    """pack-quantized int4: weight_packed int32 [O, I / 8], the signed values plus 8, value k of a word in its bits
+    4k..; weight_scale [O, I / G] (group), [O, 1] (channel) or [1] (tensor); weight_shape; asymmetric:
+    weight_zero_point, packed the same way along the outputs ([O / 8, I / G]). W = (q - zero) * scale."""
+
     name = "compressed-tensors"
 
     def tensors(self, in_f, out_f):
@@ -169,6 +168,10 @@ class CTInt4Method(CheckpointInt4):
 
 
 class CTChannelsMethod(CheckpointChannels):
+    """One byte per weight, symmetric, weight_scale per channel or tensor: pack-quantized int8 (weight_packed int32
+    [O, I / 4], the signed values plus 128; weight_shape), int-quantized / naive-quantized int8 (weight int8 [O, I])
+    or float-quantized / naive-quantized fp8 e4m3 (weight float8_e4m3fn [O, I])."""
+
     name = "compressed-tensors"
 
     def tensors(self, in_f, out_f):

@@ -1,9 +1,7 @@
-"""GPTQ checkpoints (AutoGPTQ, GPTQModel, transformers), 4-bit. Per linear layer: qweight int32 [I / 8, O] (nibble k
-of word r is input 8r + k), qzeros int32 [I / G, O / 8] (nibble k of word c is output 8c + k), scales fp16
-[I / G, O], g_idx int32 [I] (each input's group): W[o, i] = scales[g, o] * (q[o, i] - z[g, o]) with g = g_idx[i].
-checkpoint_format "gptq" (the tools' default) stores z - 1, "gptq_v2" z itself. With desc_act the groups are spread
-over the inputs in activation order: the inputs are permuted so that each group is contiguous, and the layer
-gathers its input in that order before the matmul.
+"""GPTQ checkpoints (AutoGPTQ, GPTQModel, transformers), 4-bit, read into fulcrum's int4 layout (`GPTQMethod`).
+checkpoint_format "gptq" (the tools' default) stores each zero minus 1, "gptq_v2" the zero itself. With desc_act the
+groups are spread over the inputs in activation order: the inputs are permuted so that each group is contiguous, and
+the layer gathers its input in that order before the matmul.
 """
 
 from __future__ import annotations
@@ -88,6 +86,10 @@ class GPTQFormat(CheckpointFormat):
 
 
 class GPTQMethod(CheckpointInt4):
+    """Per linear layer: qweight int32 [I / 8, O] (nibble k of word r is input 8r + k), qzeros int32 [I / G, O / 8]
+    (nibble k of word c is output 8c + k), scales fp16 [I / G, O], g_idx int32 [I] (each input's group):
+    W[o, i] = scales[g, o] * (q[o, i] - z[g, o]) with g = g_idx[i]."""
+
     name = "gptq"
 
     def tensors(self, in_f, out_f):

@@ -1,9 +1,7 @@
 """The quantized KV cache's formats, as pure tensor functions: what the CPU kernels write and read, and the
-reference the PyTorch paths (any device) use.
-
-fp8 (e4m3) and int8 store one byte per value and one fp16 scale per token and KV head, taken from that head's
-largest magnitude when the token is written (dynamic, so no calibration and no clipping): value ~ q * scale. A
-head of 64-128 values then costs 66-130 bytes against 128-256 in bf16, about half (a head of 24: 26 against 48).
+reference the PyTorch paths (any device) use. fp8 (e4m3) and int8 store one byte per value and one fp16 scale per
+token and KV head, taken from that head's largest magnitude when the token is written (dynamic, so no calibration and
+no clipping): value ~ q * scale, and a head costs about half its bf16 bytes (`bytes_per_head`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Online weight-only quantization: a 16/32-bit checkpoint loads as usual, then each linear weight is quantized
-in place (int8 per channel, int4 per group), and the full-precision copy is freed.
-
-Few rows (decode) go through `cpu_qgemv`, which reads the packed bytes (bf16 inputs on AVX-512 VNNI through
-`cpu_qgemv_vnni`'s integer dot products on int8-quantized inputs); many rows (prefill, large batches) through
-a dequantized copy of the weight in the input's dtype, made for that call only, and a dense matmul (torch's packed
-int8/int4 matmuls measured slower there: 3-30x in fp32, 2.4-3x behind dense bf16 at 256 rows). Off CPU, or where
-the kernel is missing, the same dequantized matmul in PyTorch ops: slower, never wrong.
+in place (int8 per channel, int4 per group), and the full-precision copy is freed. Few rows (decode) go through
+`cpu_qgemv`, which reads the packed bytes; many rows through a dequantized copy and a dense matmul (`matmul`). Off
+CPU, or where the kernel is missing, the same dequantized matmul in PyTorch ops: slower, never wrong.
 """
 
 from __future__ import annotations
@@ -57,14 +53,16 @@ class OnlineQuantMethod(UnquantizedLinearMethod):
         return y.reshape(*lead, y.shape[-1])
 
     def vnni_usable(self, layer, x, bias) -> bool:
-        """Whether the integer-dot kernel (bf16 rows, up to cpu_qgemv_vnni.MAX_ROWS) takes these rows."""
+        """Whether the integer-dot kernel (bf16 rows, up to cpu_qgemv_vnni.MAX_ROWS) takes these rows: on AVX-512
+        VNNI, `cpu_qgemv_vnni`'s integer dot products on int8-quantized inputs."""
         return False
 
     def gemv(self, layer, x, bias):
         raise NotImplementedError
 
     def matmul(self, layer, x, bias):
-        """Many rows: the weight dequantized for this call (by the kernel on CPU), then a dense matmul."""
+        """Many rows (prefill, large batches): the weight dequantized in the input's dtype for this call only (by the
+        kernel on CPU), then a dense matmul, which beat torch's packed int8/int4 matmuls here in fp32 and in bf16."""
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and cpu_qgemv.available():
             if x.dtype == torch.bfloat16 and not cpu_gemv.native_bf16_matmul():  # fp32 GEMM, as cpu_gemv.linear
                 b = None if bias is None else bias.float()

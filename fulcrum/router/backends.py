@@ -1,9 +1,6 @@
 """Where the autoscaler's replicas run. `local`: `fulcrum serve` processes on free loopback ports of this
 machine. (`ray`: fulcrum/router/ray_backend.py.) A backend starts one replica and returns its URL once /health
-answers, and stops one by URL with SIGTERM, so that the replica drains its in-flight requests.
-
-With `kv_events` (the router's endpoint maps, for the kv-events policy) each local replica publishes its KV-cache
-events on free loopback ports, written into those maps before the replica joins the pool."""
+answers, and stops one by URL with SIGTERM, so that the replica drains its in-flight requests."""
 
 from __future__ import annotations
 
@@ -28,6 +25,9 @@ def terminate(server: ServerProcess, timeout: float) -> int:
 
 
 class LocalBackend:
+    """With `kv_events` (the router's endpoint maps, for the kv-events policy) each replica publishes its KV-cache
+    events on free loopback ports, written into those maps before the replica joins the pool."""
+
     def __init__(self, model: str | None, serve_args: list[str], log_dir: str | Path | None = None,
                  start_timeout: float = 300, drain_timeout: float = 60,
                  kv_events: tuple[dict, dict] | None = None):  # fmt: skip

@@ -1,15 +1,8 @@
 """The router's `pd` mode: prefill/decode disaggregation over two pools of engines, as vLLM's disagg proxy does.
 
 A request's prompt first goes to a prefill engine (a KV producer) with max_tokens 1 and kv_transfer_params
-{"do_remote_decode": true}; its answer's kv_transfer_params (where the prompt's blocks can be pulled) go with the
-original request to a decode engine (a KV consumer), whose answer, streamed or whole, is the client's. The decode
-engine computes the first token itself (from the last prompt token, its KV pulled), so the prefill engine's token
-is dropped and the client sees each token once. Conditional disaggregation: a prompt shorter than
-`min_prompt_tokens`, a request the handshake cannot carry (n > 1, several prompts), or no prefill engine able to
-take it goes straight to a decode engine, which prefills it locally; so does a request whose prefill fails.
-Engines are chosen by the router's policy within each pool (least-load by default; prefix where a tokenizer is
-given). Any OpenAI-compatible engine that speaks vLLM's kv_transfer_params fits either pool.
-"""
+{"do_remote_decode": true}; its answer's kv_transfer_params go with the original request to a decode engine (a KV
+consumer), whose answer is the client's. Any engine that speaks vLLM's kv_transfer_params fits either pool."""
 
 from __future__ import annotations
 
@@ -58,7 +51,8 @@ class _BothPools:
 
 
 class PDRouter:
-    """Fronts a prefill pool and a decode pool; presents the interface router/app.py's build_app serves."""
+    """Fronts a prefill pool and a decode pool; presents the interface router/app.py's build_app serves. Engines are
+    chosen within each pool by the router's --policy."""
 
     def __init__(self, prefill: Pool, decode: Pool, cfg: RouterConfig, pd: PDConfig | None = None):
         self.cfg, self.pd = cfg, pd or PDConfig()
@@ -94,7 +88,9 @@ class PDRouter:
         return await self.decode.get(path)
 
     def _direct_reason(self, endpoint: str, body: dict) -> str | None:
-        """Why this request skips the prefill engines (None: it is disaggregated)."""
+        """Why this request skips the prefill engines (None: it is disaggregated): one the handshake cannot carry
+        (n > 1, several prompts), one that brings its own kv_transfer_params, a prompt shorter than
+        `min_prompt_tokens`, or no prefill engine able to take it. The decode engine then prefills it locally."""
         if body.get("n", 1) != 1 or body.get("best_of") not in (None, 1):
             return "multi-sample"
         prompt = body.get("prompt")
@@ -118,6 +114,9 @@ class PDRouter:
         return None
 
     async def forward(self, request: Request, path: str, endpoint: str, body: dict, raw: bytes) -> Response:
+        """Prefill, then decode with the prefill's kv_transfer_params (a failed prefill: decode alone). The decode
+        engine computes the first token itself (from the last prompt token, its KV pulled), so the prefill engine's
+        token is dropped and the client sees each token once, streamed or whole."""
         reason = self._direct_reason(endpoint, body)
         if reason is None:
             params, failed = await self._prefill(request, path, endpoint, body)

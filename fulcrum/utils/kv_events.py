@@ -1,11 +1,7 @@
 """The KV-cache event schema and wire format, as vLLM publishes them (vllm/distributed/kv_events.py, checked
 against vLLM 0.32's own decoder): the engine encodes these, the router decodes them, and a consumer of vLLM's
-events reads ours.
-
-Each ZeroMQ message is [topic, 8-byte big-endian sequence number, payload]. The payload is an EventBatch in msgpack:
-the batch an array [ts, events, data_parallel_rank?], each event a map tagged {"type": "BlockStored", ...} with
-fields left out at their defaults. Older vLLM releases (and its example subscriber) encoded events as arrays in
-field order, ["BlockStored", hashes, ...]: `decode` reads both, so the router fronts old and new vLLM alike.
+events reads ours. Each ZeroMQ message is [topic, 8-byte big-endian sequence number, payload], the payload an
+EventBatch in msgpack; `decoder` reads older vLLM's encoding too, so the router fronts old and new vLLM alike.
 """
 
 from __future__ import annotations
@@ -18,13 +14,16 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay socket's last frame
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """An array [ts, events, data_parallel_rank?]."""
+
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """A map tagged with the class name under "type"."""
+    """A map tagged with the class name under "type" ({"type": "BlockStored", ...}), fields at their defaults left
+    out."""
 
 
 class BlockStored(KVCacheEvent):
@@ -54,7 +53,8 @@ class KVEventBatch(EventBatch):
 
 
 class _Legacy(msgspec.Struct, array_like=True, gc=False, tag=True):
-    """Older vLLM's events: arrays in field order, the tag first; trailing fields it lacked are optional here."""
+    """Older vLLM's events (and its example subscriber's): arrays in field order, the tag first
+    (["BlockStored", hashes, ...]); trailing fields it lacked are optional here."""
 
 
 class _LegacyBlockStored(_Legacy, tag="BlockStored"):

@@ -1,16 +1,8 @@
-"""The engine core's side of P/D disaggregation: which blocks are held for whom, in the core's thread.
+"""The engine core's side of P/D disaggregation (`KVTransfer`): which blocks are held for whom, in the core's thread.
 
-Producer (`kv_transfer_params: {"do_remote_decode": true}`): when such a request finishes, the full blocks of its
-prompt are handed to a lease instead of freed, offered to consumers, and the request's output carries the
-kv_transfer_params a consumer needs. The lease ends when the consumer releases it or after lease_timeout_s.
-
-Consumer (`do_remote_prefill: true`): the request waits here, not in the scheduler, while the full prompt blocks
-it lacks (after its own prefix-cache hit) are pulled into blocks reserved under a stand-in id. Once they are in,
-they join the prefix cache and the request goes to the scheduler, which finds them as a prefix hit and computes
-only the tail (less than a block, and the last token, whose logits give the first output token: the prefill
-engine's first token is not reused, so the response holds it once). A pull that fails or times out frees the
-reserved blocks and the request prefills locally; no request is lost.
-"""
+A producer leases a finished request's prompt blocks to consumers instead of freeing them (`on_finish`). A consumer's
+request waits here while the prompt blocks it lacks are pulled, then reaches the scheduler as a prefix-cache hit; a
+pull that fails or times out leaves it to prefill locally, so no request is lost (`add`, `poll`)."""
 
 from __future__ import annotations
 
@@ -111,7 +103,10 @@ class KVTransfer:
     # -- producer ---------------------------------------------------------------------------------
 
     def on_finish(self, req: Request, status: RequestStatus) -> None:
-        """The scheduler's hook, before the request's blocks are freed."""
+        """The scheduler's hook, before the request's blocks are freed. A producer's request
+        (`kv_transfer_params: {"do_remote_decode": true}`) that finished hands the full blocks of its prompt to a lease
+        instead, offered to consumers, and its output carries the kv_transfer_params a consumer needs. The lease ends
+        when the consumer releases it or after lease_timeout_s."""
         params = req.kv_transfer_params
         if not params or not params.get("do_remote_decode") or not self.cfg.produces:
             return
@@ -167,7 +162,11 @@ class KVTransfer:
 
     def add(self, req: Request) -> bool:
         """Take a request that asks for a remote prefill: True when a pull started (it waits here); False when
-        it goes to the scheduler at once (nothing to pull, or no room: it prefills locally)."""
+        it goes to the scheduler at once (nothing to pull, or no room: it prefills locally). The full prompt blocks it
+        lacks (after its own prefix-cache hit) are pulled into blocks reserved under a stand-in id; once in, they join
+        the prefix cache and the scheduler finds them as a prefix hit, computing only the tail (less than a block, and
+        the last token, whose logits give the first output token: the prefill engine's first token is not reused, so
+        the response holds it once). A pull that fails or times out frees the reserved blocks (`poll`)."""
         params = req.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or not self.cfg.consumes:
             return False

@@ -1,22 +1,8 @@
 """The torch.distributed connector: a pull's blocks move as send/recv of cache tensors inside a 2-rank process group
 of the producer (rank 0) and one consumer (rank 1): NCCL when the cache is on a CUDA device (device to device, no
 host copy), gloo on the CPU, one code path for both. Control (pull, release, leases) stays the ZMQ connector's.
-
-Pairing: a consumer's first pull to a producer sends [b"pair"] on the control channel; the producer starts a
-TCPStore on a free port and answers with it, then both sides build the group over that store (each group is its
-own object, never torch.distributed's default group, so that one producer holds one group per consumer and the
-engine's own tensor-parallel world, were there one, is untouched). The group lives as long as the pair: a send or
-recv that fails or times out (pull_timeout_s) ends it, and the next pull pairs again; a consumer that closes says
-[b"unpair"].
-
-The limit: a producer keeps one group (a TCPStore, a gloo connection or an NCCL communicator with its buffers) per
-consumer it has served, until that consumer closes or a send to it fails. That fits a fixed fleet of a few decode
-engines per prefill engine; a consumer killed without closing leaves its idle group on the producer until the
-producer's next send to it fails or the producer closes. Consumers that come and go belong on ZMQ or shared
-memory. With NCCL, a peer that dies mid-transfer trips NCCL's watchdog, which by default ends the surviving
-process too (TORCH_NCCL_ASYNC_ERROR_HANDLING): NCCL's failure model, not gloo's, which only times out. Written for
-CUDA, run here on gloo only.
-"""
+A producer keeps one group per consumer it served, which fits a fixed fleet of decode engines, not consumers that
+come and go (`TorchDistConnector`). Written for CUDA, run here on gloo only."""
 
 from __future__ import annotations
 
@@ -54,6 +40,19 @@ class Pair:
 
 
 class TorchDistConnector(ZmqConnector):
+    """Pairing: a consumer's first pull to a producer sends [b"pair"] on the control channel; the producer starts a
+    TCPStore on a free port and answers with it, then both sides build the group over that store (each group is its
+    own object, never torch.distributed's default group, so that one producer holds one group per consumer and the
+    engine's own tensor-parallel world, were there one, is untouched). The group lives as long as the pair: a send or
+    recv that fails or times out (pull_timeout_s) ends it, and the next pull pairs again; a consumer that closes says
+    [b"unpair"].
+
+    The limit: a producer keeps one group (a TCPStore, a gloo connection or an NCCL communicator with its buffers) per
+    consumer it has served, until that consumer closes or a send to it fails; a consumer killed without closing
+    leaves its idle group there until then or until the producer closes. Consumers that come and go belong on ZMQ or
+    shared memory. With NCCL, a peer that dies mid-transfer trips NCCL's watchdog, which by default ends the
+    surviving process too (TORCH_NCCL_ASYNC_ERROR_HANDLING): NCCL's failure model, not gloo's, which only times out."""
+
     transport = "torch.distributed"
 
     def __init__(self, *args, **kw):

@@ -1,17 +1,7 @@
 """The one-host connector: a pull's blocks go through a file in /dev/shm (tmpfs) instead of TCP frames, with the
-ZMQ connector's control channel, leases and releases unchanged.
-
-The producer copies the requested blocks once, straight from its cache into a segment (one per pull, one
-[blocks, *block shape] run per cache tensor), and answers with the segment's name; the consumer maps it read-only
-and copies once into its cache. The producer owns every segment. A segment the consumer released (its release
-names it: it has unmapped it) goes back to a small pool for the next pull, up to `POOL_BYTES` (a fresh tmpfs
-segment costs a page fault and a zeroed page per 4 KiB, the larger part of a pull's time); every other end of a
-transfer unlinks its segments: the lease's expiry or early end (a consumer killed before it released, or two
-consumers of one transfer: only the one that released gives its segment back), and close, which unlinks the pool
-too. Segments a killed producer left are swept by the next producer started on the host (the names carry the
-creator's pid). Unlinking a segment a consumer still maps is safe: the pages live until it unmaps.
-
-Where /dev/shm has no room for a segment, the answer falls back to inline frames (the consumer reads either)."""
+ZMQ connector's control channel, leases and releases unchanged: one copy into a segment the producer owns, one out
+of it into the consumer's cache (measured: benchmarks/results/cpu-kv-connectors.log). Where /dev/shm has no room for
+a segment, the answer falls back to inline frames (the consumer reads either)."""
 
 from __future__ import annotations
 
@@ -77,6 +67,16 @@ def live_segments(directory: str = SHM_DIR) -> list[str]:
 
 
 class SharedMemoryConnector(ZmqConnector):
+    """The producer copies the requested blocks once, straight from its cache into a segment (one per pull, one
+    [blocks, *block shape] run per cache tensor), and answers with the segment's name; the consumer maps it read-only
+    and copies once into its cache. A segment the consumer released (its release names it: it has unmapped it) goes
+    back to a small pool for the next pull, up to `POOL_BYTES`, since a fresh tmpfs segment costs a page fault and a
+    zeroed page per 4 KiB, the larger part of a pull's time. Every other end of a transfer unlinks its segments: the
+    lease's expiry or early end (a consumer killed before it released, or two consumers of one transfer: only the one
+    that released gives its segment back), and close, which unlinks the pool too. Segments a killed producer left are
+    swept by the next producer started on the host (the names carry the creator's pid). Unlinking a segment a
+    consumer still maps is safe: the pages live until it unmaps."""
+
     transport = "shm"
 
     def __init__(self, *args, shm_dir: str = SHM_DIR, **kw):

@@ -1,14 +1,7 @@
 """The CPU connector: KV blocks pulled between engine processes over ZeroMQ (TCP, or any ZMQ transport), one
 frame of raw tensor bytes per block and cache tensor, never a pickle. It is also the control channel the other
 connectors (shared memory, torch.distributed) subclass: they keep its messages and bookkeeping and replace only
-where the bytes go (`_ship`, `_land`).
-
-A producer answers pulls on a ROUTER socket from a thread of its own; a consumer pulls from a worker thread with
-one DEALER socket per producer. A pull is [b"pull", msgpack header] -> [b"ok", header, frame per block...] or
-[b"err", message]; the consumer then sends [b"release", header] so that the producer frees the blocks at once
-instead of at the lease's end. The header's "via" names the data path ("inline": these frames); every producer
-serves inline pulls, so a ZmqConnector consumer can pull from any producer. Tensors are read and written outside
-the GIL (torch copies), beside the step loop: only blocks the core reserved for the transfer are touched."""
+where the bytes go (`_ship`, `_land`). Tensors are copied outside the GIL, beside the step loop (`ZmqConnector`)."""
 
 from __future__ import annotations
 
@@ -37,6 +30,13 @@ class PullEnded(RuntimeError):
 
 
 class ZmqConnector(KVConnector):
+    """A producer answers pulls on a ROUTER socket from a thread of its own; a consumer pulls from a worker thread with
+    one DEALER socket per producer. A pull is [b"pull", msgpack header] -> [b"ok", header, frame per block...] or
+    [b"err", message]; the consumer then sends [b"release", header] so that the producer frees the blocks at once
+    instead of at the lease's end. The header's "via" names the data path ("inline": these frames); every producer
+    serves inline pulls, so a ZmqConnector consumer can pull from any producer. Tensors are read and written outside
+    the GIL (torch copies), beside the step loop: only blocks the core reserved for the transfer are touched."""
+
     transport = "zmq"  # what the handshake calls this connector's data path (config.CONNECTORS)
 
     def __init__(

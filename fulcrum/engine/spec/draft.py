@@ -1,13 +1,7 @@
 """A draft model proposes: a smaller model of the same tokenizer, with its own paged KV cache, runs k steps per
 engine step over all speculating requests at once (the first step catches it up on the tokens the target added
-since, a prefill the first time; each further step is one decode per request). The catch-up of one engine step
-holds at most the target's step budget (max_num_batched_tokens) of tokens: a long prompt's draft prefill is spread
-over steps, and its request decodes without proposals until the draft has caught up.
-
-Its cache holds as many blocks as the target's, in the same memory budget (the target's runner sizes both). A
-request's draft KV is valid up to what the target accepted: after verification the draft's progress is cut back to
-the target's, and the rejected proposals' slots are overwritten by the next catch-up, so no block leaks; a request
-that finishes, aborts or is preempted has its draft blocks freed (`release`).
+since, a prefill the first time; each further step is one decode per request). Its draft KV is valid up to what the
+target accepted (`DraftModelProposer`).
 """
 
 from __future__ import annotations
@@ -48,6 +42,13 @@ class _DraftSeq:
 
 
 class DraftModelProposer:
+    """The catch-up of one engine step holds at most the target's step budget (max_num_batched_tokens) of tokens: a
+    long prompt's draft prefill is spread over steps, and its request decodes without proposals until the draft has
+    caught up. The draft's cache holds as many blocks as the target's, in the same memory budget (the target's runner
+    sizes both). After verification a request's draft progress is cut back to the target's, and the rejected
+    proposals' slots are overwritten by the next catch-up, so no block leaks; a request that finishes, aborts or is
+    preempted has its draft blocks freed (`release`)."""
+
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target: ModelConfig):
         mc = ModelConfig.from_path(spec.model, config.dtype)
         _check_same_tokenizer(mc, target)

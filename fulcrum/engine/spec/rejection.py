@@ -1,23 +1,8 @@
 """Verification: which proposed tokens the target keeps, so that the output is distributed exactly as the target's.
 
-A request with s proposals d_1..d_s has s + 1 rows of target logits (row j scores the token after d_1..d_j; row 0
-the token after the last one already known). Row j's distribution p_j is what the sampler would draw from there
-(penalties, grammar, temperature, top-k/p: `Sampler.prepare` and `Sampler.probs`, with d_1..d_j counted as output).
-
-- A proposal drawn from a draft distribution q (the draft model, sampling): accept d with probability
-  min(1, p(d) / q(d)); at the first rejection draw from the residual max(p - q, 0), normalized. That is the standard
-  speculative-sampling scheme (Leviathan et al. 2023, Chen et al. 2023) and leaves the output distributed as p.
-- A deterministic proposal (n-gram, or a greedy draft: q is one-hot at d): min(1, p(d) / 1) = p(d), and the residual
-  is p without d, renormalized. Both are what drawing x ~ p and keeping d only if x == d gives, so each row simply
-  draws as the sampler would and the first mismatch is the output. Greedy is the case where the draw is the argmax.
-
-After all s accepted, row s gives one more token (the "bonus"), so a step outputs 1..s+1 tokens per request.
-
-A seeded request draws each row's noise from its own generator, row after row, and its generator is then set back
-to where it stood after the last row it used: it consumes one row of noise per output token, as without
-speculation. With deterministic proposals that makes a seeded request's tokens the very ones it samples without
-speculation; with a sampling draft they are reproducible run to run, alone or in any batch.
-"""
+A proposal drawn from a draft distribution q is accepted with probability min(1, p(d) / q(d)), the standard
+speculative-sampling scheme (Leviathan et al. 2023, Chen et al. 2023); a deterministic one (n-gram, greedy draft) is
+kept when the target's own draw matches it. A step outputs 1..s+1 tokens per request of s proposals (`verify`)."""
 
 from __future__ import annotations
 
@@ -48,7 +33,24 @@ def verify(
 ) -> Verified:
     """`logits` [sum(len(d) + 1), V], each request's rows in order; `meta` has one row per logits row (its
     generators unused: `generators` has one per request); draft_probs[i] is [len(d_i), V'] (q of each proposal) or
-    None (deterministic proposals)."""
+    None (deterministic proposals).
+
+    A request with s proposals d_1..d_s has s + 1 rows (row j scores the token after d_1..d_j; row 0 the token after
+    the last one already known). Row j's distribution p_j is what the sampler would draw from there (penalties,
+    grammar, temperature, top-k/p: `Sampler.prepare` and `Sampler.probs`, with d_1..d_j counted as output).
+
+    - A proposal drawn from q (the draft model, sampling): accept d with probability min(1, p(d) / q(d)); at the
+      first rejection draw from the residual max(p - q, 0), normalized, which leaves the output distributed as p.
+    - A deterministic proposal (n-gram, or a greedy draft: q is one-hot at d): min(1, p(d) / 1) = p(d), and the
+      residual is p without d, renormalized. Both are what drawing x ~ p and keeping d only if x == d gives, so each
+      row simply draws as the sampler would and the first mismatch is the output. Greedy: the draw is the argmax.
+
+    After all s accepted, row s gives one more token (the "bonus").
+
+    A seeded request draws each row's noise from its own generator, row after row, and its generator is then set back
+    to where it stood after the last row it used: it consumes one row of noise per output token, as without
+    speculation. With deterministic proposals that makes a seeded request's tokens the very ones it samples without
+    speculation; with a sampling draft they are reproducible run to run, alone or in any batch."""
     dev = logits.device
     counts = [len(d) + 1 for d in drafts]
     offsets = [0]

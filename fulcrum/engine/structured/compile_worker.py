@@ -1,17 +1,8 @@
 """Grammar compiles in a process of their own, so that one can be stopped and its memory bounded.
 
-xgrammar compiles in C++ and offers no way to interrupt a compile, and what a compile costs is not what a spec
-weighs: an 11 KB JSON schema of 400 optional properties compiles to a 97 MB grammar through 1.6 GB of memory
-(quadratic in the properties), and 2,000 of them exhaust the machine. In the engine core such a compile would run
-until it finished or the kernel killed the core. In a worker process it is stopped when its request ends (the
-client left, the compile timeout passed) by ending the process, and it fails with an error naming the limit when
-it needs more memory than the worker may take (RLIMIT_AS). The compiled grammar comes back serialized and is
-rebuilt against the core's own tokenizer info.
-
-Each compile gets a worker forked from the engine core for it alone: it starts with xgrammar and the vocabulary
-already loaded (a fresh interpreter takes seconds) at about 20 ms per GB the core holds, and it ends with its
-compile, so the pages the core writes meanwhile (the KV cache) are copied only for that long, never kept twice.
-It dies with the core (PR_SET_PDEATHSIG). Compiled grammars are cached by spec in the core (grammar.py)."""
+xgrammar compiles in C++ with no way to interrupt it, and a compile's cost is not a spec's size (a small JSON schema of
+many optional properties compiles through gigabytes, quadratic in them): in the engine core such a compile would run
+until it finished or the kernel killed the core. Each compile gets a worker forked for it alone (`CompileLane`)."""
 
 from __future__ import annotations
 
@@ -88,7 +79,10 @@ def _memory_message(memory_bytes: int) -> str:
 
 class _Worker:
     """A worker forked for one compile (os.fork: the engine core is itself a daemonic multiprocessing process,
-    which multiprocessing does not let have children) and the core's end of its pipe."""
+    which multiprocessing does not let have children) and the core's end of its pipe. Forked, it starts with xgrammar
+    and the vocabulary already loaded (a fresh interpreter takes seconds), at a cost that grows with the memory the
+    core holds; it ends with its compile, so the pages the core writes meanwhile (the KV cache) are copied only for
+    that long, never kept twice. It dies with the core (PR_SET_PDEATHSIG)."""
 
     def __init__(self, spec, args: tuple):
         parent, child = mp.Pipe()
@@ -124,7 +118,10 @@ class _Worker:
 
 class CompileLane:
     """Compiles one at a time (its caller's executor has one thread), each in a worker of its own. `compile` waits
-    for the worker's answer and, if `abandoned` is set meanwhile, kills the worker."""
+    for the worker's answer and, if `abandoned` is set meanwhile (the client left, the compile timeout passed), kills
+    the worker; a compile that needs more memory than the worker may take (RLIMIT_AS) fails with an error naming the
+    limit. The compiled grammar comes back serialized and is rebuilt against the core's own tokenizer info; compiled
+    grammars are cached by spec in the core (grammar.py)."""
 
     def __init__(
         self,

@@ -1,10 +1,7 @@
-"""What every tool-call format shares: the parsed calls and streamed deltas in OpenAI's shape, the reading
-of one call object ({"name": ..., "arguments": {...}}), and the streaming machinery (text held back
-while it could start a marker, a call sent whole once it is complete and checked, a malformed call turned
-back into text).
-
-A format is a character-level state machine (`_step`, `_end`); `extract` joins what streaming sends, so that
-the streamed and the whole answer are the same by construction."""
+"""What every tool-call format shares: the parsed calls and streamed deltas in OpenAI's shape, the reading of one
+call object ({"name": ..., "arguments": {...}}), and the streaming machinery (`ToolParser`). A format is a
+character-level state machine (`_step`, `_end`); `extract` joins what streaming sends, so that the streamed and the
+whole answer are the same by construction."""
 
 from __future__ import annotations
 
