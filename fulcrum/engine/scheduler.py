@@ -1,14 +1,8 @@
 """The scheduler: one token budget per step, shared by decodes and prefill chunks.
 
-Running requests are served first (usually one decode token each, or the next chunk of a long
-prompt), then waiting requests are admitted in priority/arrival order with whatever budget is
-left, so a long prompt never stalls the decodes. There is no prefill/decode distinction in the
-data: every request simply has `num_tokens - num_computed_tokens` tokens to compute, plus, with
-speculative decoding, the tokens proposed after them, verified in the same step (they are dropped
-first when the budget or the cache is short). When the KV cache runs out, the
-lowest-priority, latest-arrived running request is preempted: its blocks are freed and it is
-recomputed later.
-"""
+Running requests are served first (usually one decode token each, or the next chunk of a long prompt), then waiting
+requests are admitted in priority/arrival order with whatever budget is left, so a long prompt never stalls the
+decodes. No prefill/decode distinction in the data: a request has `num_tokens - num_computed_tokens` to compute."""
 
 from __future__ import annotations
 
@@ -105,6 +99,10 @@ class Scheduler:
         return bool(self.waiting) or bool(self.running)
 
     def schedule(self) -> SchedulerOutput:
+        """The step's requests and token counts. With speculative decoding a request's proposals ride after its known
+        tokens, verified in the same step, and are dropped first when the budget or the cache is short. When the KV
+        cache runs out, the lowest-priority, latest-arrived running request is preempted: its blocks are freed and it
+        is recomputed later."""
         out = SchedulerOutput()
         budget = self.token_budget
         scheduled: list[ScheduledRequest] = []

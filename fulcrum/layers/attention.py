@@ -1,13 +1,8 @@
 """Attention over flattened token batches, with or without the paged KV cache.
 
-A batch is several sequences' new tokens laid end to end ([tokens, heads, head_dim]);
-`AttentionMetadata` says where each starts. Without a cache (reference forward) each sequence
-attends over its own tokens. With the paged cache, every new token's k/v is first written to its
-slot, then each sequence attends over its whole context read back through its block table:
-prefill chunks one by one (fresh prompts straight from the new k/v), decodes in one batched call.
-Because all k/v of a layer are written before any attention, a sequence may read blocks that
-another sequence of the same batch is filling (a prefix-cache hit on a prompt still in flight).
-"""
+A batch is several sequences' new tokens laid end to end ([tokens, heads, head_dim]); `AttentionMetadata` says
+where each starts. All k/v of a layer are written to the paged cache before any attention, so a sequence may read
+blocks that another sequence of the same batch is filling (a prefix-cache hit on a prompt still in flight)."""
 
 from __future__ import annotations
 
@@ -113,8 +108,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
-        # Gemma 2: scores become cap * tanh(scores / cap) before the softmax. Neither the CPU kernels nor SDPA can
-        # cap, so a capped layer takes the eager path (`_attend_eager`).
+        # Gemma 2: scores become cap * tanh(scores / cap) before the softmax. SDPA and the CPU prefill kernel cannot
+        # cap, so a capped layer's prefill takes `_attend_capped` and its decode off the kernels `_attend_eager`.
         self.logit_softcap = logit_softcap
         self.gqa = num_heads != num_kv_heads
         # [num_blocks, block_size, kv_heads, head_dim], assigned by the model runner
@@ -150,7 +145,10 @@ class Attention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, rope=None
     ) -> torch.Tensor:
-        """q [T, H, hd], k and v [T, KVH, hd]; `rope` (cos, signed sin [T, 1, hd]) rotates q and k first."""
+        """q [T, H, hd], k and v [T, KVH, hd]; `rope` (cos, signed sin [T, 1, hd]) rotates q and k first. Without a
+        cache (reference forward) each sequence attends over its own tokens. With the paged cache every new token's
+        k/v is first written to its slot, then each sequence attends over its whole context read back through its
+        block table: prefill chunks one by one (fresh prompts straight from the new k/v), decodes in one call."""
         cached = meta.slot_mapping is not None and self.k_cache is not None
         if cached and self._triton_step(q, meta):
             return self._forward_triton(q, k, v, meta, rope)
@@ -282,10 +280,9 @@ class Attention(nn.Module):
     def _attend_blocked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention on CPU as batched matmuls over blocks of PREFILL_BLOCK queries, each against only the
         keys it can see, in float32. A block's query heads that share a KV head are stacked into one matmul, the
-        scale is folded into the queries, and only the block's last PREFILL_BLOCK keys need the causal mask. Against
-        one matmul over the whole n x m square (half of it masked away) and PyTorch's SDPA, this measured 1.7-2.3x
-        faster for 512-2048-token prompts in fp32 on a 2-core AVX2 machine, and 2.5x SDPA in bf16 (whose matmuls
-        have no fast path without native bf16: the inputs are widened once, n x H x D values)."""
+        scale is folded into the queries, and only the block's last PREFILL_BLOCK keys need the causal mask. It beat
+        both one matmul over the whole n x m square (half of it masked away) and PyTorch's SDPA for long prompts on
+        AVX2, in fp32 and in bf16 (whose matmuls have no fast path without native bf16: the inputs are widened once)."""
         n, m = q.shape[0], k.shape[0]
         kvh, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         past = m - n  # cached tokens before the first query

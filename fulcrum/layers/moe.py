@@ -1,12 +1,7 @@
 """Mixture of experts: a router picks each token's top-k experts and weighs them, and the experts run grouped (the
 token slots sorted by expert, one GEMM pair per expert that some token chose), their weights stacked at load time
-into [num_experts, ...] tensors from the checkpoint's one tensor per expert.
-
-The routing switches cover the families that share this layer: Mixtral (softmax, top-k renormalised), Qwen2/3-MoE
-(softmax, renormalised when norm_topk_prob) and DeepSeek V2/V3 (grouped top-k, sigmoid scoring, a score correction
-bias, routed_scaling_factor, logits in float32). Shared experts run beside the routed ones, optionally scaled by a
-sigmoid gate (Qwen2-MoE's shared_expert_gate). Under tensor parallelism every rank holds every expert, with its
-slice of each expert's intermediate dimension, as the dense MLP splits it.
+into [num_experts, ...] tensors from the checkpoint's one tensor per expert. One layer serves Mixtral, Qwen2/3-MoE
+and DeepSeek V2/V3, their routing told apart by switches (`select_experts`, `TopKRouter`).
 """
 
 from __future__ import annotations
@@ -30,6 +25,9 @@ def select_experts(
     routed_scaling_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Router logits [T, E] -> (weights float32 [T, k], expert ids int64 [T, k]), in transformers' order of steps.
+    The switches cover the families that share this layer: Mixtral (softmax, top-k renormalised), Qwen2/3-MoE
+    (softmax, renormalised when norm_topk_prob), DeepSeek V2 (softmax, greedy or group-limited) and V3 (sigmoid, a
+    score-correction bias, grouped top-k), DeepSeek's with routed_scaling_factor.
 
     Scores are softmax or sigmoid of the logits in float32. The correction bias (DeepSeek V3) is added to the scores
     for choosing only; the weights are the unbiased scores of the chosen experts. Grouped top-k (n_group groups of

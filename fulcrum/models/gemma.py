@@ -1,10 +1,8 @@
-"""Gemma 2 and Gemma 3 (text): Llama's attention and gated MLP with Gemma's changes.
-
-Embeddings scaled by sqrt(hidden_size); RMSNorm by (1 + w); a norm after attention and after the MLP as well as
-before each; GELU (tanh) in the gate; the attention scale from query_pre_attn_scalar; sliding and global layers
-as config.layer_types lays them out; final logits soft-capped. Gemma 2 soft-caps the attention scores too; Gemma 3
-adds per-head q/k norms and gives its sliding layers a rope of their own (rope_parameters by layer type).
-"""
+"""Gemma 2 and Gemma 3 (text): Llama's attention and gated MLP with Gemma's changes: embeddings scaled by
+sqrt(hidden_size); RMSNorm by (1 + w); a norm after attention and after the MLP as well as before each; GELU (tanh) in
+the gate; the attention scale from query_pre_attn_scalar; sliding and global layers as config.layer_types lays them
+out; final logits soft-capped. Gemma 2 soft-caps the attention scores too; Gemma 3 adds per-head q/k norms and gives
+its sliding layers a rope of their own (rope_parameters by layer type)."""
 
 from __future__ import annotations
 

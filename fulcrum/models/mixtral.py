@@ -1,9 +1,7 @@
 """Mixtral (MixtralForCausalLM): Llama's attention (no biases, sliding window from config.sliding_window) with a
 sparse mixture-of-experts feed-forward in every layer, `block_sparse_moe`: a softmax router whose top-k weights are
-renormalised to sum to 1, over num_local_experts SwiGLU experts (w1 gate, w3 up, w2 down), computed grouped.
-
-Llama's decoder stack (LlamaModel) with the family's own decoder layer serves the Qwen MoE families too, so that no
-dense MLP of config.intermediate_size is ever allocated for a layer whose feed-forward is sparse.
+renormalised to sum to 1, over num_local_experts SwiGLU experts (w1 gate, w3 up, w2 down), computed grouped. Its
+own decoder layer in Llama's stack (the Qwen MoE families' base too) never allocates a dense MLP for a sparse layer.
 """
 
 from __future__ import annotations
