@@ -139,10 +139,9 @@ class ModelRunner:
             log.info("CPU: %s", threads.describe())
 
     def attach_kv_cache(self, num_blocks: int) -> None:
-        # On CPU zeroed, faulted in as blocks are first written, on ordinary pages: where THP defrag is "madvise" (a
-        # common default) every huge-page fault of a madvised region compacts memory first, and the first
-        # writes of fresh blocks cost 4.6x as much (16 x 27.5k tokens of the bundled model: 303 against 66 ms;
-        # faulting all 2 GiB up front: 4.3 s), for a decode attention within 4% either way.
+        # On CPU zeroed, faulted in as blocks are first written, on ordinary pages: with THP defrag "madvise" (a common
+        # default) huge-page faults compact memory first and made fresh blocks' first writes 4.6x slower, for no
+        # gain in decode attention.
         self.num_blocks = num_blocks
         empty = (lambda shape, dtype: huge_page_empty(shape, dtype, huge=False)) if self.device.type == "cpu" else None
         self.kv_cache, self.kv_scales = attach_kv_cache(
@@ -289,7 +288,7 @@ class ModelRunner:
                 requests = {s.request.request_id: s.request for s in out.scheduled}
                 self._prompt_logprobs(si, lg[: si.num_prompt_rows], requests, result)
             sample_logits.append(lg[si.num_prompt_rows :])
-        rows = [s for s in out.scheduled if s.samples]
+        rows = [s for s in out.scheduled if s.samples_next_token]
         if not rows:
             return PendingStep(result)
         logits = torch.cat(sample_logits) if len(sample_logits) > 1 else sample_logits[0]

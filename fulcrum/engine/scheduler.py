@@ -27,7 +27,7 @@ class ScheduledRequest:
     spec_token_probs: object = None
 
     @property
-    def samples(self) -> bool:
+    def samples_next_token(self) -> bool:
         """Whether this step reaches the end of the known tokens, so a next token is sampled."""
         known = self.num_new_tokens - len(self.spec_token_ids)
         req = self.request
@@ -190,7 +190,7 @@ class Scheduler:
         sampling = []
         for s in out.scheduled:
             req = s.request
-            if s.samples:
+            if s.samples_next_token:
                 sampling.append(req.request_id)
                 req.num_placeholders += 1
             req.num_computed_tokens += s.num_new_tokens

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from fulcrum.engine.scheduler import ScheduledRequest
-from fulcrum.layers.attention import AttentionMetadata
+from fulcrum.layers.attention import AttentionMetadata, PrefillSeq
 from fulcrum.utils.device import to_device
 
 
@@ -29,7 +29,7 @@ class StepInputs:
     positions: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     query_lens: list[int] = field(default_factory=list)
-    prefills: list[tuple[int, int, int, int]] = field(default_factory=list)  # (token start, query, context, row)
+    prefills: list[PrefillSeq] = field(default_factory=list)
     prefill_tables: list[list[int]] = field(default_factory=list)
     decode_idx: list[int] = field(default_factory=list)
     decode_tables: list[list[int]] = field(default_factory=list)
@@ -79,7 +79,7 @@ def build(scheduled: list[ScheduledRequest], block_size: int, decode_rows: int) 
             si.decode_tables.extend([table] * n)
             si.decode_ctx.extend(range(start + 1, ctx + 1))
         else:
-            si.prefills.append((t, n, ctx, len(si.prefill_tables)))
+            si.prefills.append(PrefillSeq(t, n, ctx, len(si.prefill_tables)))
             si.prefill_tables.append(table)
         if getattr(req, "wants_prompt_logprobs", False):  # a draft's stand-in for a request has none
             # position p predicts token p + 1; the scored prompt tokens so far are 1 .. len(prompt_logprobs)
@@ -90,7 +90,7 @@ def build(scheduled: list[ScheduledRequest], block_size: int, decode_rows: int) 
                 si.logits_rows.extend(range(t + lo - start, t + hi - start))
         t += n
         si.last_idx.append(t - 1)
-        if s.samples:
+        if s.samples_next_token:
             sample_rows.extend(range(t - 1 - len(s.spec_token_ids), t))
     si.num_prompt_rows = len(si.logits_rows)
     si.logits_rows.extend(sample_rows)

@@ -7,6 +7,7 @@ blocks that another sequence of the same batch is filling (a prefix-cache hit on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -19,13 +20,21 @@ from fulcrum.quant import kv as kv_quant
 from fulcrum.quant.kv import KVFormat
 
 
+class PrefillSeq(NamedTuple):
+    """A sequence of a step with more than one new token, or with cached context."""
+
+    start: int  # its first token in the step's flattened tokens
+    query_len: int  # its new tokens
+    context_len: int  # tokens in its cache once the step has run (the new ones included)
+    row: int  # its row of AttentionMetadata.block_tables
+
+
 @dataclass
 class AttentionMetadata:
     query_lens: list[int]  # new tokens of each sequence in this batch, in flattened order
     # paged-cache fields, set by the model runner; None for the reference forward
     slot_mapping: torch.Tensor | None = None  # [T] flat cache slot of every new token
-    # sequences with more than one new token, or with cached context: (token start, query len, context len, row)
-    prefills: list[tuple[int, int, int, int]] = field(default_factory=list)
+    prefills: list[PrefillSeq] = field(default_factory=list)
     block_tables: torch.Tensor | None = None  # [B, max_blocks] of the prefill rows
     decode_token_idx: torch.Tensor | None = None  # [D] token positions of single-token decodes
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks]

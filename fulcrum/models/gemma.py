@@ -50,7 +50,8 @@ class GemmaDecoderLayer(nn.Module):
         self.layer_type = cfg.layer_types[layer_idx]
         bias = bool(getattr(cfg, "attention_bias", False))
         self.self_attn = LlamaAttention(
-            cfg, layer_idx, bias, bias, family.qk_norm, dtype, quant, scale=cfg.query_pre_attn_scalar**-0.5,
+            cfg, layer_idx, dtype, quant, qkv_bias=bias, o_bias=bias, qk_norm=family.qk_norm,
+            scale=cfg.query_pre_attn_scalar**-0.5,
             logit_softcap=family.attn_logit_softcap(cfg), norm=GemmaRMSNorm,
         )  # fmt: skip
         act = GeluAndMul(cfg.hidden_activation)

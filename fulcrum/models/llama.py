@@ -28,11 +28,13 @@ from fulcrum.utils.hf_config import layer_sliding_windows
 
 
 class LlamaAttention(nn.Module):
-    """`scale` (default head_dim ** -0.5), `logit_softcap` and `norm` (the q/k norm's class) are Gemma's switches."""
+    """The switches are keyword-only: biases on the fused q/k/v and on o, a norm on q and k (Qwen3's; `norm` its class),
+    and Gemma's `scale` (default head_dim ** -0.5) and `logit_softcap`."""
 
     def __init__(
-        self, cfg: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, dtype, quant,
-        scale: float | None = None, logit_softcap: float | None = None, norm: type[nn.Module] = RMSNorm,
+        self, cfg: PretrainedConfig, layer_idx: int, dtype, quant, *, qkv_bias: bool = False, o_bias: bool = False,
+        qk_norm: bool = False, scale: float | None = None, logit_softcap: float | None = None,
+        norm: type[nn.Module] = RMSNorm,
     ):  # fmt: skip
         super().__init__()
         hd = config_head_dim(cfg)
@@ -92,7 +94,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: PretrainedConfig, layer_idx: int, family: type[LlamaForCausalLM], dtype, quant):
         super().__init__()
         self.self_attn = LlamaAttention(
-            cfg, layer_idx, family.qkv_bias(cfg), family.o_bias(cfg), family.qk_norm, dtype, quant
+            cfg,
+            layer_idx,
+            dtype,
+            quant,
+            qkv_bias=family.qkv_bias(cfg),
+            o_bias=family.o_bias(cfg),
+            qk_norm=family.qk_norm,
         )
         self.mlp = LlamaMLP(cfg, getattr(cfg, "mlp_bias", False), dtype, quant, f"model.layers.{layer_idx}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)

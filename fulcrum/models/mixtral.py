@@ -26,7 +26,7 @@ class MixtralDecoderLayer(nn.Module):
     def __init__(self, cfg: PretrainedConfig, layer_idx: int, family: type[LlamaForCausalLM], dtype, quant):
         super().__init__()
         check_silu(cfg)
-        self.self_attn = LlamaAttention(cfg, layer_idx, False, False, False, dtype, quant)
+        self.self_attn = LlamaAttention(cfg, layer_idx, dtype, quant)
         n = cfg.num_local_experts
         self.block_sparse_moe = SparseMoeBlock(
             TopKRouter(cfg.hidden_size, n, cfg.num_experts_per_tok, renormalize=True, dtype=dtype),

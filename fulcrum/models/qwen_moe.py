@@ -41,7 +41,13 @@ class QwenMoeDecoderLayer(nn.Module):
         super().__init__()
         check_silu(cfg)
         self.self_attn = LlamaAttention(
-            cfg, layer_idx, family.qkv_bias(cfg), family.o_bias(cfg), family.qk_norm, dtype, quant
+            cfg,
+            layer_idx,
+            dtype,
+            quant,
+            qkv_bias=family.qkv_bias(cfg),
+            o_bias=family.o_bias(cfg),
+            qk_norm=family.qk_norm,
         )
         prefix = f"model.layers.{layer_idx}.mlp"
         if is_sparse_layer(cfg, layer_idx):

