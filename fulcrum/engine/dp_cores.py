@@ -14,7 +14,7 @@ import time
 import zmq
 
 from fulcrum.config import EngineConfig, ModelConfig
-from fulcrum.engine.async_llm import data_parallel_configs, total_stats
+from fulcrum.engine.core_client import data_parallel_configs, total_stats
 from fulcrum.engine.core_proc import run_engine_core
 from fulcrum.engine.messages import (
     ABORT,

@@ -111,7 +111,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics():
         # the frontend also counts requests sent but not yet seen by the core: the gauge shows what admission sees
         state.metrics.waiting.set(state.engine.num_waiting())
-        cores = state.engine.cores
+        cores = state.engine.client.cores
         state.metrics.record_engines([c.given for c in cores], [c.stats.num_running for c in cores])
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

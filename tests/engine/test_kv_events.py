@@ -212,7 +212,7 @@ def test_a_taken_endpoint_fails_the_engine_start_with_its_name(small_engine):
 
 def test_data_parallel_ranks_publish_on_their_own_ports():
     from fulcrum.config import EngineConfig
-    from fulcrum.engine.async_llm import data_parallel_configs
+    from fulcrum.engine.core_client import data_parallel_configs
 
     cfg = {"enable_kv_cache_events": True, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:6557"}
     ranks = data_parallel_configs(EngineConfig(data_parallel_size=2, kv_events_config=cfg, cpu_bind="none"))
