@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import weakref
 
 import msgspec
@@ -18,7 +19,8 @@ from tqdm import tqdm
 from fulcrum.config import EngineConfig
 from fulcrum.distributed import parallel_state
 from fulcrum.engine.core import EngineCore
-from fulcrum.engine.dp_cores import DataParallelCores
+from fulcrum.engine.core_client import SyncCoreClient
+from fulcrum.engine.messages import AddRequest
 from fulcrum.engine.output_processor import OutputProcessor
 from fulcrum.engine.outputs import RequestOutput
 from fulcrum.engine.prompts import tokenize_prompts
@@ -36,7 +38,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_kwargs):
         self.config = EngineConfig(model=model, **engine_kwargs)
-        self.core: EngineCore | DataParallelCores | None = self._start_core()
+        self.core: EngineCore | SyncCoreClient | None = self._start_core()
         # runs once: on close(), when this LLM is garbage-collected, or at the interpreter's exit
         self._finalizer = weakref.finalize(self, self.core.shutdown)
         try:
@@ -47,12 +49,12 @@ class LLM:
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
-    def _start_core(self) -> EngineCore | DataParallelCores:
+    def _start_core(self) -> EngineCore | SyncCoreClient:
         """The engine core in this process; data parallel's cores, or one whose ranks this process cannot join (the
         layers read one parallel state per process), each in a process of its own behind EngineCore's interface."""
         config = self.config
         if config.data_parallel_size > 1:
-            return DataParallelCores(config)
+            return SyncCoreClient(config)
         if parallel_state.held(config.world_size):
             holder = LLM._in_place() if LLM._in_place is not None else None
             holder = holder if holder is not None and holder.core is not None else None
@@ -60,7 +62,7 @@ class LLM:
                 "%s holds this process's torch.distributed group: this engine's core runs in a process of its own",
                 holder or "another engine (or the caller)",
             )
-            return DataParallelCores(config)
+            return SyncCoreClient(config)
         core = EngineCore(config)
         if config.world_size > 1:
             LLM._in_place = weakref.ref(self)
@@ -90,7 +92,7 @@ class LLM:
             f"{', closed' if getattr(self, 'core', None) is None else ''})"
         )
 
-    def _open_core(self) -> EngineCore | DataParallelCores:
+    def _open_core(self) -> EngineCore | SyncCoreClient:
         if self.core is None:
             raise EngineClosedError(
                 "this LLM was closed (close(), shutdown() or the end of its `with` block); build a new LLM"
@@ -105,8 +107,12 @@ class LLM:
         rid = str(next(self._ids))
         params = check_request(prompt_ids, params, priority, core.max_model_len, core.vocab_size)
         children = fan_out(rid, params)
-        for child_id, child_params in children:
-            core.add_request(child_id, prompt_ids, child_params, priority)
+        if isinstance(core, EngineCore):
+            for child_id, child_params in children:
+                core.add_request(child_id, prompt_ids, child_params, priority)
+        else:  # as one message: the core schedules the samples' prefills together, as in this process
+            now = time.time()
+            core.add_requests([AddRequest(c, list(prompt_ids), cp, priority, now) for c, cp in children])
         self.processor.add_request(rid, prompt, list(prompt_ids), params, [c for c, _ in children])
         return rid
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from fulcrum.config import EngineConfig, ModelConfig
 from fulcrum.distributed import parallel_state
-from fulcrum.engine.dp_cores import DataParallelCores
+from fulcrum.engine.core_client import SyncCoreClient
 from fulcrum.engine.executor import Workers
 from fulcrum.engine.llm import LLM
 from fulcrum.errors import EngineClosedError, ModelLoadError
@@ -100,10 +100,10 @@ def test_a_second_engine_beside_a_parallel_one_runs_its_core_in_a_process_of_its
             pp = LLM(pipeline_parallel_size=2, **ENGINE)
         assert "tensor_parallel_size=2" in caplog.text and "process of its own" in caplog.text
         try:
-            assert isinstance(pp.core, DataParallelCores)
+            assert isinstance(pp.core, SyncCoreClient)
             assert tokens(pp) == want
             assert tokens(tp) == want  # the first is untouched
-            core_procs = list(pp.core.procs)
+            core_procs = [c.proc for c in pp.core.cores]
         finally:
             pp.close()
         assert not any(p.is_alive() for p in core_procs)

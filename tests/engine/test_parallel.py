@@ -136,7 +136,8 @@ def test_data_parallel_llm_splits_a_batch_between_two_cores():
     llm = LLM(data_parallel_size=2, **ENGINE)
     try:
         assert run_batch(llm) == ref
-        assert all(n >= 1 for n in llm.core.given), llm.core.given  # both cores took requests
+        given = [c.given for c in llm.core.cores]
+        assert all(n >= 1 for n in given), given  # both cores took requests
         assert llm.stats()["num_blocks"] == 2 * LLM(**ENGINE).stats()["num_blocks"]  # two caches
     finally:
         llm.shutdown()
