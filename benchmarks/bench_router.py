@@ -250,7 +250,7 @@ def autoscale(args, res: Path) -> list[str]:
 def _count_events(endpoint: str, counts, stop) -> None:
     import zmq
 
-    from fulcrum.utils.kv_events import decoder
+    from fulcrum.utils.kv_event_schema import decoder
 
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)

@@ -178,7 +178,7 @@ def kv_transfer_config(args: argparse.Namespace) -> dict | None:
 
 def _kv_events_config(text: str) -> dict:
     """--kv-events-config's JSON, checked here: a typo is a usage error, not a replica that publishes nothing."""
-    from fulcrum.engine.kv_events import KVEventsConfig
+    from fulcrum.engine.kv_event_publisher import KVEventsConfig
     from fulcrum.errors import InvalidRequestError
 
     try:

@@ -196,7 +196,7 @@ class EngineConfig:
     # data parallel: this many engine cores behind one server frontend, each with its own KV cache and a share of
     # the CPU cores; requests go to the least loaded (engine/async_llm.py)
     data_parallel_size: int = 1
-    # one model over several ranks (fulcrum.engine.executor): each rank a process (gloo on CPU, NCCL on CUDA) spawned
+    # one model over several ranks (fulcrum.engine.workers): each rank a process (gloo on CPU, NCCL on CUDA) spawned
     # by the engine, or a Ray actor with distributed_executor_backend "ray" (which spans machines). Tensor parallel
     # splits heads, MLP and vocabulary; pipeline parallel splits the layers into stages (evenly, or as
     # pp_layer_partition "8,7,..." says); expert parallel holds whole experts per tensor-parallel rank.
@@ -216,7 +216,7 @@ class EngineConfig:
     kv_transfer_config: dict | None = None
     # KV-cache events published over ZeroMQ, as vLLM's kv_events_config: {"enable_kv_cache_events": true,
     # "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": ..., "topic": ...}, or its JSON text;
-    # checked in full by fulcrum.engine.kv_events.KVEventsConfig
+    # checked in full by fulcrum.engine.kv_event_publisher.KVEventsConfig
     kv_events_config: dict | None = None
 
     def __post_init__(self) -> None:

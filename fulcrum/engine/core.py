@@ -13,9 +13,8 @@ from traceback import format_exception_only
 import torch
 
 from fulcrum.config import EngineConfig, ModelConfig
-from fulcrum.engine.executor import Workers
 from fulcrum.engine.kv_cache import KVCacheManager
-from fulcrum.engine.kv_events import EventPublisher, KVEventsConfig, medium_of
+from fulcrum.engine.kv_event_publisher import EventPublisher, KVEventsConfig, medium_of
 from fulcrum.engine.kv_transfer import KVTransfer, KVTransferConfig
 from fulcrum.engine.messages import SchedulerStats
 from fulcrum.engine.model_runner import ModelRunner, ModelRunnerOutput, PendingStep
@@ -26,6 +25,7 @@ from fulcrum.engine.spec import SpecDecodeStats, SpeculativeConfig, make_propose
 from fulcrum.engine.spec.speculator import Speculator
 from fulcrum.engine.structured import StructuredOutputs
 from fulcrum.engine.structured.pending import PendingGrammars
+from fulcrum.engine.workers import Workers
 from fulcrum.errors import WorkerDiedError, is_fatal
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.utils.hf_config import layer_sliding_windows
@@ -129,7 +129,7 @@ class EngineCore:
         kv_transfer_params: dict | None = None,
     ) -> None:
         """Queue one sample of a request the frontend has checked (engine/request.py: check_request).
-        `kv_transfer_params`: vLLM's P/D handshake (engine/kv_transfer/engine.py)."""
+        `kv_transfer_params`: vLLM's P/D handshake (engine/kv_transfer/transfer.py)."""
         req = Request(request_id, list(prompt_token_ids), params, list(self.model_config.eos_token_ids), priority)
         req.kv_transfer_params = kv_transfer_params
         if arrival_time:

@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from fulcrum.config import EngineConfig, ModelConfig
-from fulcrum.engine import kv_events
+from fulcrum.engine import kv_event_publisher
 from fulcrum.engine.core_proc import run_engine_core
 from fulcrum.engine.messages import (
     ABORT,
@@ -339,11 +339,11 @@ def data_parallel_configs(config: EngineConfig) -> list[EngineConfig]:
     if config.cpu_bind == "none" or share == 0:
         return [
             replace(config, cpu_bind="none", cpu_threads=config.cpu_threads or 1,
-                    kv_events_config=kv_events.for_rank(config.kv_events_config, i))
+                    kv_events_config=kv_event_publisher.for_rank(config.kv_events_config, i))
             for i in range(n)
         ]  # fmt: skip
     return [
         replace(config, cpu_bind=",".join(map(str, cpus[i * share : (i + 1) * share])), cpu_threads=share,
-                kv_events_config=kv_events.for_rank(config.kv_events_config, i))
+                kv_events_config=kv_event_publisher.for_rank(config.kv_events_config, i))
         for i in range(n)
     ]  # fmt: skip

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from fulcrum.engine.request import Request
 from fulcrum.utils.hashing import NONE_HASH, hash_block_tokens
-from fulcrum.utils.kv_events import BlockRemoved, BlockStored
+from fulcrum.utils.kv_event_schema import BlockRemoved, BlockStored
 
 
 @dataclass
@@ -204,7 +204,7 @@ class KVCacheManager:
 
     def take_events(self) -> list:
         """The events recorded since the last call (empty when none are kept). With `events` set to a list the
-        manager records what its prefix cache gains and loses (engine/kv_events.py): a block registered under its
+        manager records what its prefix cache gains and loses (engine/kv_event_publisher.py): a block registered under its
         hash (BlockStored), a cached block evicted for reuse (BlockRemoved)."""
         events, self.events = self.events or [], [] if self.events is not None else None
         return events

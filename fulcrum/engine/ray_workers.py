@@ -19,7 +19,7 @@ STARTUP_TIMEOUT_S = 600
 
 
 class RankActor:
-    """A worker's life (engine/executor.py: run_worker) in one long call; its reports wait in a queue that rank 0
+    """A worker's life (engine/workers.py: run_worker) in one long call; its reports wait in a queue that rank 0
     reads through a second, concurrent call."""
 
     def __init__(self):
@@ -29,7 +29,7 @@ class RankActor:
         return ray.util.get_node_ip_address()
 
     def run(self, config: EngineConfig, rank: int, init_method: str) -> None:
-        from fulcrum.engine.executor import run_worker
+        from fulcrum.engine.workers import run_worker
 
         run_worker(config, rank, init_method, self.reports.put)
 

@@ -1,5 +1,5 @@
 """Precise prefix routing's index: which replica holds which block hash, kept from each replica's KV-cache events
-(vLLM's ZeroMQ stream, fulcrum/utils/kv_events.py). A replica's entries are dropped when it says AllBlocksCleared,
+(vLLM's ZeroMQ stream, fulcrum/utils/kv_event_schema.py). A replica's entries are dropped when it says AllBlocksCleared,
 when its sequence numbers jump (missed batches: replayed from its replay socket when it has one and the batches
 are still buffered there) or go back (a restarted publisher), and when the pool sees it fail."""
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from fulcrum.utils.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decoder
+from fulcrum.utils.kv_event_schema import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decoder
 
 log = logging.getLogger("fulcrum.router")
 REPLAY_TIMEOUT_S = 1.0

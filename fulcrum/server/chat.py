@@ -20,7 +20,7 @@ from fulcrum.protocol import (
 from fulcrum.server.limits import off_loop
 from fulcrum.server.logprobs import chat_logprobs, prompt_logprobs
 from fulcrum.server.state import ServerState, sampling_params
-from fulcrum.server.streaming import Run, check_kv_transfer_request, merged, usage_of
+from fulcrum.server.streaming import StartedRequest, check_kv_transfer_request, generate_prompts, usage_of
 from fulcrum.server.tools import ToolCalling, delta_calls, response_calls
 
 
@@ -45,7 +45,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             skip_special_tokens=params.skip_special_tokens and tools.skip_special_tokens,
         )
     check_kv_transfer_request(req.kv_transfer_params, 1, req.stream)
-    run = await Run.start(merged(state.engine, [(None, ids)], params, req.priority, req.kv_transfer_params))
+    run = await StartedRequest.start(
+        generate_prompts(state.engine, [(None, ids)], params, req.priority, req.kv_transfer_params)
+    )
     rid = random_id("chatcmpl")
 
     if req.stream:

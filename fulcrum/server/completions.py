@@ -11,7 +11,7 @@ from fulcrum.protocol import CompletionChoice, CompletionRequest, CompletionResp
 from fulcrum.server.limits import off_loop
 from fulcrum.server.logprobs import completion_logprobs, echo_logprobs, joined, prompt_logprobs
 from fulcrum.server.state import ServerState, sampling_params
-from fulcrum.server.streaming import Run, check_kv_transfer_request, merged, usage_of
+from fulcrum.server.streaming import StartedRequest, check_kv_transfer_request, generate_prompts, usage_of
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request):
@@ -30,7 +30,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     # off the event loop: checking a grammar builds it
     params = await off_loop(sampling_params, req, 1 if zero else req.max_tokens, k, max(wanted) if wanted else None)
     check_kv_transfer_request(req.kv_transfer_params, len(prompts), req.stream)
-    run = await Run.start(merged(state.engine, prompts, params, req.priority, req.kv_transfer_params))
+    run = await StartedRequest.start(
+        generate_prompts(state.engine, prompts, params, req.priority, req.kv_transfer_params)
+    )
     echo = [(p if p is not None else tok.decode(ids)) if req.echo else "" for p, ids in prompts]
     rid, n = random_id("cmpl"), req.n
 

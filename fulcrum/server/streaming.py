@@ -21,17 +21,17 @@ from fulcrum.protocol import UsageInfo
 from fulcrum.sampling_params import SamplingParams
 
 log = logging.getLogger("fulcrum.server")
-Item = tuple[int, RequestOutput, dict[int, str]]  # (prompt index, output so far, new text per sample)
+PromptStep = tuple[int, RequestOutput, dict[int, str]]  # (prompt index, output so far, new text per sample)
 
 
-async def merged(
+async def generate_prompts(
     engine: AsyncLLM,
     prompts: list[tuple[str | None, list[int]]],
     params: SamplingParams,
     priority: int,
     kv_transfer_params: dict | None = None,
-) -> AsyncIterator[Item]:
-    """Run every prompt concurrently; yield items as steps land."""
+) -> AsyncIterator[PromptStep]:
+    """StartedRequest every prompt concurrently; yield items as steps land."""
     gens = [engine.generate(p, ids, params, priority=priority, kv_transfer_params=kv_transfer_params)
             for p, ids in prompts]  # fmt: skip
     if len(gens) == 1:
@@ -76,34 +76,34 @@ def check_kv_transfer_request(params: dict | None, num_prompts: int, stream: boo
         raise InvalidRequestError("kv_transfer_params do_remote_decode needs stream false", "kv_transfer_params")
 
 
-class Run:
+class StartedRequest:
     """A started request: its first item is awaited at once, so that a refusal (a bad value, a full queue)
     raises before any response is sent and becomes a plain error response."""
 
-    def __init__(self, it: AsyncIterator[Item]):
+    def __init__(self, it: AsyncIterator[PromptStep]):
         self.it = it
-        self.first: Item | None = None
+        self.first: PromptStep | None = None
 
     @classmethod
-    async def start(cls, it: AsyncIterator[Item]) -> Run:
+    async def start(cls, it: AsyncIterator[PromptStep]) -> StartedRequest:
         run = cls(it)
         run.first = await run._next()
         return run
 
-    async def _next(self) -> Item | None:
+    async def _next(self) -> PromptStep | None:
         try:
             return await self.it.__anext__()
         except StopAsyncIteration:
             return None
 
-    async def items(self) -> AsyncIterator[Item]:
+    async def items(self) -> AsyncIterator[PromptStep]:
         item = self.first
         while item is not None:
             yield item
             item = await self._next()
 
     async def last_outputs(self) -> dict[int, RequestOutput]:
-        """Run to the end; each prompt's final output."""
+        """StartedRequest to the end; each prompt's final output."""
         last = {}
         async for i, ro, _ in self.items():
             last[i] = ro

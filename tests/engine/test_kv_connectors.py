@@ -172,7 +172,7 @@ def test_a_zmq_producer_given_to_this_consumer_means_a_local_prefill(pair, plain
         params = run(z, "pz", ids, PREFILL, {"do_remote_decode": True})[1].kv_transfer_params
         d = pair["decode"]
         before = d.stats().kv_transfer_fallbacks
-        with caplog.at_level("WARNING", logger="fulcrum.engine.kv_transfer.engine"):
+        with caplog.at_level("WARNING", logger="fulcrum.engine.kv_transfer.transfer"):
             toks, _ = run(d, "d-z", ids, params=params)
         assert toks == ref and d.stats().kv_transfer_fallbacks == before + 1
         assert "refused" in caplog.text and "no answer" not in caplog.text

@@ -12,12 +12,12 @@ import msgspec
 import pytest
 import zmq
 
-from fulcrum.engine.kv_events import KVEventsConfig
+from fulcrum.engine.kv_event_publisher import KVEventsConfig
 from fulcrum.engine.llm import LLM
 from fulcrum.errors import InvalidRequestError
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.utils.hashing import hash_prefix_blocks
-from fulcrum.utils.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decoder
+from fulcrum.utils.kv_event_schema import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decoder
 from fulcrum.utils.serve_process import free_port
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
@@ -166,7 +166,7 @@ class VllmBatch(msgspec.Struct, array_like=True):
 
 
 def test_the_payload_decodes_as_vllm_reads_it_and_older_vllm_payloads_decode_here():
-    from fulcrum.utils.kv_events import EventBatch
+    from fulcrum.utils.kv_event_schema import EventBatch
 
     stored = BlockStored([2**64 - 5, 8], None, list(range(32)), 16, None, "GPU", None)
     raw = msgspec.msgpack.encode(EventBatch(1.5, [AllBlocksCleared(), stored, BlockRemoved([8], "GPU")]))

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from fulcrum.config import EngineConfig, ModelConfig
 from fulcrum.distributed import parallel_state
 from fulcrum.engine.core_client import SyncCoreClient
-from fulcrum.engine.executor import Workers
 from fulcrum.engine.llm import LLM
+from fulcrum.engine.workers import Workers
 from fulcrum.errors import EngineClosedError, ModelLoadError
 from fulcrum.sampling_params import SamplingParams, StructuredOutputsParams
 

@@ -1,4 +1,4 @@
-"""Tensor, pipeline and expert parallel (engine/executor.py): one model over 2-4 processes on this machine gives
+"""Tensor, pipeline and expert parallel (engine/workers.py): one model over 2-4 processes on this machine gives
 the greedy tokens of one process, alone and batched, with chunked prefill and a prefix-cache hit; each rank holds
 its share of the weights and of the KV cache; sizes that cannot split the model fail before anything starts."""
 

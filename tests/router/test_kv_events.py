@@ -14,7 +14,7 @@ import pytest
 
 from fulcrum.router.kv_index import KVIndex
 from fulcrum.utils.hashing import hash_prefix_blocks
-from fulcrum.utils.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from fulcrum.utils.kv_event_schema import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from fulcrum.utils.serve_process import free_port
 from tests.router.conftest import run_router, start_replica
 from tests.router.test_router import complete

@@ -119,7 +119,7 @@ def test_remembered_blocks_are_bounded_by_the_replica_cache():
 def test_kv_events_and_weighted_read_the_index_at_its_block_size():
     from fulcrum.router.kv_index import KVIndex
     from fulcrum.router.policies import KVEvents
-    from fulcrum.utils.kv_events import BlockStored, EventBatch
+    from fulcrum.utils.kv_event_schema import BlockStored, EventBatch
 
     pool, (a, b) = pool_of(2)
     tokens = list(range(40))

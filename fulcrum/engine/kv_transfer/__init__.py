@@ -3,6 +3,6 @@ over TCP, shared memory on one host, torch.distributed send/recv: NCCL on CUDA, 
 check, and the engine core's bookkeeping of leases and pulls."""
 
 from fulcrum.engine.kv_transfer.config import KVTransferConfig, KVTransferError, check_remote_prefill
-from fulcrum.engine.kv_transfer.engine import KVTransfer
+from fulcrum.engine.kv_transfer.transfer import KVTransfer
 
 __all__ = ["KVTransfer", "KVTransferConfig", "KVTransferError", "check_remote_prefill"]

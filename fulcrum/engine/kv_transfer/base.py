@@ -1,7 +1,7 @@
 """The KV connector interface: how an engine offers a finished prefill's blocks to others (producer) and pulls
 another engine's blocks into its own paged cache (consumer). vLLM's KVConnectorBase_V1 splits this into a
 scheduler half and a worker half; here the engine core and the cache live in one process, so one object does both,
-and all bookkeeping of which blocks are held stays in the core's thread (engine/kv_transfer/engine.py)."""
+and all bookkeeping of which blocks are held stays in the core's thread (engine/kv_transfer/transfer.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""KV-cache events over ZeroMQ in vLLM's schema and wire format (fulcrum/utils/kv_events.py), so that a router
+"""KV-cache events over ZeroMQ in vLLM's schema and wire format (fulcrum/utils/kv_event_schema.py), so that a router
 (ours, llm-d's, Dynamo's) that reads vLLM's events can read ours: which block hashes a replica's cache holds.
 
 The KV cache manager records BlockStored and BlockRemoved, the publisher AllBlocksCleared when it starts (a restarted
@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 import msgspec
 
 from fulcrum.errors import InvalidRequestError
-from fulcrum.utils.kv_events import END_SEQ, AllBlocksCleared, EventBatch
+from fulcrum.utils.kv_event_schema import END_SEQ, AllBlocksCleared, EventBatch
 
 log = logging.getLogger(__name__)
 
