@@ -178,7 +178,7 @@ class EngineConfig:
     seed: int = 0
     device: str | None = None  # None = cuda when present, else cpu
     # CPU compute threads of the engine core (None: one per allowed core) and where they run: "auto" pins thread i
-    # to the i-th allowed core, "none" leaves placement to the OS, "0-3,6" pins to those cores (kernels/cpu_threads)
+    # to the i-th allowed core, "none" leaves placement to the OS, "0-3,6" pins to those cores (runtime/cpu_threads)
     cpu_threads: int | None = None
     cpu_bind: str = "auto"
     # vLLM's switch for eager PyTorch: here it keeps decode steps on the layer modules instead of the fused decode

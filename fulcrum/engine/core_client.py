@@ -37,7 +37,7 @@ from fulcrum.engine.messages import (
 )
 from fulcrum.engine.outputs import EngineCoreOutput
 from fulcrum.errors import EngineDeadError, ModelLoadError
-from fulcrum.kernels import cpu_threads
+from fulcrum.runtime import cpu_threads
 
 STARTUP_TIMEOUT_S = 600
 READY_POLL_MS = 200

@@ -21,13 +21,15 @@ from fulcrum.engine.spec.rejection import verify
 from fulcrum.engine.step_inputs import StepInputs
 from fulcrum.engine.structured import StructuredOutputs
 from fulcrum.errors import InvalidRequestError, KVCacheTooSmallError
-from fulcrum.kernels import cpu_malloc, cpu_threads, huge_page_empty, move_parameters_to_huge_pages, warm_up
 from fulcrum.kernels import triton as triton_kernels
+from fulcrum.kernels import warm_up
 from fulcrum.layers.attention import Attention, AttentionMetadata, attach_kv_cache
 from fulcrum.layers.sampler import Sampler
 from fulcrum.models.loader import load_model
 from fulcrum.quant import describe
 from fulcrum.quant import kv as kv_quant
+from fulcrum.runtime import cpu_malloc, cpu_threads
+from fulcrum.runtime.hugepages import huge_page_empty, move_parameters_to_huge_pages
 from fulcrum.utils.device import to_device
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """fulcrum's own kernels, picked at runtime by ISA (`cpu_ext.isa()`): decode attention over the paged KV cache and
 a GEMV for few-row linear layers, RMSNorm and greedy decoding's argmax, on AVX2 and AVX-512 (each built once per environment by
-`cpu_ext`), a driver that runs a decode step's whole decoder stack through them in one call, and
-huge-page memory for the weights and KV cache they stream. Layers call them and fall back to PyTorch ops."""
+`cpu_ext`), a driver that runs a decode step's whole decoder stack through them in one call.
+Layers call them and fall back to PyTorch ops."""
 
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ from fulcrum.kernels import (
     cpu_qgemv_vnni,
     cpu_rope,
 )
-from fulcrum.kernels.hugepages import huge_page_empty, move_parameters_to_huge_pages
 
-__all__ = ["huge_page_empty", "move_parameters_to_huge_pages", "warm_up"]
+__all__ = ["warm_up"]
 
 
 def warm_up(device: str | torch.device, quantized: bool = False, quantized_kv: bool = False) -> None:

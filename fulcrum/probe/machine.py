@@ -18,7 +18,6 @@ from torch import nn
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from fulcrum.kernels import cpu_gemv, cpu_prepack, cpu_qgemv
-from fulcrum.kernels.hugepages import huge_page_empty
 from fulcrum.layers.attention import Attention, AttentionMetadata, attach_kv_cache
 from fulcrum.models.loader import finish_loading
 from fulcrum.models.registry import model_class
@@ -28,6 +27,7 @@ from fulcrum.plan.roofline import OnlineQuant, attention_flops, layer_matrices, 
 from fulcrum.quant import kv as kv_quant
 from fulcrum.quant import method_factory
 from fulcrum.quant.base import UnquantizedLinearMethod
+from fulcrum.runtime.hugepages import huge_page_empty
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MATRIX_BYTES = 16 << 20  # bandwidth probe: weight matrices of this size, read one after another like layers

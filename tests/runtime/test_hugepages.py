@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from fulcrum.kernels.hugepages import HUGE_PAGE, huge_page_empty, move_parameters_to_huge_pages
+from fulcrum.runtime.hugepages import HUGE_PAGE, huge_page_empty, move_parameters_to_huge_pages
 
 
 def test_huge_page_tensor_is_zeroed_aligned_and_outlives_its_mapping_handle():

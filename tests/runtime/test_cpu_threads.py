@@ -9,7 +9,7 @@ import pytest
 
 from fulcrum.config import EngineConfig
 from fulcrum.errors import InvalidRequestError
-from fulcrum.kernels import cpu_threads
+from fulcrum.runtime import cpu_threads
 
 
 def test_core_lists_parse_as_taskset_writes_them():
@@ -64,7 +64,7 @@ PROBE = """
 import json, torch
 from fulcrum import LLM
 llm = LLM(dtype="float32", kv_cache_memory=64 << 20, cpu_threads={threads}, cpu_bind={bind!r})
-from fulcrum.kernels import cpu_threads
+from fulcrum.runtime import cpu_threads
 import os
 print(json.dumps({{"threads": torch.get_num_threads(), "cpus": cpu_threads.thread_cpus(),
                    "affinity": sorted(os.sched_getaffinity(0))}}))

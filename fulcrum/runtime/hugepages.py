@@ -1,11 +1,7 @@
-"""CPU memory on transparent huge pages, for the weights and the KV cache.
-
-A CPU decode step streams every weight once; with 4 KiB pages that stream takes a TLB miss every
-4 KiB; on 2 MiB pages the GEMVs stream at the rate of a plain memory read (measured alternating in one
-process; figures in the commit that added this). PyTorch's CPU allocator asks for huge pages only when
-THP_MEM_ALLOC_ENABLE is set before its first allocation, which a library cannot arrange, so these
-helpers map an anonymous region themselves and `madvise(MADV_HUGEPAGE)` it. Where the kernel's THP
-mode is "never" (or the call is missing) the memory is ordinary pages: still correct.
+"""CPU memory on transparent huge pages, for the weights and the KV cache: a decode step streams every weight once, and
+on 4 KiB pages that stream takes a TLB miss every page. PyTorch's allocator asks for huge pages only when
+THP_MEM_ALLOC_ENABLE is set before its first allocation, so these helpers map a region themselves and
+`madvise(MADV_HUGEPAGE)` it; where THP is off the memory is ordinary pages, still correct.
 """
 
 from __future__ import annotations

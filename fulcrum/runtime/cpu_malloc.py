@@ -1,13 +1,7 @@
-"""glibc's malloc told to keep the memory a CPU step frees, so the next step does not fault it in again.
-
-Every step allocates its activations afresh (a 0.5B-shape decode step of 64 rows: 19 MB of bf16 logits, the MLP's
-[64, 9728] output, ...). glibc serves blocks past its mmap threshold (128 KiB at first, raised up to 32 MiB as such
-blocks are freed) with their own mapping, unmapped again on free, and gives the top of its heap back to the system
-past a trim threshold; either way the next step's block is new pages, faulted in and zeroed by the kernel. vLLM's
-CPU backend asks its users to preload tcmalloc for this. Here the engine sets glibc's own knobs once at start
-(`mallopt`): blocks up to 32 MiB (glibc's most) from the heap, and up to 1 GiB of freed heap kept. Decode steps of
-1-64 rows measured 5-20% faster (0.5B shape, 2-core Xeon; the commit has the figures). Not glibc (musl, macOS):
-nothing to do. FULCRUM_CPU_MALLOC=0 leaves malloc as it was.
+"""glibc's malloc told (mallopt, once at start) to keep the memory a CPU step frees, so the next step's activations
+reuse its pages instead of faulting fresh ones in: blocks up to 32 MiB from the heap, 1 GiB of freed heap kept (vLLM's
+CPU backend asks its users to preload tcmalloc for this). Decode steps of 1-64 rows measured 5-20% faster (0.5B shape,
+2-core Xeon). Not glibc (musl, macOS): nothing to do. FULCRUM_CPU_MALLOC=0 leaves malloc as it was.
 """
 
 from __future__ import annotations

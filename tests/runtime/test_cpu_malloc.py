@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(
 
 CODE = """
 import ctypes, torch
-from fulcrum.kernels import cpu_malloc
+from fulcrum.runtime import cpu_malloc
 
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
