@@ -53,7 +53,7 @@ class EngineCore:
         draft = getattr(proposer, "runner", None)
         self.structured = StructuredOutputs(self.model_config.path, self.vocab_size, self.model_config.eos_token_ids)
         # a parallel engine: this process is rank 0 (scheduler, sampler, last pipeline stage), the workers the rest
-        self.workers = Workers(config, self.model_config) if config.world_size > 1 else None
+        self.workers = Workers(config, self.model_config, exit_on_death=own_process) if config.world_size > 1 else None
         try:
             agree = self.workers.agree_blocks if self.workers else None
             self.runner = ModelRunner(
@@ -62,8 +62,6 @@ class EngineCore:
         except BaseException:
             self.shutdown()
             raise
-        if self.workers is not None:
-            self.workers.exit_on_death = own_process
         if draft is not None:
             proposer.attach(config.enable_prefix_caching)
         self.speculator = Speculator(spec, proposer, self.model_config.max_model_len) if spec else None
@@ -72,18 +70,18 @@ class EngineCore:
         if self.workers is not None:  # this rank holds one pipeline stage's layers; the window is every layer's
             windows = set(layer_sliding_windows(self.model_config.hf_config))
         window = None if None in windows else max(windows)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, window)
-        self.scheduler = Scheduler(config, self.model_config.max_model_len, self.kv)
+        # KV-cache events (vLLM's kv_events_config): the cache records them, each step's go out on a ZMQ PUB socket
+        events_cfg = KVEventsConfig.parse(config.kv_events_config)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching, window,
+            events_medium=medium_of(config.device) if events_cfg else None,
+        )  # fmt: skip
+        self.kv_events = EventPublisher(events_cfg) if events_cfg else None
         # P/D disaggregation: this engine offers finished prefills' blocks and/or pulls others' (engine/kv_transfer)
         transfer = KVTransferConfig.parse(config.kv_transfer_config)
         self.kv_transfer = KVTransfer(transfer, self.kv, self.runner, self.model_config.path) if transfer else None
-        if self.kv_transfer is not None:
-            self.scheduler.on_finish = self.kv_transfer.on_finish
-        # KV-cache events (vLLM's kv_events_config): the cache records them, each step's go out on a ZMQ PUB socket
-        self.kv_events: EventPublisher | None = None
-        if events_cfg := KVEventsConfig.parse(config.kv_events_config):
-            self.kv.events, self.kv.medium = [], medium_of(config.device)
-            self.kv_events = EventPublisher(events_cfg)
+        on_finish = self.kv_transfer.on_finish if self.kv_transfer is not None else None
+        self.scheduler = Scheduler(config, self.model_config.max_model_len, self.kv, on_finish=on_finish)
         self.compiling = PendingGrammars(self.structured)  # requests whose grammar compiles, out of the scheduler
         # async scheduling (config.async_scheduling): the launched step not yet read back, with its sampling requests
         self.in_flight: tuple[SchedulerOutput, list[str], PendingStep] | None = None

@@ -35,8 +35,9 @@ class KVCacheStats:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None
-    ):
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None,
+        events_medium: str | None = None,
+    ):  # fmt: skip
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window  # the widest window, when every layer has one
@@ -47,8 +48,9 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[Block | None]] = {}
         self.req_hashes: dict[str, list[int]] = {}  # hashes of the request's full blocks, in order
         self.queries = self.hits = 0
-        self.events: list | None = None  # KV-cache events since the engine core last took them; None: not kept
-        self.medium: str | None = None  # where the cache lives, as the events name it
+        # KV-cache events since the engine core last took them, kept when `events_medium` names where the cache lives
+        self.events: list | None = [] if events_medium is not None else None
+        self.medium = events_medium
 
     # -- lookups -------------------------------------------------------------------------------
 

@@ -73,7 +73,7 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, max_model_len: int, kv: KVCacheManager):
+    def __init__(self, config: EngineConfig, max_model_len: int, kv: KVCacheManager, on_finish=None):
         self.config = config
         self.max_model_len = max_model_len
         # without chunking a whole prompt must fit one step, so the step budget grows to the context length
@@ -89,7 +89,7 @@ class Scheduler:
         self.num_preemptions = 0
         # called with (request, status) as a request finishes, before its blocks are freed: a KV producer hands
         # the prompt's blocks over to a lease there (engine/kv_transfer)
-        self.on_finish = None
+        self.on_finish = on_finish
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req

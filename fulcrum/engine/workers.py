@@ -136,8 +136,11 @@ class _Worker:
 class Workers:
     """The workers of one engine, seen from rank 0 (the engine core)."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, exit_on_death: bool = False):
+        """`exit_on_death`: a rank's death ends this process (the engine core runs in a process of its own, whose
+        frontend then reports the engine dead) instead of raising in the step."""
         check_parallel(config, model_config)
+        self.exit_on_death = exit_on_death
         if parallel_state.held(config.world_size):
             raise ModelLoadError(
                 "this process's torch.distributed group is already held (by another parallel engine, or the caller): "
@@ -238,8 +241,6 @@ class Workers:
                     os._exit(1)
                 return
             time.sleep(0.2)
-
-    exit_on_death = False  # set by the engine core when it runs in a process of its own
 
     def check(self) -> None:
         if self.died:
