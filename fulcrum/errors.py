@@ -71,6 +71,12 @@ class WeightShapeError(FulcrumError, ValueError):
         self.expected, self.got = tuple(expected), tuple(got)
 
 
+class KernelBindingError(FulcrumError, TypeError):
+    """A CPU kernel's ctypes binding differs from its C declaration (kernels/csrc/exports.h), or the source breaks
+    the fixed style its loader reads: a call would corrupt memory, so the kernel refuses to load. The message names
+    the kernel and the function."""
+
+
 class ModelNotFoundError(FulcrumError):
     """A request names a model this server does not serve (HTTP 404)."""
 

@@ -1,19 +1,6 @@
-"""CPU GEMV over quantized weights: y = x @ dequant(W)^T + b for few rows of x, reading the packed bytes.
-
-A decode step streams every weight once, so bytes read per token set its speed: int8 weights halve them against
-16-bit, int4 cut them about 3.5x. The kernel reads the packed weights and widens them in registers (never a
-dequantized copy in memory), multiplies with FMA against x (fp32 or bf16, widened likewise), and applies the
-scales per output channel (int8) or per group (int4). Written once against cpu_ext's vector primitives, built for
-AVX2 and AVX-512; the row split and the L2 blocking are the dense GEMV's (`cpu_ext.SPLIT_ROWS`).
-
-Formats (fulcrum's own, made by `fulcrum.quant` at load time from any checkpoint's weights):
-- int8: w [O, I] int8, scale [O] fp32: W[o, i] = w[o, i] * scale[o].
-- fp8: the same with w in float8_e4m3fn, widened through fp16 (F16C), since x86 CPUs have no fp8 arithmetic.
-- int4: w [O, I / 2] uint8, scale and offset [O, I / G] fp32, G a multiple of 32:
-  W[o, i] = q * scale[o, i / G] + offset[o, i / G], q the 4-bit value in 0..15. In each 32 values of a row
-  (16 bytes), byte j holds value j in its low nibble and value j + 16 in its high one, so one load of VW bytes
-  yields two vectors of consecutive values on every vector width.
-"""
+"""y = x @ dequant(W)^T + b for few rows of x over fulcrum's int8, fp8 and int4 weights (csrc/qgemv.cpp, formats
+there): the packed bytes are widened in registers, never dequantized into memory; also the whole weight dequantized
+for many rows (prefill). Formats made by `fulcrum.quant` at load; callers fall back to PyTorch ops where it is missing."""
 
 from __future__ import annotations
 
@@ -22,6 +9,7 @@ import functools
 import torch
 
 from fulcrum.kernels import cpu_ext
+from fulcrum.kernels.cpu_ext import I64, PTR
 
 # Up to these rows the kernel beat dequantizing the weight and a dense matmul (a 9728 x 896 int4/int8 weight,
 # 2-core AVX-512 BF16 VM): fp32 through 64 rows; bf16 through 8 where the CPU has native bf16 matmuls (oneDNN's
@@ -29,260 +17,31 @@ from fulcrum.kernels import cpu_ext
 MAX_ROWS = {torch.float32: 64, torch.bfloat16: 8}
 MAX_ROWS_NO_NATIVE_BF16 = {torch.float32: 64, torch.bfloat16: 64}
 
-_LOADS = {
-    "avx512": r"""
-// VW bytes: their low nibbles (values j..j+VW of a 32-value chunk) and their high nibbles (values j+16..)
-static inline void vload_u4(const uint8_t* p, vf& lo, vf& hi) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-  lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-}
-""",
-    "avx2": r"""
-static inline void vload_u4(const uint8_t* p, vf& lo, vf& hi) {
-  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-  lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
-  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-}
-""",
-}
-
-_BODY = (
-    r"""
-#include <cmath>
-#include <vector>
-
-template <typename T> static inline float scalar(T v) { return float(v); }
-
-// One byte per weight, per-channel scale: int8, or fp8 e4m3 (FP8 true: read as 2^-8 times its value)
-static inline float fp8_to_f32(uint8_t b) {
-  const int e = (b >> 3) & 15, m = b & 7;
-  const float v = e ? std::ldexp(1.f + m / 8.f, e - 7) : std::ldexp(m / 8.f, -6);
-  return b & 0x80 ? -v : v;
-}
-template <bool FP8> static inline vf vload_w(const int8_t* p) {
-  if constexpr (FP8) return vload_f8((const uint8_t*)p);
-  else return vload_i8(p);
-}
-template <bool FP8> static inline float weight(int8_t v) {
-  if constexpr (FP8) return fp8_to_f32(uint8_t(v)) / 256.f;
-  else return float(v);
-}
-
-// M input rows against weight rows [begin, end)
-template <int M, bool FP8, typename T>
-static void rows_i8(const float* x, const int8_t* w, const float* scale, const T* bias, T* y, int64_t I, int64_t O,
-                    int64_t begin, int64_t end) {
-  const int64_t IV = I / (2 * VW) * (2 * VW);
-  for (int64_t o = begin; o < end; ++o) {
-    const int8_t* wr = w + o * I;
-    vf acc[M], acc2[M];  // two chains per input row hide the FMA latency
-    for (int m = 0; m < M; ++m) acc[m] = acc2[m] = vzero();
-    for (int64_t i = 0; i < IV; i += 2 * VW) {
-      prefetch_span<2 * VW>(wr + i, i);
-      const vf wv = vload_w<FP8>(wr + i), wv2 = vload_w<FP8>(wr + i + VW);
-      for (int m = 0; m < M; ++m) {
-        acc[m] = vfmadd(wv, vload(x + m * I + i), acc[m]);
-        acc2[m] = vfmadd(wv2, vload(x + m * I + i + VW), acc2[m]);
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      float s = vsum(vadd(acc[m], acc2[m]));
-      for (int64_t i = IV; i < I; ++i) s += weight<FP8>(wr[i]) * x[m * I + i];
-      s *= FP8 ? scale[o] * 256.f : scale[o];
-      if (bias) s += scalar(bias[o]);
-      store(y + m * O + o, s);
-    }
-  }
-}
-
-// int4, group-wise scale and offset: sum over a group of (q * s + m) * x = s * sum(q * x) + m * sum(x), the
-// second term from xsum [M, I / G], computed once per call
-template <int M, typename T>
-static void rows_i4(const float* x, const uint8_t* w, const float* scale, const float* offset, const float* xsum,
-                    const T* bias, T* y, int64_t I, int64_t O, int64_t G, int64_t begin, int64_t end) {
-  const int64_t ng = I / G;
-  for (int64_t o = begin; o < end; ++o) {
-    const uint8_t* wr = w + o * (I / 2);
-    const float* sr = scale + o * ng;
-    const float* mr = offset + o * ng;
-    vf acc[M];
-    float macc[M];
-    for (int m = 0; m < M; ++m) acc[m] = vzero(), macc[m] = 0.f;
-    for (int64_t g = 0; g < ng; ++g) {
-      vf lo_acc[M], hi_acc[M];
-      for (int m = 0; m < M; ++m) lo_acc[m] = hi_acc[m] = vzero();
-      for (int64_t c = g * G; c < (g + 1) * G; c += 32) {
-        prefetch_span<16>(wr + c / 2, c / 2);
-        for (int j = 0; j < 16; j += VW) {
-          vf lo, hi;
-          vload_u4(wr + c / 2 + j, lo, hi);
-          for (int m = 0; m < M; ++m) {
-            lo_acc[m] = vfmadd(lo, vload(x + m * I + c + j), lo_acc[m]);
-            hi_acc[m] = vfmadd(hi, vload(x + m * I + c + 16 + j), hi_acc[m]);
-          }
-        }
-      }
-      const vf s = vset1(sr[g]);
-      for (int m = 0; m < M; ++m) {
-        acc[m] = vfmadd(vadd(lo_acc[m], hi_acc[m]), s, acc[m]);
-        macc[m] += mr[g] * xsum[m * ng + g];
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      float s = vsum(acc[m]) + macc[m];
-      if (bias) s += scalar(bias[o]);
-      store(y + m * O + o, s);
-    }
-  }
-}
-
-"""
-    + cpu_ext.SPLIT_ROWS
-    + r"""
-// The input rows as fp32, widened once per call rather than once per weight row
-template <typename T> static std::vector<float> widen(const T* x, int64_t n) {
-  std::vector<float> out(n);
-  for (int64_t i = 0; i < n; ++i) out[i] = scalar(x[i]);
-  return out;
-}
-
-template <bool FP8, typename T>
-static void qgemv_i8(const T* x_in, const int8_t* w, const float* scale, const T* bias, T* y, int64_t M, int64_t I,
-                     int64_t O) {
-  const std::vector<float> xf = widen(x_in, M * I);
-  const float* x = xf.data();
-  split_rows(M, O, I, [&](int64_t m0, int64_t n, int64_t o, int64_t oe) {
-    const float* xm = x + m0 * I;
-    T* ym = y + m0 * O;
-    switch (n) {
-      case 1: rows_i8<1, FP8>(xm, w, scale, bias, ym, I, O, o, oe); break;
-      case 2: rows_i8<2, FP8>(xm, w, scale, bias, ym, I, O, o, oe); break;
-      case 3: rows_i8<3, FP8>(xm, w, scale, bias, ym, I, O, o, oe); break;
-      default: rows_i8<4, FP8>(xm, w, scale, bias, ym, I, O, o, oe); break;
-    }
-  });
-}
-
-template <typename T>
-static void qgemv_i4(const T* x_in, const uint8_t* w, const float* scale, const float* offset, const T* bias, T* y,
-                     int64_t M, int64_t I, int64_t O, int64_t G) {
-  const int64_t ng = I / G;
-  const std::vector<float> xf = widen(x_in, M * I);
-  const float* x = xf.data();
-  std::vector<float> xsum(M * ng, 0.f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t i = 0; i < I; ++i) xsum[m * ng + i / G] += x[m * I + i];
-  split_rows(M, O, I / 2, [&](int64_t m0, int64_t n, int64_t o, int64_t oe) {
-    const float* xm = x + m0 * I;
-    const float* xs = xsum.data() + m0 * ng;
-    T* ym = y + m0 * O;
-    switch (n) {
-      case 1: rows_i4<1>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
-      case 2: rows_i4<2>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
-      case 3: rows_i4<3>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
-      default: rows_i4<4>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
-    }
-  });
-}
-
-// x [M, I] and y [M, O] in one dtype (bf16 when `bf16`, else fp32), bias [O] in it too or null; w int8, or fp8
-// e4m3 bytes when `fp8`
-extern "C" void fulcrum_qgemv_int8(int64_t bf16, int64_t fp8, const void* x, const void* w, const void* scale,
-                                   const void* bias, void* y, int64_t M, int64_t I, int64_t O) {
-  using B = c10::BFloat16;
-  const int8_t* q = (const int8_t*)w;
-  const float* s = (const float*)scale;
-  if (bf16 && fp8) qgemv_i8<true>((const B*)x, q, s, (const B*)bias, (B*)y, M, I, O);
-  else if (bf16) qgemv_i8<false>((const B*)x, q, s, (const B*)bias, (B*)y, M, I, O);
-  else if (fp8) qgemv_i8<true>((const float*)x, q, s, (const float*)bias, (float*)y, M, I, O);
-  else qgemv_i8<false>((const float*)x, q, s, (const float*)bias, (float*)y, M, I, O);
-}
-
-extern "C" void fulcrum_qgemv_int4(int64_t bf16, const void* x, const void* w, const void* scale,
-                                   const void* offset, const void* bias, void* y, int64_t M, int64_t I, int64_t O,
-                                   int64_t G) {
-  using B = c10::BFloat16;
-  const float *s = (const float*)scale, *m = (const float*)offset;
-  if (bf16) qgemv_i4((const B*)x, (const uint8_t*)w, s, m, (const B*)bias, (B*)y, M, I, O, G);
-  else qgemv_i4((const float*)x, (const uint8_t*)w, s, m, (const float*)bias, (float*)y, M, I, O, G);
-}
-
-// The whole weight [O, I] in the input's dtype, for many input rows (prefill), where a dense matmul beats the GEMV
-static inline void vstore_t(float* p, vf a) { vstore(p, a); }
-static inline void vstore_t(c10::BFloat16* p, vf a) { vstore_bf16(p, a); }
-
-template <bool FP8, typename T>
-static void dequant_i8(const int8_t* q, const float* s, T* y, int64_t O, int64_t I) {
-  at::parallel_for(0, O, std::max<int64_t>(1, 65536 / I), [&](int64_t b, int64_t e) {
-    for (int64_t o = b; o < e; ++o) {
-      const float so = FP8 ? s[o] * 256.f : s[o];
-      const vf sv = vset1(so);
-      int64_t i = 0;
-      for (; i + VW <= I; i += VW) vstore_t(y + o * I + i, vmul(vload_w<FP8>(q + o * I + i), sv));
-      for (; i < I; ++i) y[o * I + i] = T(weight<FP8>(q[o * I + i]) * so);
-    }
-  });
-}
-
-template <typename T>
-static void dequant_i4(const uint8_t* q, const float* s, const float* m, T* y, int64_t O, int64_t I, int64_t G) {
-  const int64_t ng = I / G;
-  at::parallel_for(0, O, std::max<int64_t>(1, 131072 / I), [&](int64_t b, int64_t e) {
-    for (int64_t o = b; o < e; ++o)
-      for (int64_t c = 0; c < I; c += 32) {
-        const vf sv = vset1(s[o * ng + c / G]), mv = vset1(m[o * ng + c / G]);
-        for (int j = 0; j < 16; j += VW) {
-          vf lo, hi;
-          vload_u4(q + o * (I / 2) + c / 2 + j, lo, hi);
-          vstore_t(y + o * I + c + j, vfmadd(lo, sv, mv));
-          vstore_t(y + o * I + c + 16 + j, vfmadd(hi, sv, mv));
-        }
-      }
-  });
-}
-
-extern "C" void fulcrum_dequant_int8(int64_t bf16, int64_t fp8, const void* w, const void* scale, void* out,
-                                     int64_t O, int64_t I) {
-  const int8_t* q = (const int8_t*)w;
-  const float* s = (const float*)scale;
-  if (bf16 && fp8) dequant_i8<true>(q, s, (c10::BFloat16*)out, O, I);
-  else if (bf16) dequant_i8<false>(q, s, (c10::BFloat16*)out, O, I);
-  else if (fp8) dequant_i8<true>(q, s, (float*)out, O, I);
-  else dequant_i8<false>(q, s, (float*)out, O, I);
-}
-
-extern "C" void fulcrum_dequant_int4(int64_t bf16, const void* w, const void* scale, const void* offset, void* out,
-                                     int64_t O, int64_t I, int64_t G) {
-  const uint8_t* q = (const uint8_t*)w;
-  const float *s = (const float*)scale, *m = (const float*)offset;
-  if (bf16) dequant_i4(q, s, m, (c10::BFloat16*)out, O, I, G);
-  else dequant_i4(q, s, m, (float*)out, O, I, G);
-}
-"""
-)
-
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
 def level() -> str:
-    return cpu_ext.best("avx512", "avx2")
+    return cpu_ext.vector_level()
+
+
+BINDINGS = {
+    "qgemv.cpp": {
+        "fulcrum_qgemv_int8": (None, I64, I64, *[PTR] * 5, I64, I64, I64),
+        "fulcrum_qgemv_int4": (None, I64, *[PTR] * 6, I64, I64, I64, I64),
+        "fulcrum_dequant_int8": (None, I64, I64, PTR, PTR, PTR, I64, I64),
+        "fulcrum_dequant_int4": (None, I64, PTR, PTR, PTR, PTR, I64, I64, I64),
+    }
+}
 
 
 @functools.cache
 def _module():
-    lvl = level()
-    lib = cpu_ext.load(f"fulcrum_cpu_qgemv_{lvl}", cpu_ext.vector_prelude(lvl) + _LOADS[lvl] + _BODY, lvl)
+    lib = cpu_ext.load("qgemv.cpp", level(), BINDINGS["qgemv.cpp"])
     if lib is None:
         return None
-    P, I64 = cpu_ext.PTR, cpu_ext.I64
-    return {
-        "int8": cpu_ext.bind(lib.fulcrum_qgemv_int8, None, I64, I64, P, P, P, P, P, I64, I64, I64),
-        "int4": cpu_ext.bind(lib.fulcrum_qgemv_int4, None, I64, P, P, P, P, P, P, I64, I64, I64, I64),
-        "dequant_int8": cpu_ext.bind(lib.fulcrum_dequant_int8, None, I64, I64, P, P, P, I64, I64),
-        "dequant_int4": cpu_ext.bind(lib.fulcrum_dequant_int4, None, I64, P, P, P, P, I64, I64, I64),
-    }
+    return {"int8": lib.fulcrum_qgemv_int8, "int4": lib.fulcrum_qgemv_int4,
+            "dequant_int8": lib.fulcrum_dequant_int8, "dequant_int4": lib.fulcrum_dequant_int4}  # fmt: skip
 
 
 def available() -> bool:

@@ -1,19 +1,7 @@
-"""The engine core's CPU threads: how many compute, and on which cores.
-
-PyTorch's ops and fulcrum's kernels share one OpenMP pool (cpu_ext). Left alone it has one thread per core the
-process may run on and the OS moves them freely: with a client on the same 2 cores that collapsed to 18 tok/s
-where one pinned thread made 223 (benchmarks/bench_threads.py). `--cpu-threads N` sets the pool's size, and `--cpu-bind` where
-its threads run, as vLLM's CPU backend does with VLLM_CPU_OMP_THREADS_BIND:
-- `none`: the OS places the threads (torch's default);
-- `auto`: where the engine core has a process of its own (`fulcrum serve`), one thread per allowed core (the
-  process's affinity mask, which taskset, cgroups and containers set) but one, which is left to the frontend as
-  vLLM's CPU backend does, thread i pinned to the i-th; inside a user's process (`LLM(...)`), one thread per
-  allowed core, unpinned;
-- a core list such as `0-3,6`: thread i pinned to the i-th listed core.
-Pinning keeps each thread's cache and the memory pages it first touched near it, and stops the pool's threads
-from chasing each other across cores when other work shares the machine. It is done by a small native call that
-runs once on every thread of the pool (sched_setaffinity from inside an OpenMP region); where it cannot be built,
-the process as a whole is confined to the cores instead.
+"""The engine core's CPU threads: how many compute (`--cpu-threads`), and on which cores (`--cpu-bind`: none, auto, or
+a core list), as vLLM's CPU backend does with VLLM_CPU_OMP_THREADS_BIND. Unpinned threads with a client on the same
+cores collapsed throughput (benchmarks/results/cpu-threads-colocated-avx2.log); pinning is a small native call on
+every thread of torch's OpenMP pool (kernels/csrc/cpu_threads.cpp), else the whole process is confined to the cores.
 """
 
 from __future__ import annotations
@@ -26,34 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from fulcrum.kernels import cpu_ext
+from fulcrum.kernels.cpu_ext import I64, PTR
 
 log = logging.getLogger(__name__)
 
-_SOURCE = r"""
-#include <omp.h>
-#include <sched.h>
-#include <cstdint>
-
-// Pins OpenMP thread i of a team of n to cpus[i]; the pool keeps its threads, so later parallel regions of the
-// same size (torch's ops, fulcrum's kernels) run on the same pinned threads. Returns how many pins failed.
-extern "C" int64_t fulcrum_bind_threads(const int64_t* cpus, int64_t n) {
-  int64_t failed = 0;
-#pragma omp parallel num_threads(n) reduction(+ : failed)
-  {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(cpus[omp_get_thread_num()], &set);
-    failed += sched_setaffinity(0, sizeof(set), &set) != 0;
-  }
-  return failed;
-}
-
-// The core each thread of a team of n runs on now, written to out[0..n)
-extern "C" void fulcrum_thread_cpus(int64_t* out, int64_t n) {
-#pragma omp parallel num_threads(n)
-  out[omp_get_thread_num()] = sched_getcpu();
-}
-"""
+BINDINGS = {"cpu_threads.cpp": {"fulcrum_bind_threads": (I64, PTR, I64), "fulcrum_thread_cpus": (None, PTR, I64)}}
 
 
 def allowed_cpus() -> list[int]:
@@ -142,12 +107,7 @@ def rank_plan(threads: int | None, bind: str, own_process: bool, rank: int, worl
 
 @functools.cache
 def _lib():
-    lib = cpu_ext.load("fulcrum_cpu_threads", _SOURCE, "none")
-    if lib is None:
-        return None
-    cpu_ext.bind(lib.fulcrum_bind_threads, cpu_ext.I64, cpu_ext.PTR, cpu_ext.I64)
-    cpu_ext.bind(lib.fulcrum_thread_cpus, None, cpu_ext.PTR, cpu_ext.I64)
-    return lib
+    return cpu_ext.load("cpu_threads.cpp", "none", BINDINGS["cpu_threads.cpp"])  # needs no vector ISA
 
 
 def apply(p: ThreadPlan) -> ThreadPlan:

@@ -18,7 +18,7 @@ def test_a_lower_level_can_be_forced_never_a_higher_one(monkeypatch):
     monkeypatch.setenv("FULCRUM_CPU_ISA", "avx512_bf16")
     assert cpu_ext.isa() == "avx512"
     monkeypatch.setenv("FULCRUM_CPU_ISA", "none")
-    assert cpu_ext.isa() == "none" and cpu_ext.load("fulcrum_unused", "", "avx2") is None
+    assert cpu_ext.isa() == "none" and cpu_ext.load("act.cpp", "avx2", {}) is None
 
 
 def test_kernels_off_and_bad_values(monkeypatch):
@@ -46,23 +46,35 @@ def test_detected_level_follows_the_cpu_flags(monkeypatch):
 
 
 def test_a_source_that_does_not_compile_leaves_pytorch_ops(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("FULCRUM_CACHE", str(tmp_path))
+    """...with a warning whose compiler error names the source file and line, compiled where it lies."""
+    monkeypatch.setenv("FULCRUM_CACHE", str(tmp_path / "cache"))
     if not cpu_ext.at_least("avx2"):
         pytest.skip("below AVX2 nothing is built")
-    assert cpu_ext.load("fulcrum_broken", "this is not C++", "avx2") is None
-    assert "fulcrum_broken unavailable" in caplog.text
+    broken = tmp_path / "broken.cpp"
+    broken.write_text('#include "prelude.h"\n\nthis is not C++\n')
+    assert cpu_ext.load(broken, "avx2", {}) is None
+    assert "broken_avx2 unavailable" in caplog.text and f"{broken}:3" in caplog.text
 
 
-def test_a_built_library_is_reused_from_the_cache(monkeypatch, tmp_path):
-    monkeypatch.setenv("FULCRUM_CACHE", str(tmp_path))
+def test_a_built_library_is_reused_from_the_cache_until_a_header_changes(monkeypatch, tmp_path):
+    monkeypatch.setenv("FULCRUM_CACHE", str(tmp_path / "cache"))
     if not cpu_ext.at_least("avx2"):
         pytest.skip("below AVX2 nothing is built")
-    source = cpu_ext.PRELUDE + 'extern "C" int64_t answer() { return 42; }\n'
-    lib = cpu_ext.load("fulcrum_answer", source, "avx2")
+    source, header = tmp_path / "answer.cpp", tmp_path / "answer.h"
+    source.write_text('#include "prelude.h"\n#include "answer.h"\nextern "C" int64_t answer() { return ANSWER; }\n')
+    header.write_text("#define ANSWER 42\n")
+    lib = cpu_ext.load(source, "avx2", {})
     assert cpu_ext.bind(lib.answer, cpu_ext.I64)() == 42
+    run = cpu_ext.subprocess.run
     calls = []
     monkeypatch.setattr(cpu_ext.subprocess, "run", lambda *a, **k: calls.append(a))
-    assert cpu_ext.load("fulcrum_answer", source, "avx2") is not None and calls == []
+    assert cpu_ext.load(source, "avx2", {}) is not None and calls == []
+    # the key covers every included file's contents, not only the .cpp's
+    monkeypatch.setattr(cpu_ext.subprocess, "run", lambda *a, **k: calls.append(a) or run(*a, **k))
+    header.write_text("#define ANSWER 43\n")
+    lib = cpu_ext.load(source, "avx2", {})
+    assert len(calls) == 1 and cpu_ext.bind(lib.answer, cpu_ext.I64)() == 43
+    assert {"answer.cpp", "answer.h", "prelude.h"} <= {os.path.basename(k) for k in cpu_ext.sources(source)}
 
 
 def test_a_forced_level_caps_torchs_own_kernels_too(monkeypatch):

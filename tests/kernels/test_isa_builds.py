@@ -1,4 +1,4 @@
-"""Every kernel's source compiles at every ISA level, whatever this CPU runs: a machine with AVX2 only still
+"""Every kernel's source (csrc/) compiles at every ISA level, whatever this CPU runs: a machine with AVX2 only still
 checks that its AVX-512 and AVX-512 BF16 builds compile (it cannot run them; test_isa_paths runs the levels
 this CPU has)."""
 
@@ -19,35 +19,41 @@ from fulcrum.kernels import (
     cpu_qgemv_vnni,
     cpu_rope,
 )
+from fulcrum.runtime import cpu_threads
 from fulcrum.utils.cpu_isa import cpu_flags
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
 
+# each build: the source in csrc/ and its -D macros
 SOURCES = {
-    "gemv": cpu_gemv._source,
-    "attention": lambda lvl: cpu_ext.vector_prelude(lvl) + cpu_attention._BODY,
-    "norm": lambda lvl: cpu_ext.vector_prelude(lvl) + "#include <cmath>\n" + cpu_norm._BODY,
-    "act": lambda lvl: cpu_ext.vector_prelude(lvl) + "#include <cmath>\n" + cpu_act._BODY,
-    "argmax": lambda lvl: cpu_ext.vector_prelude(lvl) + "#include <cmath>\n" + cpu_argmax._BODY,
-    "qgemv": lambda lvl: cpu_ext.vector_prelude(lvl) + cpu_qgemv._LOADS[lvl] + cpu_qgemv._BODY,
-    "qgemv_vnni": lambda lvl: cpu_qgemv_vnni._SOURCE,
+    "gemv": ("gemv.cpp", {}),
+    "decode attention": ("decode_attention.cpp", {"QUANTIZED_KV": 0}),
+    "decode attention, quantized KV": ("decode_attention.cpp", {"QUANTIZED_KV": 1}),
+    "prefill attention": ("prefill_attention.cpp", {}),
+    "norm": ("norm.cpp", {}),
+    "act": ("act.cpp", {}),
+    "argmax": ("argmax.cpp", {}),
+    "rope": ("rope.cpp", {}),
+    "decode stack": ("decode_stack.cpp", {}),
+    "qgemv": ("qgemv.cpp", {}),
+    "qgemv_vnni": ("qgemv_vnni.cpp", {}),
 }
 EXTRA_FLAGS = {"qgemv_vnni": ["-mavx512vnni"]}
 
 
-# attention has no AVX-512 BF16 build of its own (it is built at AVX-512 there)
-BUILDS = [("gemv", lvl) for lvl in ("avx2", "avx512", "avx512_bf16")] + [("attention", "avx2"), ("attention", "avx512")]
-BUILDS += [(kernel, lvl) for kernel in ("norm", "act", "argmax") for lvl in ("avx2", "avx512")]
-BUILDS += [("qgemv", "avx2"), ("qgemv", "avx512"), ("qgemv_vnni", "avx512_bf16")]
+# the vector kernels have no AVX-512 BF16 build of their own (they are built at AVX-512 there)
+BUILDS = [("gemv", lvl) for lvl in ("avx2", "avx512", "avx512_bf16")]
+BUILDS += [(kernel, lvl) for kernel in ("decode attention", "prefill attention", "norm", "act", "argmax", "qgemv")
+           for lvl in ("avx2", "avx512")]  # fmt: skip
+BUILDS += [("decode attention, quantized KV", "avx512"), ("rope", "avx2"), ("decode stack", "avx2")]
+BUILDS += [("qgemv_vnni", "avx512_bf16")]
 
 
 @pytest.mark.parametrize("kernel, level", BUILDS)
 def test_compiles_at_every_level(kernel, level, tmp_path):
-    src = tmp_path / f"{kernel}.cpp"
-    src.write_text(SOURCES[kernel](level))
-    cmd = cpu_ext.compile_command(
-        str(src), str(tmp_path / f"{kernel}.o"), [*cpu_ext.ISA_FLAGS[level], *EXTRA_FLAGS.get(kernel, [])], link=False
-    )
+    source, defines = SOURCES[kernel]
+    flags = [*cpu_ext.ISA_FLAGS[level], *EXTRA_FLAGS.get(kernel, []), *(f"-D{k}={v}" for k, v in defines.items())]
+    cmd = cpu_ext.compile_command(str(cpu_ext.CSRC / source), str(tmp_path / "kernel.o"), flags, link=False)
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
 
@@ -65,6 +71,7 @@ RUNNABLE = {
     "decode stack": (cpu_decode_stack.available, "avx2"),
     "qgemv": (cpu_qgemv.available, "avx2"),
     "qgemv_vnni": (cpu_qgemv_vnni.available, "avx512_bf16"),
+    "thread placement": (lambda: cpu_threads._lib() is not None, "none"),
 }
 
 

@@ -30,7 +30,7 @@ def test_warm_up_builds_nothing_for_another_device(built):
 
 def test_the_build_keeps_its_cache_folder_and_switch(monkeypatch, tmp_path):
     monkeypatch.setenv("FULCRUM_CACHE", str(tmp_path))
-    assert Path(cpu_ext._build_dir("source", ["-O3"])).parent == tmp_path / "kernels"
+    assert Path(cpu_ext._build_dir(cpu_ext.CSRC / "act.cpp", ["-O3"])).parent == tmp_path / "kernels"
     # FULCRUM_CPU_KERNELS=0: nothing is built, callers stay on PyTorch ops
     monkeypatch.setenv("FULCRUM_CPU_KERNELS", "0")
-    assert cpu_ext.load("fulcrum_unused", "", "avx2") is None
+    assert cpu_ext.load("act.cpp", "avx2", {}) is None

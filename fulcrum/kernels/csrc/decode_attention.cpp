@@ -1,0 +1,240 @@
+// Decode attention read straight from the paged KV cache: one (sequence, KV head) pair a task, each cached key read
+// once through the block table and scored against all query heads of its group in fp32, a softmax per head, the
+// values summed the same way. PyTorch's path gathers every sequence's blocks into a padded copy and runs a masked
+// SDPA over it; here there is no gather, no padding and no mask. Built twice: QUANTIZED_KV=0 reads a cache in the
+// activations' dtype, QUANTIZED_KV=1 int8 and fp8 caches (fulcrum.quant.kv) only, so a server without one does not
+// compile their instantiations.
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <vector>
+
+#include "exports.h"
+#include "vec.h"
+
+#ifndef QUANTIZED_KV
+#error "cpu_attention builds this file with -DQUANTIZED_KV=0 or 1"
+#endif
+
+constexpr int64_t MAX_G = 16;  // query heads per KV head (cpu_attention.MAX_GROUP)
+
+// A quantized cache (fulcrum.quant.kv): one byte per value, one fp16 scale per token and head. fp8 loads as 2^-8
+// times its value (vload_f8), so its scales carry the 2^8.
+static inline vf vload(const int8_t* p) { return vload_i8(p); }
+static inline vf vload(const c10::Float8_e4m3fn* p) { return vload_f8((const uint8_t*)p); }
+template <typename C> constexpr float load_factor() { return std::is_same_v<C, c10::Float8_e4m3fn> ? 256.f : 1.f; }
+
+// A head of HD values in vectors of VW: HD need not be a multiple of VW (a draft's head_dim 24 on AVX-512). The
+// last vector then holds the HD % VW values left and zeros, loaded through a zeroed buffer so that no read passes
+// the head's end (the next head's values, or the cache's end); zero queries make the padded lanes score nothing.
+template <int HD> constexpr int num_vectors() { return (HD + VW - 1) / VW; }
+template <int HD, typename P>
+static inline vf vload_head(const P* p, int c) {
+  if constexpr (HD % VW != 0) {
+    if (c == num_vectors<HD>() - 1) {
+      alignas(64) unsigned char buf[VW * sizeof(P)] = {};
+      std::memcpy(buf, p + VW * c, (HD % VW) * sizeof(P));
+      return vload((const P*)buf);
+    }
+  }
+  return vload(p + VW * c);
+}
+
+
+// Calls fn(i, row, slot) for the cached tokens start..ctx-1 in order (i counts from 0; slot: the token's cache
+// slot), walking the block table once instead of dividing every position by the block size. While a block is
+// read, the next block's `head_bytes` of each token are prefetched: blocks lie anywhere in the cache, where the
+// hardware prefetchers do not follow.
+template <typename C, typename Fn>
+static inline void for_each_token(const C* cache, const int64_t* table, int64_t start, int64_t ctx, int64_t bs,
+                                  int64_t kv_stride, Fn fn, int64_t head_bytes = 64) {
+  int64_t i = 0;
+  for (int64_t blk = start / bs, off = start % bs; blk * bs < ctx; ++blk, off = 0) {
+    const C* base = cache + table[blk] * bs * kv_stride;
+    const int64_t stop = std::min(bs, ctx - blk * bs);
+    if ((blk + 1) * bs < ctx) {
+      const char* next = (const char*)(cache + table[blk + 1] * bs * kv_stride);
+      const int64_t rows = std::min(bs, ctx - (blk + 1) * bs);
+      for (int64_t j = 0; j < rows; ++j)
+        for (int64_t b = 0; b < head_bytes; b += 64)
+          _mm_prefetch(next + j * kv_stride * int64_t(sizeof(C)) + b, _MM_HINT_T0);
+    }
+    for (int64_t j = off; j < stop; ++j) fn(i++, base + j * kv_stride, table[blk] * bs + j);
+  }
+}
+
+// VW vectors in, one out: lane j holds the sum of vector j's lanes, so that a head scores VW keys per vector. A
+// transpose that adds as it goes: in-lane unpacks and shuffles first (cheap), the 128-bit lanes crossed only at the
+// end, about 2 shuffles and 1 add per vector where a horizontal sum of each takes 4 shuffles and 4 adds.
+#if defined(__AVX512F__)
+static inline vf vsum_each(vf* v) {
+  vf x[8], y[4], z[2];
+  for (int j = 0; j < 8; ++j)  // per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3
+    x[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j)  // per 128-bit lane: the lane's sums of a, b, c, d
+    y[j] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * j], x[2 * j + 1], 0x44), _mm512_shuffle_ps(x[2 * j], x[2 * j + 1], 0xEE));
+  for (int j = 0; j < 2; ++j)  // 128-bit lanes 0+1 and 2+3 of two vectors
+    z[j] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * j], y[2 * j + 1], 0x88), _mm512_shuffle_f32x4(y[2 * j], y[2 * j + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+#else
+static inline vf vsum_each(vf* v) {  // AVX2's in-lane hadd twice, then the two 128-bit halves
+  const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+}
+#endif
+
+// q and out of T; the cache of C: T itself (ksc, vsc null), int8 or fp8 with the head's scales (stride `sstride`
+// between slots), which multiply each key's scores and each value's weight. `scores` holds g rows of n rounded up
+// to whole vectors.
+template <typename T, typename C, int HD>
+static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, const c10::Half* vsc,
+                   int64_t sstride, const int64_t* table, int64_t start, int64_t ctx, int64_t bs, int64_t kv_stride,
+                   int64_t g, float scale, float softcap, float* scores, T* out, int64_t q_stride) {
+  constexpr float factor = load_factor<C>();
+  constexpr bool quantized = !std::is_same_v<C, T>;
+  constexpr int NV = num_vectors<HD>();
+  const int64_t n = ctx - start, np = (n + VW - 1) / VW * VW;
+  // queries of the group in fp32, scaled: [g][C] vectors (from L1 when they outnumber the registers)
+  vf qv[MAX_G][NV];
+  for (int64_t h = 0; h < g; ++h)
+    for (int c = 0; c < NV; ++c) qv[h][c] = vmul(vload_head<HD>(q + h * q_stride, c), vset1(scale));
+  // scores [g, np], VW keys at a time: each key read and widened once, its g partial products summed lane-wise
+  // with the VW-1 others of its chunk into one vector of VW scores; a last, partial chunk repeats its last key
+  // and its lanes past the end are set to -inf, which the softmax turns into zero weights
+  const C* keys[VW];
+  alignas(64) float kscale[VW];
+  int64_t filled = 0, chunk = 0;
+  auto score_chunk = [&]() {
+    for (int64_t j = filled; j < VW; ++j) {
+      keys[j] = keys[filled - 1];
+      if constexpr (quantized) kscale[j] = kscale[filled - 1];
+    }
+    vf kv[VW][NV];
+    for (int j = 0; j < VW; ++j)
+      for (int c = 0; c < NV; ++c) kv[j][c] = vload_head<HD>(keys[j], c);
+    for (int64_t h = 0; h < g; ++h) {
+      vf part[VW];
+      for (int j = 0; j < VW; ++j) {
+        vf a = vmul(qv[h][0], kv[j][0]);
+        for (int c = 1; c < NV; ++c) a = vfmadd(qv[h][c], kv[j][c], a);
+        part[j] = a;
+      }
+      vf sc = vsum_each(part);
+      if constexpr (quantized) sc = vmul(sc, vload(kscale));
+      vstore(scores + h * np + chunk * VW, sc);
+      for (int64_t j = filled; j < VW; ++j) scores[h * np + chunk * VW + j] = -INFINITY;
+    }
+    ++chunk, filled = 0;
+  };
+  for_each_token(kc, table, start, ctx, bs, kv_stride, [&](int64_t, const C* k, int64_t slot) {
+    keys[filled] = k;
+    if constexpr (quantized) kscale[filled] = float(ksc[slot * sstride]) * factor;
+    if (++filled == VW) score_chunk();
+  }, HD * int64_t(sizeof(C)));
+  if (filled) score_chunk();
+  // Gemma 2's soft cap on the scaled scores, cap * tanh(score / cap), before the softmax (not on the padding)
+  if (softcap > 0)
+    for (int64_t h = 0; h < g; ++h)
+      for (int64_t t = 0; t < n; ++t) scores[h * np + t] = softcap * std::tanh(scores[h * np + t] / softcap);
+  // softmax per head in place, unnormalised: the sum's inverse scales the output instead of every weight
+  float inv[MAX_G];
+  for (int64_t h = 0; h < g; ++h) {
+    float* s = scores + h * np;
+    vf m = vset1(-INFINITY);
+    for (int64_t t = 0; t < np; t += VW) m = vmax(m, vload(s + t));
+    const vf mx = vset1(vmax_all(m));
+    vf sum = vzero();
+    for (int64_t t = 0; t < np; t += VW) {
+      const vf e = vexp(vsub(vload(s + t), mx));
+      vstore(s + t, e);
+      sum = vadd(sum, e);
+    }
+    inv[h] = 1.0f / vsum(sum);
+  }
+  // out [g, HD]: one value read, g weighted sums; groups of up to 4 heads keep their sums in registers
+  for (int64_t h0 = 0; h0 < g; h0 += 4) {
+    const int64_t hn = std::min<int64_t>(4, g - h0);
+    vf acc[4][NV];
+    for (int64_t h = 0; h < hn; ++h) for (int c = 0; c < NV; ++c) acc[h][c] = vzero();
+    for_each_token(vc, table, start, ctx, bs, kv_stride, [&](int64_t i, const C* v, int64_t slot) {
+      vf vv[NV];
+      for (int c = 0; c < NV; ++c) vv[c] = vload_head<HD>(v, c);
+      float vs = 1.f;
+      if constexpr (quantized) vs = float(vsc[slot * sstride]) * factor;
+      for (int64_t h = 0; h < hn; ++h) {
+        const vf p = vset1(quantized ? scores[(h0 + h) * np + i] * vs : scores[(h0 + h) * np + i]);
+        for (int c = 0; c < NV; ++c) acc[h][c] = vfmadd(p, vv[c], acc[h][c]);
+      }
+    }, HD * int64_t(sizeof(C)));
+    for (int64_t h = 0; h < hn; ++h) {
+      alignas(64) float tmp[NV * VW];
+      for (int c = 0; c < NV; ++c) vstore(tmp + VW * c, vmul(acc[h][c], vset1(inv[h0 + h])));
+      for (int d = 0; d < HD; ++d) store(out + (h0 + h) * q_stride + d, tmp[d]);
+    }
+  }
+}
+
+template <typename T, typename C, int HD>
+static void run(const T* qp, const C* kp, const C* vp, const c10::Half* ks, const c10::Half* vs, const int64_t* tp,
+                const int64_t* lp, T* op, int64_t D, int64_t H, int64_t KVH, int64_t bs, int64_t width, float scale,
+                int64_t window, float softcap) {
+  const int64_t g = H / KVH, kv_stride = KVH * HD;
+  int64_t max_ctx = 0;
+  for (int64_t i = 0; i < D; ++i) max_ctx = std::max(max_ctx, lp[i]);
+  at::parallel_for(0, D * KVH, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> scores(g * (max_ctx + VW));  // each head's row rounded up to whole vectors
+    for (int64_t task = b; task < e; ++task) {
+      const int64_t i = task / KVH, kvh = task % KVH, ctx = lp[i];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      attend<T, C, HD>(qp + (i * H + kvh * g) * HD, kp + kvh * HD, vp + kvh * HD, ks ? ks + kvh : nullptr,
+                       vs ? vs + kvh : nullptr, KVH, tp + i * width, start, ctx, bs, kv_stride, g, scale, softcap,
+                       scores.data(), op + (i * H + kvh * g) * HD, HD);
+    }
+  });
+}
+
+template <typename T, int HD>
+static void run_cache(int64_t kind, const void* q, const void* kc, const void* vc, const void* ks, const void* vs,
+                      const int64_t* tables, const int64_t* lens, void* out, int64_t D, int64_t H, int64_t KVH,
+                      int64_t bs, int64_t width, float scale, int64_t window, float softcap) {
+  using S = c10::Half;
+  const S *ksc = (const S*)ks, *vsc = (const S*)vs;
+#if QUANTIZED_KV  // the quantized caches' build: int8 and fp8 only
+  if (kind == 1)
+    run<T, int8_t, HD>((const T*)q, (const int8_t*)kc, (const int8_t*)vc, ksc, vsc, tables, lens, (T*)out, D, H,
+                       KVH, bs, width, scale, window, softcap);
+  else if (kind == 2)
+    run<T, c10::Float8_e4m3fn, HD>((const T*)q, (const c10::Float8_e4m3fn*)kc, (const c10::Float8_e4m3fn*)vc, ksc,
+                                   vsc, tables, lens, (T*)out, D, H, KVH, bs, width, scale, window, softcap);
+#else
+  if (kind == 0)
+    run<T, T, HD>((const T*)q, (const T*)kc, (const T*)vc, nullptr, nullptr, tables, lens, (T*)out, D, H, KVH, bs,
+                  width, scale, window, softcap);
+#endif
+}
+
+// q and out [D, H, hd]; k/v cache [blocks, bs, KVH, hd]; tables [D, width] int64; ctx_lens [D] int64, all contiguous.
+// kind 0: the cache in q's dtype; 1: int8, 2: fp8 e4m3, with fp16 scales k_scales/v_scales [blocks, bs, KVH].
+// window <= 0: no sliding window. Returns 0, or -1 for an unsupported head_dim.
+extern "C" int64_t fulcrum_decode_attention(int64_t bf16, int64_t kind, const void* q, const void* k_cache,
+                                            const void* v_cache, const void* k_scales, const void* v_scales,
+                                            const int64_t* tables, const int64_t* ctx_lens, void* out, int64_t D,
+                                            int64_t H, int64_t KVH, int64_t hd, int64_t bs, int64_t width, float scale,
+                                            int64_t window, float softcap) {
+#define CASE(HD)                                                                                                   \
+  case HD:                                                                                                         \
+    if (bf16) run_cache<c10::BFloat16, HD>(kind, q, k_cache, v_cache, k_scales, v_scales, tables, ctx_lens, out, D, \
+                                           H, KVH, bs, width, scale, window, softcap);                             \
+    else run_cache<float, HD>(kind, q, k_cache, v_cache, k_scales, v_scales, tables, ctx_lens, out, D, H, KVH, bs, \
+                              width, scale, window, softcap);                                                      \
+    return 0;
+  switch (hd) {
+    CASE(8) CASE(16) CASE(24) CASE(32) CASE(40) CASE(48) CASE(56) CASE(64) CASE(80) CASE(96) CASE(128) CASE(160)
+    CASE(256)
+  }
+#undef CASE
+  return -1;
+}

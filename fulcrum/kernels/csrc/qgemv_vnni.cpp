@@ -1,0 +1,160 @@
+// The quantized GEMV with integer dot products, for bf16 inputs on CPUs with AVX-512 VNNI: widening every packed
+// weight to fp32 (qgemv.cpp) costs more instructions per byte than the memory delivers. The input rows are quantized
+// once per call to int8 in blocks of 32 values, a scale per block (llama.cpp's Q8_0), and `vpdpbusd` multiplies 64
+// weight bytes by 64 input bytes into int32 sums in one instruction: int4 nibbles are already unsigned; int8 weights
+// become unsigned by adding 128 (one XOR), whose share is taken back through each block's sum. Only bf16 inputs take
+// this path: a bf16 value carries 8 significant bits, an int8 block value about 7 relative to its block's largest,
+// so the result stays within bf16's own rounding of the dequantized-weight product.
+#include <cmath>
+#include <vector>
+
+#include "exports.h"
+#include "split_rows.h"
+
+using B = c10::BFloat16;
+
+// The input rows as int8 blocks of 32: q [M, I], scale per block s [M, I/32], each block's integer sum, and (for int4's
+// zero points) the sum of the quantized x over each weight group of G. Per 64 values also the layouts the kernels read:
+// xlo/xhi (32 bytes each: values 0-15 and 32-47, values 16-31 and 48-63, matching int4's nibble order) and the
+// block scales spread over the lanes their sums land in.
+struct QX {
+  int64_t M, I, G;
+  std::vector<int8_t> q, lo, hi;
+  std::vector<float> s, s16, s8, fsum, corr;
+};
+
+static QX quantize_x(const B* x, int64_t M, int64_t I, int64_t G) {
+  QX r{M, I, G};
+  const int64_t nb = I / 32, nc = I / 64;
+  r.q.resize(M * I); r.lo.resize(M * I / 2); r.hi.resize(M * I / 2);
+  r.s.resize(M * nb); r.s16.resize(M * nc * 16); r.s8.resize(M * nc * 8);
+  r.fsum.assign(M * (I / G), 0.f); r.corr.assign(M, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const B* xb = x + m * I + b * 32;
+      float amax = 0.f, f[32];
+      for (int j = 0; j < 32; ++j) { f[j] = float(xb[j]); amax = std::max(amax, std::fabs(f[j])); }
+      const float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+      int32_t qs = 0;
+      for (int j = 0; j < 32; ++j) {
+        const int v = int(std::nearbyint(f[j] * inv));
+        r.q[m * I + b * 32 + j] = int8_t(std::min(127, std::max(-127, v)));
+        qs += r.q[m * I + b * 32 + j];
+      }
+      r.s[m * nb + b] = s;
+      r.corr[m] += 128.f * s * float(qs);  // the +128 of unsigned int8 weights, times this block's sum
+      // int4's zero points multiply the sum of the quantized x, not of x: the offset then cancels out of the error
+      r.fsum[m * (I / G) + (b * 32) / G] += s * float(qs);
+    }
+    for (int64_t c = 0; c < nc; ++c) {
+      const int8_t* q = r.q.data() + m * I + c * 64;
+      int8_t* lo = r.lo.data() + m * (I / 2) + c * 32;
+      int8_t* hi = r.hi.data() + m * (I / 2) + c * 32;
+      for (int j = 0; j < 16; ++j) { lo[j] = q[j]; hi[j] = q[16 + j]; lo[16 + j] = q[32 + j]; hi[16 + j] = q[48 + j]; }
+      const float s0 = r.s[m * nb + 2 * c], s1 = r.s[m * nb + 2 * c + 1];
+      for (int j = 0; j < 8; ++j) { r.s16[(m * nc + c) * 16 + j] = s0; r.s16[(m * nc + c) * 16 + 8 + j] = s1; }
+      for (int j = 0; j < 4; ++j) { r.s8[(m * nc + c) * 8 + j] = s0; r.s8[(m * nc + c) * 8 + 4 + j] = s1; }
+    }
+  }
+  return r;
+}
+
+static inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+
+template <int M>
+static void rows_i8(const QX& qx, int64_t m0, const int8_t* w, const float* scale, const B* bias, B* y, int64_t O,
+                    int64_t begin, int64_t end) {
+  const int64_t I = qx.I, nc = I / 64;
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  for (int64_t o = begin; o < end; ++o) {
+    const int8_t* wr = w + o * I;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nc; ++c) {
+      prefetch_stream(wr + c * 64);
+      const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512((const void*)(wr + c * 64)), flip);  // w + 128
+      for (int m = 0; m < M; ++m) {
+        const int64_t mm = m0 + m;
+        const __m512i xv = _mm512_loadu_si512((const void*)(qx.q.data() + mm * I + c * 64));
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);  // lanes 0-7: block 2c, 8-15: 2c+1
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_loadu_ps(qx.s16.data() + (mm * nc + c) * 16), acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      float s = (_mm512_reduce_add_ps(acc[m]) - qx.corr[m0 + m]) * scale[o];
+      if (bias) s += float(bias[o]);
+      y[(m0 + m) * O + o] = B(s);
+    }
+  }
+}
+
+template <int M>
+static void rows_i4(const QX& qx, int64_t m0, const uint8_t* w, const float* scale, const float* offset,
+                    const B* bias, B* y, int64_t O, int64_t begin, int64_t end) {
+  const int64_t I = qx.I, G = qx.G, nc = I / 64, ng = I / G;
+  const int gshift = __builtin_ctzll(G);  // G is 32, 64 or 128: a shift, never a division in the loop
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* wr = w + o * (I / 2);
+    const float* sr = scale + o * ng;
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < nc; ++c) {
+      prefetch_span<32>(wr + c * 32, c * 32);
+      const __m256i b = _mm256_loadu_si256((const __m256i*)(wr + c * 32));
+      const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+      const __m256 ws = _mm256_set_m128(_mm_set1_ps(sr[(c * 64 + 32) >> gshift]), _mm_set1_ps(sr[(c * 64) >> gshift]));
+      for (int m = 0; m < M; ++m) {
+        const int64_t mm = m0 + m;
+        __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i*)(qx.lo.data() + mm * (I / 2) + c * 32)));
+        d = _mm256_dpbusd_epi32(d, hi, _mm256_loadu_si256((const __m256i*)(qx.hi.data() + mm * (I / 2) + c * 32)));
+        // lanes 0-3: block 2c (values 0-31), lanes 4-7: block 2c+1
+        const __m256 sv = _mm256_mul_ps(_mm256_loadu_ps(qx.s8.data() + (mm * nc + c) * 8), ws);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sv, acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      float s = hsum256(acc[m]);
+      const float* fs = qx.fsum.data() + (m0 + m) * ng;
+      for (int64_t g = 0; g < ng; ++g) s += offset[o * ng + g] * fs[g];
+      if (bias) s += float(bias[o]);
+      y[(m0 + m) * O + o] = B(s);
+    }
+  }
+}
+
+// x [M, I] bf16 (I a multiple of 64), w int8 [O, I], scale [O]; y [M, O] bf16
+extern "C" void fulcrum_qgemv_int8_vnni(const void* x, const void* w, const void* scale, const void* bias, void* y,
+                                        int64_t M, int64_t I, int64_t O) {
+  const QX qx = quantize_x((const B*)x, M, I, I);
+  split_rows(M, O, I, [&](int64_t m0, int64_t n, int64_t o, int64_t oe) {
+    const int8_t* wq = (const int8_t*)w;
+    const float* s = (const float*)scale;
+    switch (n) {
+      case 1: rows_i8<1>(qx, m0, wq, s, (const B*)bias, (B*)y, O, o, oe); break;
+      case 2: rows_i8<2>(qx, m0, wq, s, (const B*)bias, (B*)y, O, o, oe); break;
+      case 3: rows_i8<3>(qx, m0, wq, s, (const B*)bias, (B*)y, O, o, oe); break;
+      default: rows_i8<4>(qx, m0, wq, s, (const B*)bias, (B*)y, O, o, oe); break;
+    }
+  });
+}
+
+// the int4 format of cpu_qgemv (w [O, I/2], scale/offset [O, I/G]); I a multiple of 64
+extern "C" void fulcrum_qgemv_int4_vnni(const void* x, const void* w, const void* scale, const void* offset,
+                                        const void* bias, void* y, int64_t M, int64_t I, int64_t O, int64_t G) {
+  const QX qx = quantize_x((const B*)x, M, I, G);
+  split_rows(M, O, I / 2, [&](int64_t m0, int64_t n, int64_t o, int64_t oe) {
+    const uint8_t* wq = (const uint8_t*)w;
+    const float *s = (const float*)scale, *mo = (const float*)offset;
+    switch (n) {
+      case 1: rows_i4<1>(qx, m0, wq, s, mo, (const B*)bias, (B*)y, O, o, oe); break;
+      case 2: rows_i4<2>(qx, m0, wq, s, mo, (const B*)bias, (B*)y, O, o, oe); break;
+      case 3: rows_i4<3>(qx, m0, wq, s, mo, (const B*)bias, (B*)y, O, o, oe); break;
+      default: rows_i4<4>(qx, m0, wq, s, mo, (const B*)bias, (B*)y, O, o, oe); break;
+    }
+  });
+}
