@@ -21,7 +21,7 @@ from fulcrum.defaults import (  # noqa: F401  (re-exported: the engine imports t
     QUANTIZATIONS,
 )
 from fulcrum.errors import InvalidRequestError, ModelLoadError
-from fulcrum.model_source import resolve_model
+from fulcrum.model_folder.source import resolve_model
 
 DTYPES = {
     "float32": torch.float32,
@@ -75,7 +75,7 @@ def read_eos_token_ids(path: Path, hf_config: PretrainedConfig) -> list[int]:
 
 def model_path(model: str | Path | None) -> Path:
     """The model folder a setting names (None: the bundled model): a folder, a .gguf file's folder, or a Hub ID's
-    snapshot in the local Hugging Face cache (fulcrum.model_source)."""
+    snapshot in the local Hugging Face cache (fulcrum.model_folder.source)."""
     return resolve_model(model if model is not None else DEFAULT_MODEL)
 
 

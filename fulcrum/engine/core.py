@@ -27,8 +27,8 @@ from fulcrum.engine.structured import StructuredOutputs
 from fulcrum.engine.structured.pending import PendingGrammars
 from fulcrum.engine.workers import Workers
 from fulcrum.errors import WorkerDiedError, is_fatal
+from fulcrum.model_folder.hf_config import layer_sliding_windows
 from fulcrum.sampling_params import SamplingParams
-from fulcrum.utils.hf_config import layer_sliding_windows
 
 log = logging.getLogger(__name__)
 

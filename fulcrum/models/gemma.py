@@ -15,8 +15,8 @@ from fulcrum.config import rope_parameters
 from fulcrum.errors import ModelLoadError
 from fulcrum.layers.layernorm import GemmaRMSNorm
 from fulcrum.layers.rotary import RotaryEmbedding
+from fulcrum.model_folder.hf_config import head_dim as config_head_dim
 from fulcrum.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
-from fulcrum.utils.hf_config import head_dim as config_head_dim
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

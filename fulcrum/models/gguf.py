@@ -1,7 +1,7 @@
 """Weights from a llama.cpp GGUF file, under the Hugging Face checkpoint names fulcrum's loader takes: GGUF's
 tensor names mapped back with gguf's own table (the one llama.cpp's converter names them by), Llama's q/k rows put
 back in Hugging Face's rotary layout, and every block type gguf can dequantize (Q8_0, Q4_0 ...) dequantized. The
-tensors are read from the memory-mapped file at the places the file's folder lists (fulcrum.gguf_folder)."""
+tensors are read from the memory-mapped file at the places the file's folder lists (fulcrum.model_folder.from_gguf)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from fulcrum.errors import WeightLoadError
-from fulcrum.gguf_folder import FLOAT_DTYPES, GGUF_LINK, GGUF_TENSORS
-from fulcrum.utils.hf_config import head_dim as config_head_dim
+from fulcrum.model_folder.from_gguf import FLOAT_DTYPES, GGUF_LINK, GGUF_TENSORS
+from fulcrum.model_folder.hf_config import head_dim as config_head_dim
 
 log = logging.getLogger(__name__)
 

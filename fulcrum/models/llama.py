@@ -22,9 +22,9 @@ from fulcrum.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from fulcrum.layers.layernorm import RMSNorm
 from fulcrum.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fulcrum.layers.rotary import RotaryEmbedding
+from fulcrum.model_folder.hf_config import head_dim as config_head_dim
+from fulcrum.model_folder.hf_config import layer_sliding_windows
 from fulcrum.quant.base import UnquantizedLinearMethod
-from fulcrum.utils.hf_config import head_dim as config_head_dim
-from fulcrum.utils.hf_config import layer_sliding_windows
 
 
 class LlamaAttention(nn.Module):

@@ -15,9 +15,9 @@ from torch import nn
 
 from fulcrum.config import CHECKPOINT_QUANTIZATIONS, ModelConfig
 from fulcrum.errors import ModelLoadError, WeightLoadError, WeightShapeError
-from fulcrum.gguf_folder import GGUF_LINK
 from fulcrum.layers.embedding import DENSE, ParallelLMHead
 from fulcrum.layers.linear import copy_checked
+from fulcrum.model_folder.from_gguf import GGUF_LINK
 from fulcrum.models.gguf import gguf_weights
 from fulcrum.models.registry import model_class
 from fulcrum.quant import describe, method_factory

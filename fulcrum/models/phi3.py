@@ -10,8 +10,8 @@ from transformers import PretrainedConfig
 
 from fulcrum.errors import WeightShapeError
 from fulcrum.layers.linear import MergedColumnParallelLinear
+from fulcrum.model_folder.hf_config import head_dim as config_head_dim
 from fulcrum.models.llama import LlamaForCausalLM
-from fulcrum.utils.hf_config import head_dim as config_head_dim
 
 
 def load_fused(layer: MergedColumnParallelLinear, shard_ids: list, sizes: list[int]) -> None:

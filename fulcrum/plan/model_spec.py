@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from fulcrum.errors import ModelLoadError
-from fulcrum.utils.hf_config import head_dim, layer_sliding_windows
+from fulcrum.model_folder.hf_config import head_dim, layer_sliding_windows
 
 PRESETS = Path(__file__).with_name("presets.json")
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5, "fp4": 0.5}

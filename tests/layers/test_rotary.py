@@ -10,7 +10,7 @@ from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
 from fulcrum.config import rope_parameters
 from fulcrum.layers.rotary import SUPPORTED_ROPE_TYPES, RotaryEmbedding, inverse_frequencies
-from fulcrum.utils.hf_config import head_dim
+from fulcrum.model_folder.hf_config import head_dim
 
 MAX_POS = 256
 SCALINGS = {

@@ -14,9 +14,10 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from fulcrum import LLM, SamplingParams, gguf_folder
+from fulcrum import LLM, SamplingParams
 from fulcrum.config import ModelConfig
 from fulcrum.errors import UnsupportedArchitectureError, WeightLoadError
+from fulcrum.model_folder import from_gguf
 from fulcrum.models.loader import load_model
 from fulcrum.utils.tokenizer import chat_prompt_ids, load_tokenizer
 from tests.engine.hf_reference import hf_greedy
@@ -36,7 +37,7 @@ FILE_TYPES = {
 @pytest.fixture(autouse=True)
 def gguf_cache(tmp_path, monkeypatch):
     """The folders fulcrum builds for GGUF files go to the test's own folder, not ~/.cache/fulcrum."""
-    monkeypatch.setattr(gguf_folder, "gguf_cache_root", lambda: tmp_path / "gguf-cache")
+    monkeypatch.setattr(from_gguf, "gguf_cache_root", lambda: tmp_path / "gguf-cache")
 
 
 def permute(w, n_head, n_head_kv):

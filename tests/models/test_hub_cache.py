@@ -11,9 +11,10 @@ import pytest
 import torch
 from huggingface_hub import scan_cache_dir
 
-from fulcrum import LLM, SamplingParams, gguf_folder
+from fulcrum import LLM, SamplingParams
 from fulcrum.config import DEFAULT_MODEL, ModelConfig, model_path
 from fulcrum.errors import ModelLoadError, ModelNotCachedError
+from fulcrum.model_folder import from_gguf
 from tests.engine.hf_reference import hf_greedy
 from tests.tiny_models import save_tiny_model
 
@@ -45,7 +46,7 @@ def cache(tmp_path, monkeypatch):
     root = tmp_path / "hf-cache"
     root.mkdir()
     monkeypatch.setenv("HF_HUB_CACHE", str(root))
-    monkeypatch.setattr(gguf_folder, "gguf_cache_root", lambda: tmp_path / "gguf-cache")
+    monkeypatch.setattr(from_gguf, "gguf_cache_root", lambda: tmp_path / "gguf-cache")
     return root
 
 

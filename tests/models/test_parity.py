@@ -6,9 +6,9 @@ import torch
 
 from fulcrum.config import DEFAULT_MODEL, ModelConfig
 from fulcrum.layers.attention import AttentionMetadata
+from fulcrum.model_folder.hf_config import head_dim
 from fulcrum.models.loader import load_model
 from fulcrum.plan.model_spec import kv_bytes_per_token, load_model_spec
-from fulcrum.utils.hf_config import head_dim
 from tests.engine.conftest import DEVICES
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_llm_parity import N_NEW, assert_all_blocks_free, greedy, make_llm, random_prompts

@@ -1,6 +1,6 @@
 """What a model setting names, as a folder of Hugging Face files: a local folder, a Hub ID found in the local
 Hugging Face cache (never downloaded), or a llama.cpp `.gguf` file, which gets a folder of its own
-(fulcrum.gguf_folder)."""
+(fulcrum.model_folder.from_gguf)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from fulcrum.errors import ModelLoadError, ModelNotCachedError
-from fulcrum.gguf_folder import gguf_model_folder
+from fulcrum.model_folder.from_gguf import gguf_model_folder
 
 
 def resolve_model(model: str | Path) -> Path:
