@@ -20,7 +20,7 @@ from fulcrum.engine.scheduler import ScheduledRequest, SchedulerOutput
 from fulcrum.engine.spec.rejection import verify
 from fulcrum.engine.step_inputs import StepInputs
 from fulcrum.engine.structured import StructuredOutputs
-from fulcrum.errors import InvalidRequestError, KVCacheTooSmallError
+from fulcrum.errors import KVCacheTooSmallError
 from fulcrum.kernels import triton as triton_kernels
 from fulcrum.kernels import warm_up
 from fulcrum.layers.attention import Attention, AttentionMetadata, attach_kv_cache
@@ -28,8 +28,8 @@ from fulcrum.layers.sampler import Sampler
 from fulcrum.models.loader import load_model
 from fulcrum.quant import describe
 from fulcrum.quant import kv as kv_quant
-from fulcrum.runtime import cpu_malloc, cpu_threads
-from fulcrum.runtime.hugepages import huge_page_empty, move_parameters_to_huge_pages
+from fulcrum.runtime import cpu_process
+from fulcrum.runtime.hugepages import huge_page_empty
 from fulcrum.utils.device import to_device
 
 log = logging.getLogger(__name__)
@@ -87,8 +87,7 @@ class ModelRunner:
         if engine_config.enforce_eager and hasattr(stack, "fused_decode"):
             stack.fused_decode = False  # decode steps on the layer modules
         if self.device.type == "cpu":
-            move_parameters_to_huge_pages(self.model)  # a decode step streams them all: fewer TLB misses
-            cpu_malloc.keep_freed_memory()  # each step's activations reuse the last one's pages
+            cpu_process.settle_weights(self.model)
         self.vocab_size = model_config.hf_config.vocab_size
         self.hidden_size = model_config.hf_config.hidden_size
         self.block_size = engine_config.block_size
@@ -129,16 +128,8 @@ class ModelRunner:
         warm_up(self.device, quantized=model_config.quantization is not None, quantized_kv=self.kv_format is not None)
         self.graphs = self._capture_graphs()
         if self.device.type == "cpu":  # after the builds, which would otherwise inherit the pinning
-            try:
-                cfg = engine_config
-                if self.world_size > 1:
-                    plan = cpu_threads.rank_plan(cfg.cpu_threads, cfg.cpu_bind, own_process, ps.rank, ps.world_size)
-                else:
-                    plan = cpu_threads.plan(cfg.cpu_threads, cfg.cpu_bind, own_process)
-                threads = cpu_threads.apply(plan)
-            except ValueError as e:
-                raise InvalidRequestError(str(e), param="cpu_bind") from e
-            log.info("CPU: %s", threads.describe())
+            cfg = engine_config
+            cpu_process.place_threads(cfg.cpu_threads, cfg.cpu_bind, own_process, ps.rank, ps.world_size)
 
     def attach_kv_cache(self, num_blocks: int) -> None:
         # On CPU zeroed, faulted in as blocks are first written, on ordinary pages: with THP defrag "madvise" (a common
