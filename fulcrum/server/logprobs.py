@@ -8,10 +8,18 @@ from transformers import PreTrainedTokenizerBase
 
 from fulcrum.protocol import ChatChoiceLogprobs, ChatLogprobEntry, CompletionLogprobs
 
+# A token the request's grammar, min_tokens or a ban ruled out has logprob -inf, which JSON cannot carry: it is sent
+# as this floor, as vLLM sends it
+LOGPROB_FLOOR = -9999.0
+
+
+def finite(v: float | None) -> float | None:
+    return v if v is None or v >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
 
 def top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     """The k most likely tokens of one step (an entry holds the sampled token and the top k)."""
-    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+    return [(t, finite(v)) for t, v in sorted(entry.items(), key=lambda kv: -kv[1])[:k]]
 
 
 def completion_logprobs(
@@ -22,7 +30,7 @@ def completion_logprobs(
     for tid, entry in zip(token_ids, logprobs or []):
         s = tok.decode([tid])
         lp.tokens.append(s)
-        lp.token_logprobs.append(entry.get(tid))
+        lp.token_logprobs.append(finite(entry.get(tid)))
         lp.top_logprobs.append({tok.decode([t]): v for t, v in top(entry, k)} or None)
         lp.text_offset.append(offset)
         offset += len(s)
@@ -38,7 +46,7 @@ def chat_logprobs(tok: PreTrainedTokenizerBase, token_ids: list[int], logprobs, 
             text = tok.decode([t])
             alternatives.append({"token": text, "logprob": v, "bytes": list(text.encode())})
         content.append(
-            ChatLogprobEntry(token=s, logprob=entry.get(tid), bytes=list(s.encode()), top_logprobs=alternatives)
+            ChatLogprobEntry(token=s, logprob=finite(entry.get(tid)), bytes=list(s.encode()), top_logprobs=alternatives)
         )
     return ChatChoiceLogprobs(content=content)
 
@@ -50,7 +58,7 @@ def prompt_logprobs(tok: PreTrainedTokenizerBase, entries) -> list | None:
     return [
         None
         if e is None
-        else {str(t): {"logprob": lp, "rank": rank, "decoded_token": tok.decode([t])} for t, (lp, rank) in e.items()}
+        else {str(t): {"logprob": finite(lp), "rank": rank, "decoded_token": tok.decode([t])} for t, (lp, rank) in e.items()}
         for e in entries
     ]
 

@@ -333,3 +333,15 @@ def test_kv_transfer_params_need_a_kv_engine(server, path):
         r = post(server, path, {**BASE[path], "kv_transfer_params": params})
         assert_error(r, 400, "kv_transfer_params")
         assert "--kv-role" in r.json()["error"]["message"]
+
+
+def test_logprobs_of_tokens_a_grammar_rules_out_are_finite(server):
+    """The fuzzer's find: alternatives the grammar masks have logprob -inf, which JSON cannot carry (a 500). They come
+    back at vLLM's floor, -9999, in both shapes."""
+    body = dict(prompt="0", max_tokens=1, logprobs=5, guided_json={"type": "string", "maxLength": 8})
+    top = ok(server, CMPL, **body).json()["choices"][0]["logprobs"]["top_logprobs"][0]
+    assert len(top) == 5 and min(top.values()) == -9999.0  # the first token of a string can only be '"'
+    chat = ok(server, CHAT, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+              logprobs=True, top_logprobs=5, guided_choice=["yes", "no"]).json()  # fmt: skip
+    alternatives = chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert len(alternatives) == 5 and min(a["logprob"] for a in alternatives) == -9999.0

@@ -148,7 +148,9 @@ def test_hostile_soak_leaves_the_others_their_latency(tmp_path):
         print(f"p99 latency: clean {p99(clean_lat):.3f} s ({len(clean_lat)} requests), with hostile clients "
               f"{p99(lat):.3f} s ({len(lat)}); slowest /health {clean_health:.3f} / {health:.3f} s; {counts}")  # fmt: skip
         assert counts["refused"] and counts["done"]
-        assert health < 1.0 and clean_health < 1.0
+        # /health under a second whatever the hostile clients send; on a machine so loaded that the clean run's is
+        # already slower, no slower than twice that
+        assert health < max(1.0, 2 * clean_health)
         # the same clients finish about as fast (this machine's noise is wide: a hang or a serialised server shows
         # as several times slower, not as a few tenths)
         assert p99(lat) < 2 * p99(clean_lat) + 0.5
