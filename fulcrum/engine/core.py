@@ -42,7 +42,7 @@ def needs_every_token(req: Request) -> bool:
 class EngineCore:
     def __init__(self, config: EngineConfig, own_process: bool = False):
         """`own_process`: the core runs in a process of its own beside a frontend (fulcrum serve): on CPU its
-        threads are pinned and the frontend is left a core (kernels/cpu_threads)."""
+        threads are pinned and the frontend is left a core (runtime/cpu_threads)."""
         self.config = config
         self.model_config = ModelConfig.from_path(
             config.model, config.dtype, config.max_model_len, config.quantization, config.quantization_group_size
