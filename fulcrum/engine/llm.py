@@ -1,10 +1,7 @@
-"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)`.
-
-An LLM holds processes (a parallel engine's workers, data-parallel engine cores), threads and, as rank 0 of a parallel
-engine, this process's one torch.distributed group: close() (or a `with` block, or dropping the last reference)
-releases them all, so that another LLM of any layout can start after it. One started while another engine holds the
-group runs its core in a process of its own, as vLLM's does, instead of failing.
-"""
+"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)`. An LLM holds processes,
+threads and, as rank 0 of a parallel engine, this process's torch.distributed group: close() (or a `with` block, or
+dropping the last reference) releases them all. One started while another engine holds the group runs its core in a
+process of its own (engine/core_client.py), as vLLM's does."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """The ranks of one parallel engine (tensor x pipeline parallel): rank 0 is the engine core itself (scheduler,
-sampler, last pipeline stage); the others are workers, spawned here as processes (`mp`, gloo on CPU, NCCL on CUDA)
-or placed as Ray actors in a placement group (`ray`, which spans the machines of a Ray cluster).
-
-Startup: every worker reports that it is alive before anyone joins torch.distributed, and its KV block count once
-its part of the model is loaded; rank 0 waits on those reports watching the workers, so a worker that fails at
-startup is an error naming it, never a hang. Steps: rank 0 broadcasts each step's inputs (engine/step_inputs.py)
-over the gloo control group; a worker runs its layers and waits for the next. A worker that dies makes the engine
-fatal (WorkerDiedError): its collectives fail, and a watcher thread notices the exit even when none is running.
-"""
+sampler, last pipeline stage); the others are workers, spawned as processes (`mp`, gloo on CPU, NCCL on CUDA) or Ray
+actors (`ray`, across a cluster's machines). A worker that fails at startup is an error naming it, never a hang; one
+that dies later makes the engine fatal (WorkerDiedError), noticed by a watcher thread between steps too."""
 
 from __future__ import annotations
 
@@ -134,7 +128,10 @@ class _Worker:
 
 
 class Workers:
-    """The workers of one engine, seen from rank 0 (the engine core)."""
+    """The workers of one engine, seen from rank 0 (the engine core). Startup: every worker reports that it is alive
+    before anyone joins torch.distributed, then its KV block count once its part of the model is loaded; rank 0 waits
+    on those reports watching the workers. Steps: rank 0 broadcasts each step's inputs (engine/step_inputs.py) over
+    the gloo control group; a worker runs its layers and waits for the next."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, exit_on_death: bool = False):
         """`exit_on_death`: a rank's death ends this process (the engine core runs in a process of its own, whose
