@@ -31,6 +31,12 @@ class LlamaAttention(nn.Module):
     """The switches are keyword-only: biases on the fused q/k/v and on o, a norm on q and k (Qwen3's; `norm` its class),
     and Gemma's `scale` (default head_dim ** -0.5) and `logit_softcap`."""
 
+    @classmethod
+    def of_family(cls, cfg: PretrainedConfig, layer_idx: int, family: type[LlamaForCausalLM], dtype, quant):
+        """The attention of a Llama-family layer, with the switches its family sets (biases, the q/k norm)."""
+        return cls(cfg, layer_idx, dtype, quant, qkv_bias=family.qkv_bias(cfg), o_bias=family.o_bias(cfg),
+                   qk_norm=family.qk_norm)  # fmt: skip
+
     def __init__(
         self, cfg: PretrainedConfig, layer_idx: int, dtype, quant, *, qkv_bias: bool = False, o_bias: bool = False,
         qk_norm: bool = False, scale: float | None = None, logit_softcap: float | None = None,
@@ -93,15 +99,7 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: PretrainedConfig, layer_idx: int, family: type[LlamaForCausalLM], dtype, quant):
         super().__init__()
-        self.self_attn = LlamaAttention(
-            cfg,
-            layer_idx,
-            dtype,
-            quant,
-            qkv_bias=family.qkv_bias(cfg),
-            o_bias=family.o_bias(cfg),
-            qk_norm=family.qk_norm,
-        )
+        self.self_attn = LlamaAttention.of_family(cfg, layer_idx, family, dtype, quant)
         self.mlp = LlamaMLP(cfg, getattr(cfg, "mlp_bias", False), dtype, quant, f"model.layers.{layer_idx}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)

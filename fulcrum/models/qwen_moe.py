@@ -40,15 +40,7 @@ class QwenMoeDecoderLayer(nn.Module):
     def __init__(self, cfg: PretrainedConfig, layer_idx: int, family: type[LlamaForCausalLM], dtype, quant):
         super().__init__()
         check_silu(cfg)
-        self.self_attn = LlamaAttention(
-            cfg,
-            layer_idx,
-            dtype,
-            quant,
-            qkv_bias=family.qkv_bias(cfg),
-            o_bias=family.o_bias(cfg),
-            qk_norm=family.qk_norm,
-        )
+        self.self_attn = LlamaAttention.of_family(cfg, layer_idx, family, dtype, quant)
         prefix = f"model.layers.{layer_idx}.mlp"
         if is_sparse_layer(cfg, layer_idx):
             n, shared_size = cfg.num_experts, getattr(cfg, "shared_expert_intermediate_size", 0) or 0
