@@ -58,7 +58,10 @@ def prompt_logprobs(tok: PreTrainedTokenizerBase, entries) -> list | None:
     return [
         None
         if e is None
-        else {str(t): {"logprob": finite(lp), "rank": rank, "decoded_token": tok.decode([t])} for t, (lp, rank) in e.items()}
+        else {
+            str(t): {"logprob": finite(lp), "rank": rank, "decoded_token": tok.decode([t])}
+            for t, (lp, rank) in e.items()
+        }
         for e in entries
     ]
 
