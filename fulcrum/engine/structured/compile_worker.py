@@ -107,11 +107,14 @@ class _Worker:
                 self.exitcode = os.waitstatus_to_exitcode(status)
         return self.exitcode is None
 
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
     def end(self) -> None:
         """Kill it if it still runs, reap it, close the pipe."""
         if self.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
+            self.kill()
             self.exitcode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
         self.conn.close()
 
@@ -162,8 +165,7 @@ class CompileLane:
         """End a compile in progress now (it fails)."""
         w = self._worker
         if w is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(w.pid, signal.SIGKILL)
+            w.kill()
 
     @property
     def pid(self) -> int | None:

@@ -583,6 +583,11 @@ class GrammarState:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
+def lane_of(spec: StructuredOutputsParams) -> str:
+    """The lane a spec compiles on: "large" above LARGE_SPEC_BYTES, so that small ones never wait behind it."""
+    return "large" if spec_bytes(spec) > LARGE_SPEC_BYTES else "small"
+
+
 def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
     """A spec compiled against the compiler's vocabulary (run in a compile worker: compile_worker.py)."""
     kind = spec.kind
@@ -623,8 +628,10 @@ class StructuredOutputs:
         self._info: xgr.TokenizerInfo | None = None
         self._info_lock = threading.Lock()
         self._lanes: dict[str, CompileLane] = {}
-        self._small = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fulcrum-grammar")
-        self._large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fulcrum-grammar-large")
+        self._pools = {
+            "small": ThreadPoolExecutor(max_workers=1, thread_name_prefix="fulcrum-grammar"),
+            "large": ThreadPoolExecutor(max_workers=1, thread_name_prefix="fulcrum-grammar-large"),
+        }
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads) if threads > 1 else None
         self._cache: OrderedDict[tuple, xgr.CompiledGrammar] = OrderedDict()
         self._cache_bytes = 0
@@ -663,7 +670,7 @@ class StructuredOutputs:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         t0 = time.perf_counter()
-        lane = self._lane("large" if spec_bytes(spec) > LARGE_SPEC_BYTES else "small")
+        lane = self._lane(lane_of(spec))
         text = lane.compile(spec, abandoned or threading.Event())
         compiled = xgr.CompiledGrammar.deserialize_json(text, self.tokenizer_info())
         self.compile_seconds.append(time.perf_counter() - t0)
@@ -684,7 +691,7 @@ class StructuredOutputs:
     def submit(self, spec: StructuredOutputsParams) -> Future:
         """Compile on a lane (by the spec's size); the future's result is a fresh GrammarState. The future carries
         its deadline (`deadline`): the core ends a request whose grammar is not ready by then, and `abandon`s it."""
-        pool = self._large if spec_bytes(spec) > LARGE_SPEC_BYTES else self._small
+        pool = self._pools[lane_of(spec)]
         abandoned = threading.Event()
         future = pool.submit(lambda: GrammarState(self.compile(spec, abandoned)))
         future.deadline = time.monotonic() + compile_timeout_s()
@@ -712,7 +719,7 @@ class StructuredOutputs:
         return bitmask, rows
 
     def shutdown(self) -> None:
-        for pool in (self._small, self._large):
+        for pool in self._pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
         for lane in self._lanes.values():
             lane.close()
