@@ -8,7 +8,7 @@ import json
 
 import jsonschema_rs
 
-from fulcrum.engine.structured.grammar import unenforced_keywords, validate
+from fulcrum.engine.structured.grammar import first_line, unenforced_keywords, validate
 from fulcrum.errors import InvalidRequestError
 from fulcrum.protocol import (
     ChatCompletionRequest,
@@ -140,9 +140,8 @@ def _arguments_validator(function: dict) -> jsonschema_rs.Validator | None:
             schema, retriever=_no_fetch, pattern_options=jsonschema_rs.RegexOptions(), validate_formats=True
         )
     except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InvalidRequestError(
-            f"the parameters of {function['name']} are not a usable JSON schema: {reason}", param="tools"
+            f"the parameters of {function['name']} are not a usable JSON schema: {first_line(e)}", param="tools"
         ) from None
 
 

@@ -377,7 +377,7 @@ def regex_fault(pattern: str) -> str | None:
     try:
         xgr.Grammar.from_regex(pattern)
     except Exception as e:
-        return _first_line(e)
+        return first_line(e)
     tokens: list[str] = []  # "a" (something matched), "(", ")", "|", "^", "$", "*" (a repeat), "?" (an option)
     i, n = 0, len(pattern)
     while i < n:
@@ -521,7 +521,7 @@ def _validate(spec: StructuredOutputsParams) -> None:
         raise InvalidRequestError(f"the {kind} spec is nested too deeply for structured output", kind) from None
     except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own types with a readable message
         what = {"json": "JSON schema", "grammar": "EBNF grammar", "structural_tag": "structural tag"}.get(kind, kind)
-        raise InvalidRequestError(f"the {what} cannot be used for structured output: {_first_line(e)}", kind) from None
+        raise InvalidRequestError(f"the {what} cannot be used for structured output: {first_line(e)}", kind) from None
 
 
 def _refuse_faults(check: _SchemaCheck, what: str = "the JSON schema", param: str = "json_schema") -> None:
@@ -554,7 +554,7 @@ def _tag_schemas(tag, path: str):
 _XGRAMMAR_PREFIX = re.compile(r"^(\[[0-9:]+\]\s*)?(\S+\.(cc|h|cpp):\d+:\s*)?")
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
     text = str(e).strip() or type(e).__name__
     line = text.splitlines()[0] if len(text) < 2000 else text[:2000]
     return _XGRAMMAR_PREFIX.sub("", line) or line
