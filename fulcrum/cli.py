@@ -24,6 +24,7 @@ from fulcrum.defaults import (
 )
 from fulcrum.sampling_params import DEFAULT_MAX_TOKENS
 from fulcrum.utils.arg_types import non_negative_float, non_negative_seconds, positive_int
+from fulcrum.utils.config_file import ConfigFileError, add_config_argument, expand_argv
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -337,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     add_engine_args(g)
     add_sampling_args(g)
+    add_config_argument(g)
     g.set_defaults(func=_generate)
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -407,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="accepted for vLLM's command lines: tool_choice auto is on whenever --tool-call-parser is given",
     )
     add_engine_args(s)
+    add_config_argument(s)
     s.set_defaults(func=_serve)
 
     from fulcrum.bench.cli import add_bench_parser
@@ -441,8 +444,13 @@ def _measure_engine(**kwargs):
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        # a verb's --config FILE: its flags go before the command line's, which override them
+        args = parser.parse_args(expand_argv(parser, sys.argv[1:] if argv is None else argv))
         return args.func(args)
+    except ConfigFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # Ctrl-C before a verb installs its own handling (e.g. while imports load)
         print("interrupted", file=sys.stderr)
         return 130
