@@ -54,19 +54,8 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--duration", type=float, default=None, help="seconds per run (no new requests after it)")
     g.add_argument("--warmup", type=int, default=0, help="requests sent first and not counted")
     g.add_argument("--seed", type=int, default=0)
-    g = s.add_argument_group("workload")
-    g.add_argument("--workload", choices=WORKLOADS, default="random")
-    g.add_argument(
-        "--input-len", type=LengthDist.parse, default=LengthDist.parse(256), help="N, uniform:A:B, normal:M:S"
-    )
-    g.add_argument("--output-len", type=LengthDist.parse, default=LengthDist.parse(128), help="as --input-len")
-    g.add_argument("--num-groups", type=int, default=8, help="shared-prefix: groups sharing a system prompt")
-    g.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens of the shared prompt")
-    g.add_argument("--long-fraction", type=float, default=0.1, help="long-prefill: share of long prompts")
-    g.add_argument("--long-input-len", type=LengthDist.parse, default=LengthDist.parse(4096))
-    g.add_argument("--turns", type=int, default=4, help="multi-turn: user turns per conversation")
-    g.add_argument("--dataset", default=None, help="jsonl: a file of prompts or ShareGPT-style conversations")
-    g.add_argument("--tokenizer", default=None, help="HF folder for exact prompt lengths and token counts")
+    add_workload_args(s)
+    g = s.add_argument_group("requests")
     g.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens (vLLM's extension)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--no-stream-usage", action="store_true", help="don't ask for usage (servers that refuse it)")
@@ -88,6 +77,41 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     c.add_argument("results", nargs="+", help="JSON files; ratios are against the first")
     c.set_defaults(func=run_compare)
     return b
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload flags, shared by `fulcrum bench serve` and `fulcrum tune`."""
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", choices=WORKLOADS, default="random")
+    g.add_argument(
+        "--input-len", type=LengthDist.parse, default=LengthDist.parse(256), help="N, uniform:A:B, normal:M:S"
+    )
+    g.add_argument("--output-len", type=LengthDist.parse, default=LengthDist.parse(128), help="as --input-len")
+    g.add_argument("--num-groups", type=int, default=8, help="shared-prefix: groups sharing a system prompt")
+    g.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens of the shared prompt")
+    g.add_argument("--long-fraction", type=float, default=0.1, help="long-prefill: share of long prompts")
+    g.add_argument("--long-input-len", type=LengthDist.parse, default=LengthDist.parse(4096))
+    g.add_argument("--turns", type=int, default=4, help="multi-turn: user turns per conversation")
+    g.add_argument("--dataset", default=None, help="jsonl: a file of prompts or ShareGPT-style conversations")
+    g.add_argument("--tokenizer", default=None, help="HF folder for exact prompt lengths and token counts")
+
+
+def workload_spec(args: argparse.Namespace):
+    """The workload the flags of `add_workload_args` describe (checked: bad settings raise ValueError)."""
+    from fulcrum.bench.workloads import WorkloadSpec
+
+    return WorkloadSpec(
+        name=args.workload,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_groups=args.num_groups,
+        prefix_len=args.prefix_len,
+        long_fraction=args.long_fraction,
+        long_input_len=args.long_input_len,
+        turns=args.turns,
+        dataset=args.dataset,
+        seed=args.seed,
+    )
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -131,25 +155,14 @@ def load_specs(args: argparse.Namespace) -> list:
 
 def run_serve(args: argparse.Namespace) -> int:
     from fulcrum.bench.metrics import parse_slo
-    from fulcrum.bench.workloads import TextMaker, WorkloadSpec, sessions
+    from fulcrum.bench.workloads import TextMaker, sessions
     from fulcrum.errors import FulcrumError
 
     try:
         loads = load_specs(args)
         slo = parse_slo(args.slo)
         text = TextMaker(_tokenizer(args))
-        spec = WorkloadSpec(
-            name=args.workload,
-            input_len=args.input_len,
-            output_len=args.output_len,
-            num_groups=args.num_groups,
-            prefix_len=args.prefix_len,
-            long_fraction=args.long_fraction,
-            long_input_len=args.long_input_len,
-            turns=args.turns,
-            dataset=args.dataset,
-            seed=args.seed,
-        )
+        spec = workload_spec(args)
         next(sessions(spec, text))  # bad workload settings fail here, before any load
     except (ValueError, OSError, FulcrumError) as e:  # a bad setting, file or tokenizer: the user's to fix
         print(f"error: {e}", file=sys.stderr)

@@ -40,6 +40,7 @@ class ServerProcess:
     port: int
     log_path: str | None  # None: the server writes to this process's stdout
     host: str = "127.0.0.1"
+    group: bool = False  # the process leads its own process group (a shell command): signal the whole group
 
     @property
     def url(self) -> str:
@@ -53,13 +54,24 @@ class ServerProcess:
     def stop(self, timeout: float = 30) -> int:
         """SIGTERM (the server drains), then SIGKILL after `timeout` seconds; the exit code."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self._signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self._signal(signal.SIGKILL)
                 self.proc.wait()
+        elif self.group:  # the shell is gone: what it started may not be
+            self._signal(signal.SIGKILL)
         return self.proc.returncode
+
+    def _signal(self, sig: int) -> None:
+        try:
+            if self.group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -81,19 +93,40 @@ def start(
     port = free_port(host)
     where = ["--port", str(port)] + (["--host", host] if host != "127.0.0.1" else [])
     cmd = [sys.executable, "-m", module, "serve", *([str(model)] if model is not None else []), *where, *flags]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return start_command(cmd, port, log_path=log_path, timeout=timeout, host=host)
+
+
+def start_command(
+    cmd: list[str] | str,
+    port: int,
+    *,
+    log_path: str | Path | None = None,
+    timeout: float = 300,
+    host: str = "127.0.0.1",
+    env: dict | None = None,
+) -> ServerProcess:
+    """Any server command that will listen on `port` and answer /health (a string runs in a shell, in its own
+    process group so that stopping it stops what it started); returns once /health answers 200."""
+    shell = isinstance(cmd, str)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    kw = dict(env=env, shell=shell, start_new_session=shell)
     if log_path is None:
-        proc = subprocess.Popen(cmd, env=env)
+        proc = subprocess.Popen(cmd, **kw)
     else:
         with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(proc, port, None if log_path is None else str(log_path), host)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, **kw)
+    server = ServerProcess(proc, port, None if log_path is None else str(log_path), host, group=shell)
+    shown = cmd if shell else " ".join(cmd)
     deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"fulcrum serve exited early ({' '.join(cmd)}):\n{server.log()}")
-        if _healthy(server.url):
-            return server
-        time.sleep(0.3)
+    try:
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited early ({shown}):\n{server.log()}")
+            if _healthy(server.url):
+                return server
+            time.sleep(0.3)
+    except BaseException:  # exited, or Ctrl-C while it started: nothing is left running
+        server.stop()
+        raise
     server.stop()
-    raise RuntimeError(f"fulcrum serve did not become healthy in {timeout:.0f} s ({' '.join(cmd)}):\n{server.log()}")
+    raise RuntimeError(f"server did not become healthy in {timeout:.0f} s ({shown}):\n{server.log()}")

@@ -1,0 +1,1 @@
+"""`fulcrum tune`: the order of operations on a workload, every kept change measured."""

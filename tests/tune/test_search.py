@@ -1,0 +1,165 @@
+"""The walk's decisions, apart from servers: a measurer that returns known figures stands in for the runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from fulcrum.tune.measure import Measurement, Point
+from fulcrum.tune.quality import QualityResult
+from fulcrum.tune.search import Facts, Walk
+from fulcrum.tune.space import Config
+
+
+def measured(goodput: float, concurrency: int = 4, seconds: float = 1.0) -> Measurement:
+    summary = {"request_throughput": goodput, "failed": 0, "output_throughput": goodput * 10,
+               "ttft_ms": {"p90": 100.0}, "tpot_ms": {"p90": 10.0}}  # fmt: skip
+    return Measurement(points=[Point(concurrency, summary, [])], seconds=seconds)
+
+
+class FakeMeasurer:
+    """Goodput by the candidate's description; a list gives one figure per run (first run, confirmation, ...)."""
+
+    def __init__(self, figures: dict, default: float = 10.0):
+        self.figures, self.default, self.calls = figures, default, []
+
+    def __call__(self, config: Config, start_at: int = 1, deadline=None) -> Measurement:
+        self.calls.append(config)
+        key = config.describe()
+        value = self.figures.get(key, self.default)
+        if isinstance(value, list):
+            value = value.pop(0) if len(value) > 1 else value[0]
+        return measured(value)
+
+
+class FakeGate:
+    def __init__(self, kl: dict):
+        self.kl, self.calls = kl, []
+
+    def __call__(self, quantization, kv_cache_dtype="auto") -> QualityResult:
+        self.calls.append((quantization, kv_cache_dtype))
+        key = quantization if kv_cache_dtype == "auto" else f"kv-{kv_cache_dtype}"
+        return QualityResult({"kl_mean": self.kl.get(key, 0.0), "top1_agreement": 0.99})
+
+
+def walk(figures: dict, facts: Facts | None = None, kl: dict | None = None, budget: float = 1e9, **kw):
+    m, gate = FakeMeasurer(figures), FakeGate(kl or {})
+    facts = facts or Facts(units=2, num_heads=8, num_kv_heads=4, num_layers=8)
+    w = Walk(m, gate, facts, {"kl": 0.01}, budget, **kw)
+    w.run()
+    return w, m, gate
+
+
+def trial(w: Walk, change_prefix: str):
+    found = [t for t in w.trials if t.change.startswith(change_prefix)]
+    assert found, [t.change for t in w.trials]
+    return found[0]
+
+
+def test_a_candidate_that_lowers_goodput_is_not_kept():
+    w, _, _ = walk({"max-num-batched-tokens=512": 8.0})
+    t = trial(w, "max-num-batched-tokens 512")
+    assert not t.kept and t.verdict.startswith("rejected: goodput 8")
+    assert w.best.config.get("max_num_batched_tokens") == 2048
+
+
+def test_a_candidate_within_the_minimum_gain_is_not_kept():
+    w, _, _ = walk({"max-num-batched-tokens=512": 10.3}, min_gain=0.05)
+    assert not trial(w, "max-num-batched-tokens 512").kept
+
+
+def test_a_better_candidate_is_kept_and_later_stages_build_on_it():
+    w, m, _ = walk({"max-num-batched-tokens=512": 13.0})
+    t = trial(w, "max-num-batched-tokens 512")
+    assert t.kept and "x1.30" in t.verdict
+    # confirmed by a second run of the same configuration
+    assert sum(c.describe() == "max-num-batched-tokens=512" for c in m.calls) == 2
+    assert trial(w, "weights int8").config.get("max_num_batched_tokens") == 512
+    assert w.best.config.get("max_num_batched_tokens") == 512
+
+
+def test_a_win_the_confirming_run_does_not_repeat_is_not_kept():
+    w, _, _ = walk({"max-num-batched-tokens=512": [13.0, 9.0]})
+    t = trial(w, "max-num-batched-tokens 512")
+    assert not t.kept and "the lower of two runs" in t.verdict
+    assert t.measurement.goodput == 9.0
+
+
+def test_a_quantization_over_the_quality_bound_is_rejected_before_any_speed_run():
+    w, m, gate = walk({}, kl={"int4": 0.05, "int8": 0.001})
+    int4 = trial(w, "weights int4")
+    assert int4.verdict.startswith("rejected unmeasured: quality kl 0.05 > 0.01")
+    assert int4.measurement is None and int4.quality["kl_mean"] == 0.05
+    assert not any(c.get("quantization") == "int4" for c in m.calls)  # never started
+    assert any(c.get("quantization") == "int8" for c in m.calls)  # within the bound: measured
+    assert ("int4", "auto") in gate.calls
+
+
+def test_what_cannot_fit_is_pruned_unstarted():
+    facts = Facts(units=2, num_heads=8, num_kv_heads=4, num_layers=8,
+                  fits=lambda c: "too big" if c.get("tensor_parallel_size") > 1 else None)  # fmt: skip
+    w, m, _ = walk({}, facts=facts)
+    t = trial(w, "tensor-parallel-size 2")
+    assert "does not fit (too big)" in t.verdict and t.measurement is None
+    assert not any(c.get("tensor_parallel_size") > 1 for c in m.calls)
+
+
+def test_heads_that_do_not_split_are_skipped():
+    w, _, _ = walk({}, facts=Facts(units=4, num_heads=6, num_kv_heads=2, num_layers=8))
+    assert "6 heads do not split 4 ways" in trial(w, "tensor-parallel-size 4").verdict
+
+
+def test_knobs_the_server_command_does_not_expose_are_skipped():
+    facts = Facts(units=2, num_heads=8, num_kv_heads=4, num_layers=8, exposes=lambda k: k == "max_num_seqs")
+    w, m, gate = walk({}, facts=facts)
+    assert "does not expose max_num_batched_tokens" in trial(w, "max-num-batched-tokens 512").verdict
+    assert "does not expose quantization" in trial(w, "weights int8").verdict
+    assert not gate.calls  # nothing to gate: the server cannot take the format
+    assert all(set(c.changes) <= {"max_num_seqs"} for c in m.calls)
+
+
+def test_the_budget_skips_candidates_but_every_stage_is_walked():
+    class Clock:
+        t = 0.0
+
+        def __call__(self):
+            return self.t
+
+    clock = Clock()
+    m = FakeMeasurer({})
+
+    def slow(config, start_at=1, deadline=None):
+        clock.t += 30
+        r = m(config)
+        r.seconds = 30
+        return r
+
+    w = Walk(slow, FakeGate({}), Facts(units=2, num_heads=8, num_kv_heads=4, num_layers=8), {"kl": 0.01}, 100,
+             clock=clock)  # fmt: skip
+    w.run()
+    stages = {t.stage for t in w.trials}
+    assert stages == {"baseline", "memory & batching", "quantization", "parallelism", "scale out", "disaggregate"}
+    assert len(m.calls) <= 3
+    assert any(t.verdict.startswith("skipped: budget") for t in w.trials)
+    pd = [t for t in w.trials if t.stage == "disaggregate"]
+    assert pd[-1].predicted and "budget" in pd[-1].verdict
+
+
+def test_scale_out_sizes_the_fleet_from_the_measured_goodput():
+    facts = Facts(units=2, num_heads=8, num_kv_heads=4, num_layers=8, target_rate=25.0, price_per_hour=2.0,
+                  shares_prefixes=True, router_policy="prefix")  # fmt: skip
+    w, _, _ = walk({}, facts=facts)
+    t = trial(w, "replicas behind the router")
+    assert t.notes["replicas"] == 3 and t.notes["fleet_cost_per_hour"] == 6.0
+    assert "--policy prefix" in t.verdict and t.predicted
+
+
+@pytest.mark.parametrize("pd_possible", [None, "one core"])
+def test_disaggregation_is_measured_when_two_engines_fit_else_predicted(pd_possible):
+    facts = Facts(units=2, num_heads=8, num_kv_heads=4, num_layers=8, pd_possible=pd_possible)
+    w, m, _ = walk({}, facts=facts)
+    pd = [t for t in w.trials if t.stage == "disaggregate"]
+    assert len(pd) == 1
+    if pd_possible is None:
+        assert pd[0].measurement is not None and any(c.pd for c in m.calls)
+    else:
+        assert pd[0].predicted and "one core" in pd[0].verdict and not any(c.pd for c in m.calls)
