@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import secrets
 import shlex
 import sys
 from collections.abc import Iterator
@@ -86,11 +87,13 @@ class Launcher:
         half = max(1, self.cores // 2)
         cores = [f"0-{half - 1}" if half > 1 else "0", f"{half}-{2 * half - 1}" if half > 1 else str(half)]
         servers: list[ServerProcess] = []
+        env = {"FULCRUM_KV_TRANSFER_SECRET": secrets.token_hex(16)}  # the decode engine trusts this producer
         try:
             for role, bind in zip(("producer", "consumer"), cores):
                 one = config.with_(kv_role=role, cpu_threads=half, cpu_bind=bind if self.cores > 1 else "auto")
                 args = (*self.base_args, *one.serve_args())
-                servers.append(_track(start(self.model, *args, log_path=self._log(role), timeout=self.timeout)))
+                log = self._log(role)
+                servers.append(_track(start(self.model, *args, log_path=log, timeout=self.timeout, env=env)))
             port = free_port()
             cmd = [sys.executable, "-m", "fulcrum.cli", "router", "--port", str(port), "--model", self.model,
                    "--prefill", servers[0].url, "--decode", servers[1].url, "--log-level", "warning"]  # fmt: skip

@@ -87,13 +87,14 @@ def start(
     timeout: float = 300,
     module: str = "fulcrum.cli",
     host: str = "127.0.0.1",
+    env: dict | None = None,
 ) -> ServerProcess:
     """`model` None: the bundled one. `module` is run with -m and must take fulcrum's CLI arguments (tests wrap the
-    CLI to inject faults)."""
+    CLI to inject faults); `env` is added to this process's environment."""
     port = free_port(host)
     where = ["--port", str(port)] + (["--host", host] if host != "127.0.0.1" else [])
     cmd = [sys.executable, "-m", module, "serve", *([str(model)] if model is not None else []), *where, *flags]
-    return start_command(cmd, port, log_path=log_path, timeout=timeout, host=host)
+    return start_command(cmd, port, log_path=log_path, timeout=timeout, host=host, env=env)
 
 
 def start_command(

@@ -84,6 +84,16 @@ def test_a_win_the_confirming_run_does_not_repeat_is_not_kept():
     assert t.measurement.goodput == 9.0
 
 
+def test_a_win_the_best_matches_when_run_again_is_not_kept():
+    # the baseline measured 10 once, but 11.9 when run again beside the candidate: 12 is within the noise
+    w, m, _ = walk({"max-num-batched-tokens=512": 12.0, "defaults": [10.0, 11.9]})
+    t = trial(w, "max-num-batched-tokens 512")
+    assert not t.kept and "vs 11.9 kept" in t.verdict
+    assert t.notes["best_rerun"]["goodput_rps"] == 11.9
+    assert [c.describe() for c in m.calls[:4]] == ["defaults", "max-num-batched-tokens=512",
+                                                   "max-num-batched-tokens=512", "defaults"]  # fmt: skip
+
+
 def test_a_quantization_over_the_quality_bound_is_rejected_before_any_speed_run():
     w, m, gate = walk({}, kl={"int4": 0.05, "int8": 0.001})
     int4 = trial(w, "weights int4")
@@ -163,3 +173,28 @@ def test_disaggregation_is_measured_when_two_engines_fit_else_predicted(pd_possi
         assert pd[0].measurement is not None and any(c.pd for c in m.calls)
     else:
         assert pd[0].predicted and "one core" in pd[0].verdict and not any(c.pd for c in m.calls)
+
+
+def test_an_unreachable_slo_is_an_answer_naming_the_limit_and_the_hardware_that_would_meet_it():
+    from types import SimpleNamespace
+
+    from fulcrum.defaults import DEFAULT_MODEL
+    from fulcrum.plan.model_spec import load_model_spec
+    from fulcrum.tune.cli import _result
+    from fulcrum.tune.target import parse_slo
+
+    def broken(config, start_at=1, deadline=None):
+        summary = {"request_throughput": 3.0, "failed": 0, "ttft_ms": {"p90": 900.0}, "tpot_ms": {"p90": 10.0}}
+        return Measurement(points=[Point(1, summary, ["ttft_p90 900ms > 5ms"])], seconds=1.0)
+
+    w = Walk(broken, FakeGate({}), Facts(units=1, num_heads=8, num_kv_heads=4, num_layers=8), {"kl": 0.01}, 1e9)
+    w.run()
+    launcher = SimpleNamespace(command=lambda c: "fulcrum serve MODEL")
+    args = SimpleNamespace(slo=parse_slo("ttft_p90=5ms"))
+    result = _result(args, w, w.best, launcher, load_model_spec(DEFAULT_MODEL), 32, 48, 60.0)
+    text = "\n".join(result["lines"])
+    assert result["goodput_rps"] == 0
+    assert "unreachable here: no configuration met the SLO" in text and "ttft_p90 900ms > 5ms" in text
+    assert "limited by prefill compute" in text
+    assert "plan's roofline says one of these would meet it: H100-SXM" in text
+    assert not any(t.kept for t in w.trials if t.stage != "baseline")

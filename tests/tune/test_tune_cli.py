@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -24,17 +26,23 @@ def tune(*args: str, timeout: float = 400, env: dict | None = None) -> subproces
                           timeout=timeout, env={**os.environ, **(env or {})})  # fmt: skip
 
 
-def no_servers_left(out: Path) -> bool:
-    """No process still runs with a command line naming the tune's folder or a fulcrum serve of it."""
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    return str(out) not in ps
+def running(marker: str) -> list[str]:
+    """Command lines of the processes naming `marker` (each tune's servers get it as their served model name)."""
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in ps if marker in line and "pytest" not in line and " tune " not in line]
+
+
+def marked(tmp_path: Path) -> tuple[str, list[str]]:
+    marker = f"tuned-{tmp_path.name}"
+    return marker, ["--serve-args", f"--served-model-name {marker}"]
 
 
 def test_a_tune_walks_every_stage_and_its_config_starts_a_server(tmp_path):
     out = tmp_path / "tune"
+    marker, serve_args = marked(tmp_path)
     # a quality bound no quantization meets: every format is rejected before a server of it starts
-    done = tune("--budget", "100s", "--max-quality-loss", "kl=1e-9", "--try-quantization", "int8",
-                "--slo", "ttft_p90=2s,tpot_p90=500ms", "--out", str(out), *SMALL)  # fmt: skip
+    done = tune("--budget", "75s", "--max-quality-loss", "kl=1e-9", "--try-quantization", "int8",
+                "--slo", "ttft_p90=2s,tpot_p90=500ms", "--out", str(out), *serve_args, *SMALL)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads((out / "report.json").read_text())
     stages = [t["stage"] for t in doc["trials"]]
@@ -52,7 +60,7 @@ def test_a_tune_walks_every_stage_and_its_config_starts_a_server(tmp_path):
         assert (out / name).exists(), name
     md = (out / "report.md").read_text()
     assert "## Stage 2: baseline" in md and "## Stage 7: disaggregate" in md and "fulcrum serve" in md
-    assert "fulcrum serve" in done.stdout and no_servers_left(out)
+    assert "fulcrum serve" in done.stdout and not running(marker)
     # the winning configuration starts as written
     with start(None, "--config", str(out / "serve-config.yaml"), "--served-model-name", "tuned",
                log_path=tmp_path / "serve.log", timeout=120) as server:  # fmt: skip
@@ -80,7 +88,7 @@ def test_serve_cmd_drives_another_engines_server_through_the_template(tmp_path):
     pd = [t for t in doc["trials"] if t["stage"] == "disaggregate"]
     assert pd[-1]["predicted"] and "another engine" in pd[-1]["verdict"]
     assert "--max-num-seqs" in doc["result"]["command"] and str(STANDIN) in doc["result"]["command"]
-    assert no_servers_left(out)
+    assert not running(str(STANDIN))
 
 
 @pytest.mark.parametrize(
@@ -99,3 +107,45 @@ def test_bad_flags_are_one_line_and_exit_2(args, message):
     done = tune(*args, "--budget", "10s", timeout=60)
     assert done.returncode == 2
     assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_ctrl_c_stops_every_server_and_keeps_what_was_measured(tmp_path):
+    out = tmp_path / "tune"
+    marker, serve_args = marked(tmp_path)
+    cmd = [sys.executable, "-m", "fulcrum.cli", "tune", "--budget", "5m", "--out", str(out), *serve_args, *SMALL]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not running(marker) and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert running(marker), "no server started"
+        time.sleep(3)  # starting or loaded: either way it must go
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    deadline = time.time() + 10
+    while running(marker) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not running(marker)
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["interrupted"] is True
+
+
+def test_a_pd_candidate_is_a_prefill_and_a_decode_engine_behind_the_router(tmp_path):
+    from fulcrum.defaults import DEFAULT_MODEL
+    from fulcrum.tune.launch import Launcher
+    from fulcrum.tune.space import Config
+
+    launcher = Launcher(str(DEFAULT_MODEL), tmp_path / "logs", cores=2)
+    with launcher.serving(Config({"max_num_seqs": 8}, pd=True)) as url:
+        body = {"model": "tiny-shakespeare-target", "prompt": "To be, or not to be " * 12, "max_tokens": 4}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"]
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    disaggregated = [line for line in metrics.splitlines() if line.startswith("fulcrum_router:pd_requests_total")]
+    assert any('path="disaggregated"' in line and line.endswith(" 1.0") for line in disaggregated), disaggregated
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert logs == ["001-producer.log", "002-consumer.log", "003-router.log"]
