@@ -4,6 +4,7 @@ progress line, and the report. Bad flags are one line and exit 2; every server s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import math
 import shlex
@@ -104,6 +105,9 @@ def add_tune_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--try-quantization", type=lambda s: tuple(x for x in s.split(",") if x), default=None,
                    help=f"weight formats to try (default {','.join(ONLINE_QUANTIZATIONS)}; empty: none)")  # fmt: skip
     p.add_argument("--min-gain", type=float, default=0.05, help="a change is kept when goodput rose by more (0.05)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="requests each server answers unmeasured before its first load point (default: 2 on CPU, "
+                   "8 on GPUs, whose kernels compile on first use)")  # fmt: skip
     p.add_argument("--point-seconds", type=_positive(float), default=20.0, help="the longest one load point runs")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--seed", type=int, default=0)
@@ -232,7 +236,8 @@ def _walk(args, exposed, base_args, spec, text, lengths, model_spec, machine) ->
         console.print(f"  {line}", markup=False)
 
     launcher = Launcher(args.model, out / "logs", serve_cmd=args.serve_cmd, base_args=base_args, cores=machine.units)
-    plan = LoadPlan(max_concurrency=cap, point_seconds=args.point_seconds, target_rate=args.rate)
+    warmup = args.warmup if args.warmup is not None else 8 if machine.device == "cuda" else 2
+    plan = LoadPlan(max_concurrency=cap, point_seconds=args.point_seconds, target_rate=args.rate, warmup=warmup)
 
     def on_point(p) -> None:
         if args.quiet:
@@ -256,7 +261,6 @@ def _walk(args, exposed, base_args, spec, text, lengths, model_spec, machine) ->
         walk.run()
     except KeyboardInterrupt:
         interrupted = True
-        console.print("interrupted: stopping the servers, writing what was measured", markup=False)
     finally:
         stop_all()
         signal.signal(signal.SIGTERM, previous)
@@ -275,14 +279,17 @@ def _walk(args, exposed, base_args, spec, text, lengths, model_spec, machine) ->
     best = walk.best
     doc["result"] = _result(args, walk, best, launcher, model_spec, mean_in, max_in + max_out, elapsed)
     tables = report.stage_tables(walk.trials, price)
-    report.print_tables(wide_console(width=150), tables)
     flags = {"model": args.model, **_base_flags(base_args), **(best.config.file_flags() if best else {})}
-    paths = report.write(out, doc, walk.trials, tables, flags)
-    for line in doc["result"]["lines"]:
-        print(line)
-    print(doc["result"]["command"])
-    print(f"report: {', '.join(str(p) for p in paths)}")
-    return 130 if interrupted else 0
+    paths = report.write(out, doc, walk.trials, tables, flags)  # first: kept even when the terminal is gone
+    with contextlib.suppress(OSError):  # stdout or stderr closed (a pipe whose reader left)
+        if interrupted:
+            console.print("interrupted: the servers are stopped; the report has what was measured", markup=False)
+        report.print_tables(wide_console(width=150), tables)
+        for line in doc["result"]["lines"]:
+            print(line)
+        print(doc["result"]["command"])
+        print(f"report: {', '.join(str(p) for p in paths)}")
+    return 130 if interrupted else 1 if doc["result"].get("failed") else 0
 
 
 def _base_flags(base_args: tuple[str, ...]) -> dict:
@@ -302,7 +309,12 @@ def _result(args, walk, best, launcher, model_spec, mean_in, seq_len, elapsed) -
     from fulcrum.tune.facts import hardware_that_meets
 
     if best is None or best.measurement is None:
-        return {"lines": ["the baseline was not measured"], "command": "", "config": {}}
+        return {"lines": ["the baseline was not measured"], "command": "", "config": {}, "failed": True}
+    if walk.baseline.measurement.error:
+        why = walk.baseline.measurement.error
+        return {"lines": [f"the default configuration did not serve, so nothing was tuned: {why} (its log is in "
+                          f"{launcher.logs})"], "command": launcher.command(best.config), "config": {},
+                "failed": True, "goodput_rps": 0.0, "baseline_goodput_rps": 0.0, "pd": False}  # fmt: skip
     base_g, g = walk.baseline.measurement.goodput, best.measurement.goodput
     lines = [f"best: {best.config.describe()} (stage {best.stage})"]
     if g > 0:
@@ -323,7 +335,12 @@ def _result(args, walk, best, launcher, model_spec, mean_in, seq_len, elapsed) -
             meets = hardware_that_meets(model_spec, args.slo, int(mean_in), int(seq_len))
             lines.append("plan's roofline says one of these would meet it: " + ", ".join(meets) if meets
                          else "plan's roofline finds no single catalog GPU that meets it")  # fmt: skip
-    kept = [t for t in walk.trials if t.kept and t.stage != "baseline"]
+    final = [t for t in walk.trials if t.stage == "final check" and t.measurement is not None]
+    if len(final) == 2:
+        d, b = (t.measurement.goodput for t in final)
+        ratio = f" (x{b / d:.2f})" if d > 0 else ""
+        lines.append(f"final check, back to back: the default {d:.3g} req/s, the best {b:.3g} req/s{ratio}")
+    kept = [t for t in walk.trials if t.kept and t.stage not in ("baseline", "final check")]
     lines.append(f"kept changes: {', '.join(t.change for t in kept) or 'none'}; tune took {elapsed / 60:.1f} min")
     return {"lines": lines, "command": launcher.command(best.config), "config": best.config.changes,
             "pd": best.config.pd, "goodput_rps": g, "baseline_goodput_rps": base_g}  # fmt: skip

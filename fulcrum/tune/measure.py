@@ -1,6 +1,6 @@
 """Goodput under the SLO, measured: a candidate is started and loaded by `fulcrum bench`'s load generator at rising
-concurrency (closed loop) until the SLO breaks or throughput stops rising. Its goodput is the request throughput
-of the best load point that met every bound; a point already lost (`EarlyBreak`) is cut short."""
+concurrency (closed loop) until the SLO breaks or throughput stops rising (two points in a row). Its goodput is the
+request throughput of the best load point that met every bound; a point already lost (`EarlyBreak`) is cut short."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from fulcrum.tune.launch import Launcher
 from fulcrum.tune.space import Config
 from fulcrum.tune.target import Bound, EarlyBreak, slo_misses
 
-SATURATED_GAIN = 1.05  # a point that adds less throughput than this over the last one: the server is saturated
+# the server is saturated after this many points in a row that did not raise the best throughput by this factor
+# (two, so that one noisy point does not end the load early)
+SATURATED_GAIN, SATURATED_POINTS = 1.05, 2
 
 
 @dataclass
@@ -99,6 +101,7 @@ class LoadPlan:
     point_seconds: float = 20.0  # no new request after this long at one load point
     min_requests: int = 10  # per point, so that a p90 rests on some requests
     requests_per_user: int = 3
+    warmup: int = 2  # requests each server answers unmeasured before its first point (GPU kernels compile then)
     target_rate: float | None = None  # requests/s: a point reaching it needs no higher load
 
     def ladder(self, start: int) -> list[int]:
@@ -134,7 +137,9 @@ class LiveMeasurer:
             with self.launcher.serving(config) as url:
                 asyncio.run(self._ladder(url, m, start_at, deadline))
         except RuntimeError as e:  # did not start, or its load could not be sent
-            m.error = str(e).splitlines()[0][:300]
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()] or ["(no message)"]
+            last = f" ... {lines[-1][:300]}" if len(lines) > 1 else ""  # a log's last line: the error itself
+            m.error = lines[0][:300] + last
         m.seconds = time.monotonic() - t0
         return m
 
@@ -150,7 +155,7 @@ class LiveMeasurer:
                 raise RuntimeError(f"cannot reach {url}: {e}") from None
             target = Target(url, model, self.endpoint)
             count = self.text.count if self.text.exact else None
-            prev = None
+            top, flat = 0.0, 0  # the highest throughput so far, and the points since it last rose
             for i, c in enumerate(self.load.ladder(start_at)):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left < 2 and m.points:
@@ -162,16 +167,17 @@ class LiveMeasurer:
                 if not point.passed:
                     break
                 rate = self.load.target_rate
-                if (prev and point.throughput < prev.throughput * SATURATED_GAIN) or (
-                    rate and point.throughput >= rate
-                ):
+                if rate and point.throughput >= rate:
                     break
-                prev = point
+                flat = 0 if point.throughput >= top * SATURATED_GAIN else flat + 1
+                top = max(top, point.throughput)
+                if flat >= SATURATED_POINTS:
+                    break
 
     async def _point(self, http, target, count, c: int, i: int, left: float | None) -> Point:
         n = max(self.load.min_requests, self.load.requests_per_user * c)
         seconds = self.load.point_seconds if left is None else max(1.0, min(self.load.point_seconds, left))
-        spec = LoadSpec(concurrency=c, num_prompts=n, duration=seconds, warmup=min(c, 4) if i == 0 else 0)
+        spec = LoadSpec(concurrency=c, num_prompts=n, duration=seconds, warmup=self.load.warmup if i == 0 else 0)
         early = EarlyBreak(self.slo, n)
         stop = asyncio.Event()
 

@@ -71,8 +71,10 @@ def test_a_better_candidate_is_kept_and_later_stages_build_on_it():
     w, m, _ = walk({"max-num-batched-tokens=512": 13.0})
     t = trial(w, "max-num-batched-tokens 512")
     assert t.kept and "x1.30" in t.verdict
-    # confirmed by a second run of the same configuration
-    assert sum(c.describe() == "max-num-batched-tokens=512" for c in m.calls) == 2
+    # confirmed by a second run of the same configuration, and run again beside the default at the end
+    assert sum(c.describe() == "max-num-batched-tokens=512" for c in m.calls) == 3
+    final = [t for t in w.trials if t.stage == "final check"]
+    assert [t.config.describe() for t in final] == ["defaults", "max-num-batched-tokens=512"]
     assert trial(w, "weights int8").config.get("max_num_batched_tokens") == 512
     assert w.best.config.get("max_num_batched_tokens") == 512
 

@@ -149,3 +149,13 @@ def test_a_pd_candidate_is_a_prefill_and_a_decode_engine_behind_the_router(tmp_p
     assert any('path="disaggregated"' in line and line.endswith(" 1.0") for line in disaggregated), disaggregated
     logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
     assert logs == ["001-producer.log", "002-consumer.log", "003-router.log"]
+
+
+def test_defaults_that_do_not_serve_end_the_tune_with_the_reason(tmp_path):
+    failing = f"{sys.executable} -c \"import sys; print('RuntimeError: no GPU here'); sys.exit(3)\" {{port}}"
+    done = tune("--serve-cmd", failing, "--budget", "30s", "--quiet", "--out", str(tmp_path / "tune"), timeout=60)
+    assert done.returncode == 1
+    assert "the default configuration did not serve, so nothing was tuned" in done.stdout
+    assert "RuntimeError: no GPU here" in done.stdout
+    doc = json.loads((tmp_path / "tune" / "report.json").read_text())
+    assert [t["stage"] for t in doc["trials"]] == ["baseline"]
