@@ -83,8 +83,8 @@ def add_tune_parser(sub) -> argparse.ArgumentParser:
                    f"before it is measured: kl, kl_p99, top1, ppl_ratio (default {DEFAULT_QUALITY})")  # fmt: skip
     p.add_argument("--budget", type=duration, default=duration("20m"), help="wall time for the whole tune (20m)")
     p.add_argument("--hardware", default="local",
-                   help="local (this machine, measured) or a catalog name such as H100-SXM: where the tune runs; "
-                   "its price goes into cost per token")  # fmt: skip
+                   help="local (this machine, measured), or the catalog name of the GPUs here (H100-SXM, ...), "
+                   "whose memory sizes what fits")  # fmt: skip
     p.add_argument("--count", type=_positive(int), default=None, help="cores or GPUs to use (default: all)")
     p.add_argument("--price-per-hour", type=_positive(float), default=None,
                    help="dollars per machine-hour (default: $0.05 per core-hour, $3 per GPU-hour, labelled assumed)")  # fmt: skip
@@ -153,14 +153,13 @@ def run_tune(args: argparse.Namespace) -> int:
         model_spec = load_model_spec(args.folder) if args.folder else None
         if args.hardware.lower() == "local":
             machine = F.this_machine(args.count)
-        else:
+        else:  # tune measures, so the hardware must be here; the catalog entry sizes what fits
             hw = get_hardware(args.hardware)
-            machine = F.Machine("cuda", args.count or 1, hw.memory_bytes, hw.name)
             local = F.this_machine(args.count)
-            if local.device == "cpu":
-                print(f"fulcrum tune: no GPU here: {hw.name} prices and sizes the plan, the runs measure this "
-                      "machine", file=sys.stderr)  # fmt: skip
-                machine = F.Machine(local.device, local.units, local.memory_bytes, f"{local.name} (for {hw.name})")
+            if local.device != "cuda":
+                return _error(f"--hardware {hw.name}: this machine has no GPU, and tune measures rather than "
+                              f"predicts (fulcrum plan --hardware {hw.name} predicts)")  # fmt: skip
+            machine = F.Machine("cuda", local.units, hw.memory_bytes, hw.name)
     except (ValueError, OSError, FulcrumError) as e:
         return _error(str(e))
     return _walk(args, exposed, base_args, spec, text, (mean_in, max_in, mean_out, max_out), model_spec, machine)

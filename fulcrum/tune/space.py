@@ -78,13 +78,10 @@ class Config:
 
 
 def _plain(value) -> str:
-    return (
-        json.dumps(value, separators=(",", ":"))
-        if isinstance(value, dict)
-        else f"{value:g}"
-        if isinstance(value, float)
-        else str(value)
-    )
+    """A knob's value as one command-line word: JSON for a mapping, 0.5 rather than 0.50000 for a size."""
+    if isinstance(value, dict):
+        return json.dumps(value, separators=(",", ":"))
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def template_knobs(template: str) -> set[str]:

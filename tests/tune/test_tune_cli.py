@@ -101,6 +101,8 @@ def test_serve_cmd_drives_another_engines_server_through_the_template(tmp_path):
         (["--try-quantization", "int3"], "int3 not among"),
         (["--rate", "2", "--concurrency", "4"], "not allowed with"),
         (["/no/such/model"], "not a model folder"),
+        (["--hardware", "H100-SXM"], "this machine has no GPU"),
+        (["--hardware", "TPU-v9"], "TPU-v9"),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(args, message):
