@@ -24,6 +24,27 @@ PRESETS = {
 }
 
 
+def in_vocab(folder: Path) -> Path:
+    """A copy of the random-weight 0.5B-shape model whose embedding rows past the bundled tokenizer's 2,048 tokens
+    are zero. Tied to the LM head, those tokens' logits are then 0 while the others' spread around it, so greedy
+    decoding stays on tokens the tokenizer can write: otherwise it picks among 151,936 ids, and nearly every reply
+    decodes to no text (a failed request to any client). Shape, weights read and cost per token are unchanged."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from fulcrum.utils.tokenizer import load_tokenizer
+
+    out = folder.with_name(folder.name + "-in-vocab")
+    if (out / "model.safetensors").exists():
+        return out
+    shutil.copytree(folder, out, dirs_exist_ok=True)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.embed_tokens.weight"][len(load_tokenizer(folder)) :] = 0
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 def run_tune(model: Path, slo: str, workload: list[str], budget: str, out: Path, extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "fulcrum.cli", "tune", str(model), "--slo", slo, "--budget", budget,
            "--out", str(out), *workload, *extra]  # fmt: skip
@@ -66,7 +87,7 @@ def main() -> None:
     if args.model == "bundled":
         model = BUNDLED
     elif args.model == "qwen05":
-        model = qwen05_model(Path(args.work_dir) / "qwen2.5-0.5b-shape")
+        model = in_vocab(qwen05_model(Path(args.work_dir) / "qwen2.5-0.5b-shape"))
     else:
         model = Path(args.model)
     slo = args.slo or preset["slo"]

@@ -16,6 +16,8 @@ from fulcrum.defaults import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_BODY_MB,
     DEFAULT_MAX_GRAMMAR_BYTES,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
     DEFAULT_MODEL,
     INT4_GROUP_SIZES,
     KV_CACHE_DTYPES,
@@ -33,8 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    g.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache (CPU default 2)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)

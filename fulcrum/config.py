@@ -14,6 +14,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from fulcrum.defaults import (  # noqa: F401  (re-exported: the engine imports them from here)
     CHECKPOINT_QUANTIZATIONS,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
     DEFAULT_MODEL,
     INT4_GROUP_SIZES,
     KV_CACHE_DTYPES,
@@ -166,8 +168,8 @@ class EngineConfig:
     model: str | Path | None = None  # None = the bundled model
     dtype: str = "auto"
     max_model_len: int | None = None
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for the KV cache; default: 2 GiB on CPU, profiled on CUDA
     gpu_memory_utilization: float = 0.9

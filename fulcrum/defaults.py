@@ -18,6 +18,11 @@ INT4_GROUP_SIZES = (32, 64, 128)
 # scale per token and KV head (fulcrum/quant/kv.py). "fp8_e4m3" is vLLM's other name for fp8.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 
+# The scheduler's and the CPU KV cache's defaults (EngineConfig, the model runner; `fulcrum tune` starts from them)
+DEFAULT_MAX_NUM_SEQS = 128
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_CPU_KV_BYTES = 2 << 30  # the KV cache on CPU when --kv-cache-memory is not given
+
 # The model that ships in the repository; every command uses it when no model is given.
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-shakespeare-target"
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fulcrum.bench.client import RequestResult
+from fulcrum.utils.arg_types import seconds_with_unit
 from fulcrum.utils.cost import cost_per_million_tokens
 
 PERCENTILES = (50, 90, 95, 99)
@@ -24,16 +25,11 @@ def parse_slo(text: str | None) -> dict[str, float]:
     slo: dict[str, float] = {}
     for part in filter(None, (text or "").split(",")):
         key, _, value = part.partition("=")
-        key, value = key.strip().lower(), value.strip().lower()
+        key = key.strip().lower()
         if key not in SLO_KEYS:
             raise ValueError(f"unknown SLO {key!r}: use {', '.join(SLO_KEYS)}")
-        scale = 1.0
-        if value.endswith("ms"):
-            value, scale = value[:-2], 1e-3
-        elif value.endswith("s"):
-            value = value[:-1]
         try:
-            slo[key] = float(value) * scale
+            slo[key] = seconds_with_unit(value)
         except ValueError:
             raise ValueError(f"bad SLO value {part!r}: write e.g. ttft=200ms or e2e=2s") from None
     return slo

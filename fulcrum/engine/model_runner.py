@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fulcrum.config import EngineConfig, ModelConfig
+from fulcrum.defaults import DEFAULT_CPU_KV_BYTES
 from fulcrum.distributed import parallel_state
 from fulcrum.distributed.parallel_state import pp_recv_prev, pp_send_next
 from fulcrum.engine import cuda_graphs, step_inputs
@@ -33,8 +34,6 @@ from fulcrum.runtime.hugepages import huge_page_empty
 from fulcrum.utils.device import to_device
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_BYTES = 2 << 30
 
 
 @dataclass

@@ -14,7 +14,8 @@ from pathlib import Path
 from fulcrum.tune.space import Config, render
 from fulcrum.utils.serve_process import ServerProcess, free_port, start, start_command
 
-_running: list[ServerProcess] = []  # stopped at exit too: a tune killed by SIGTERM leaves no server behind
+# stopped at exit too (`fulcrum tune` turns SIGTERM into the same path): only a SIGKILL leaves servers behind
+_running: list[ServerProcess] = []
 
 
 @atexit.register
@@ -44,23 +45,46 @@ class Launcher:
         *,
         serve_cmd: str | None = None,
         base_args: tuple[str, ...] = (),
-        cores: int = 1,
+        device: str = "cpu",
+        units: int = 1,
         timeout: float = 600,
     ):
         self.model, self.logs, self.serve_cmd, self.base_args = model, logs, serve_cmd, tuple(base_args)
-        self.cores, self.timeout, self.count = cores, timeout, 0
+        self.device, self.units, self.timeout, self.count = device, units, timeout, 0
         logs.mkdir(parents=True, exist_ok=True)
 
     def _log(self, name: str) -> Path:
         self.count += 1
         return self.logs / f"{self.count:03d}-{name}.log"
 
-    def command(self, config: Config) -> str:
-        """The command line that serves `config` (for the report; P/D shows its decode engine's)."""
+    def pd_engines(self, config: Config) -> list[tuple[str, Config, dict]]:
+        """The prefill engine (KV producer) and the decode engine (KV consumer) of a P/D candidate, each on half the
+        machine: half the GPUs (CUDA_VISIBLE_DEVICES) or half the cores (threads bound to them)."""
+        half, out = max(1, self.units // 2), []
+        for i, role in enumerate(("producer", "consumer")):
+            share = [min(c, self.units - 1) for c in range(i * half, (i + 1) * half)]
+            if self.device == "cuda":
+                out.append((role, config.with_(kv_role=role), {"CUDA_VISIBLE_DEVICES": ",".join(map(str, share))}))
+            else:
+                bind = f"{share[0]}-{share[-1]}" if half > 1 else str(share[0])
+                out.append((role, config.with_(kv_role=role, cpu_threads=half, cpu_bind=bind), {}))
+        return out
+
+    def commands(self, config: Config) -> list[str]:
+        """The command lines that serve `config` by hand (for the report): one server, or P/D's two engines and
+        the router in front of them."""
         if self.serve_cmd:
-            return render(self.serve_cmd, config, 8000, self.model)
-        args = ["fulcrum", "serve", self.model, *self.base_args, *config.serve_args()]
-        return shlex.join(args)
+            return [render(self.serve_cmd, config, 8000, self.model)]
+        if not config.pd:
+            return [shlex.join(["fulcrum", "serve", self.model, *self.base_args, *config.serve_args()])]
+        out = []
+        for (role, one, env), port in zip(self.pd_engines(config), (8100, 8200)):
+            prefix = "".join(f"{k}={v} " for k, v in env.items())
+            args = ["fulcrum", "serve", self.model, "--port", str(port), *self.base_args, *one.serve_args()]
+            out.append(f"{prefix}{shlex.join(args)} &  # the {'prefill' if role == 'producer' else 'decode'} engine")
+        out.append(shlex.join(["fulcrum", "router", "--port", "8000", "--model", self.model, "--prefill",
+                               "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200"]))  # fmt: skip
+        return out
 
     @contextlib.contextmanager
     def serving(self, config: Config) -> Iterator[str]:
@@ -83,17 +107,15 @@ class Launcher:
 
     @contextlib.contextmanager
     def _pd(self, config: Config) -> Iterator[str]:
-        """A prefill engine and a decode engine, each on half the cores, behind `fulcrum router`'s pd mode."""
-        half = max(1, self.cores // 2)
-        cores = [f"0-{half - 1}" if half > 1 else "0", f"{half}-{2 * half - 1}" if half > 1 else str(half)]
+        """P/D's two engines behind `fulcrum router`'s pd mode; the base URL is the router's."""
         servers: list[ServerProcess] = []
-        env = {"FULCRUM_KV_TRANSFER_SECRET": secrets.token_hex(16)}  # the decode engine trusts this producer
+        secret = {"FULCRUM_KV_TRANSFER_SECRET": secrets.token_hex(16)}  # the decode engine trusts this producer
         try:
-            for role, bind in zip(("producer", "consumer"), cores):
-                one = config.with_(kv_role=role, cpu_threads=half, cpu_bind=bind if self.cores > 1 else "auto")
+            for role, one, env in self.pd_engines(config):
                 args = (*self.base_args, *one.serve_args())
                 log = self._log(role)
-                servers.append(_track(start(self.model, *args, log_path=log, timeout=self.timeout, env=env)))
+                servers.append(_track(start(self.model, *args, log_path=log, timeout=self.timeout,
+                                            env={**env, **secret})))  # fmt: skip
             port = free_port()
             cmd = [sys.executable, "-m", "fulcrum.cli", "router", "--port", str(port), "--model", self.model,
                    "--prefill", servers[0].url, "--decode", servers[1].url, "--log-level", "warning"]  # fmt: skip

@@ -102,6 +102,7 @@ class LoadPlan:
     min_requests: int = 10  # per point, so that a p90 rests on some requests
     requests_per_user: int = 3
     warmup: int = 2  # requests each server answers unmeasured before its first point (GPU kernels compile then)
+    turns: int = 1  # requests per session (a conversation's turns): what a point's session count sends
     target_rate: float | None = None  # requests/s: a point reaching it needs no higher load
 
     def ladder(self, start: int) -> list[int]:
@@ -136,7 +137,7 @@ class LiveMeasurer:
         try:
             with self.launcher.serving(config) as url:
                 asyncio.run(self._ladder(url, m, start_at, deadline))
-        except RuntimeError as e:  # did not start, or its load could not be sent
+        except (RuntimeError, OSError, ValueError) as e:  # did not start, or its load could not be sent
             lines = [line.strip() for line in str(e).splitlines() if line.strip()] or ["(no message)"]
             last = f" ... {lines[-1][:300]}" if len(lines) > 1 else ""  # a log's last line: the error itself
             m.error = lines[0][:300] + last
@@ -178,7 +179,7 @@ class LiveMeasurer:
         n = max(self.load.min_requests, self.load.requests_per_user * c)
         seconds = self.load.point_seconds if left is None else max(1.0, min(self.load.point_seconds, left))
         spec = LoadSpec(concurrency=c, num_prompts=n, duration=seconds, warmup=self.load.warmup if i == 0 else 0)
-        early = EarlyBreak(self.slo, n)
+        early = EarlyBreak(self.slo, n * self.load.turns)  # more planned than sent only lets more misses by
         stop = asyncio.Event()
 
         def on_result(r, _inflight: int) -> None:

@@ -26,13 +26,14 @@ class EvalGate:
         self.cache: dict[tuple, QualityResult] = {}
         self.seconds = 0.0
 
-    def __call__(self, quantization: str | None, kv_cache_dtype: str = "auto") -> QualityResult:
+    def __call__(self, quantization: str | None, kv_cache_dtype: str = "auto", timeout: float | None = None):
+        """The figures of a format (None, "auto": the unquantized model); `timeout` caps this one score."""
         key = (quantization, kv_cache_dtype)
         if key not in self.cache:
-            self.cache[key] = self._run(quantization, kv_cache_dtype)
+            self.cache[key] = self._run(quantization, kv_cache_dtype, min(self.timeout, timeout or self.timeout))
         return self.cache[key]
 
-    def _run(self, quantization: str | None, kv_cache_dtype: str) -> QualityResult:
+    def _run(self, quantization: str | None, kv_cache_dtype: str, timeout: float) -> QualityResult:
         if self.model is None:
             return QualityResult({}, "no local folder of the model for fulcrum eval to score")
         cmd = [sys.executable, "-m", "fulcrum.cli", "eval", self.model, "--json", "--max-windows", str(self.windows)]
@@ -44,12 +45,15 @@ class EvalGate:
             cmd += ["--data", self.data]
         t0 = time.monotonic()
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            return QualityResult({}, f"fulcrum eval took over {self.timeout:.0f} s")
+            return QualityResult({}, f"fulcrum eval took over {timeout:.0f} s (the budget left)")
         finally:
             self.seconds += time.monotonic() - t0
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
             return QualityResult({}, f"fulcrum eval failed: {last}")
-        return QualityResult(json.loads(done.stdout))
+        try:
+            return QualityResult(json.loads(done.stdout))
+        except ValueError:
+            return QualityResult({}, f"fulcrum eval printed no JSON: {done.stdout[-200:]!r}")

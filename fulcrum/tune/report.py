@@ -22,12 +22,13 @@ def _fmt(v, digits: int = 1) -> str:
 def row(t: Trial, price_per_hour: float | None) -> list[str]:
     m = t.measurement
     quality = "-"
-    if t.quality:
-        quality = f"KL {t.quality.get('kl_mean', 0):.2g}, top-1 {t.quality.get('top1_agreement', 0):.1%}"
+    if t.quality and t.quality.get("kl_mean") is not None and t.quality.get("top1_agreement") is not None:
+        quality = f"KL {t.quality['kl_mean']:.2g}, top-1 {t.quality['top1_agreement']:.1%}"
     if m is None or m.error:
         return [t.change, "-", "-", "-", "-", "-", quality, t.verdict]
     out_tps = m.figure("output_throughput")
-    cost = cost_per_million_tokens(price_per_hour, out_tps or 0.0, t.config.engines()) if price_per_hour else None
+    # the price is a machine's: a P/D pair shares one
+    cost = cost_per_million_tokens(price_per_hour, out_tps or 0.0) if price_per_hour else None
     return [t.change, _fmt(m.goodput, 3), _fmt(m.figure("ttft_p90")), _fmt(m.figure("tpot_p90")), _fmt(out_tps),
             _fmt(cost, 3), quality, t.verdict]  # fmt: skip
 
@@ -42,8 +43,8 @@ def stage_tables(trials: list[Trial], price_per_hour: float | None) -> list[tupl
 
 
 def print_tables(console: Console, tables) -> None:
-    for i, (stage, rows) in enumerate(tables, start=2):
-        t = Table(title=f"stage {i}: {stage}", title_justify="left", show_lines=False)
+    for stage, rows in tables:
+        t = Table(title=f"stage {STAGES.index(stage) + 1}: {stage}", title_justify="left", show_lines=False)
         for c in COLUMNS:
             t.add_column(c, justify="left" if c in ("change", "verdict", "quality") else "right", overflow="fold")
         for r in rows:
@@ -55,12 +56,17 @@ def markdown(doc: dict, tables) -> str:
     lines = [f"# fulcrum tune: {doc['model']}", ""]
     lines += [f"- {line}" for line in doc["target"]["lines"]]
     lines += ["", f"Machine: {doc['machine']}. Budget {doc['budget_s']:.0f} s, took {doc['elapsed_s']:.0f} s.", ""]
-    for i, (stage, rows) in enumerate(tables, start=2):
-        lines += [f"## Stage {i}: {stage}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for stage, rows in tables:
+        lines += [
+            f"## Stage {STAGES.index(stage) + 1}: {stage}",
+            "",
+            "| " + " | ".join(COLUMNS) + " |",
+            "|" + "---|" * len(COLUMNS),
+        ]
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
         lines.append("")
     lines += ["## Result", ""] + [f"- {line}" for line in doc["result"]["lines"]]
-    lines += ["", "```", doc["result"]["command"], "```", ""]
+    lines += ["", "```", *doc["result"]["commands"], "```", ""]
     return "\n".join(lines)
 
 
@@ -109,14 +115,16 @@ def plot(path: Path, trials: list[Trial]) -> Path | None:
     return path
 
 
-def write(out: Path, doc: dict, trials: list[Trial], tables, config_flags: dict) -> list[Path]:
+def write(out: Path, doc: dict, trials: list[Trial], tables, config_files: dict[str, dict]) -> list[Path]:
+    """Everything under `out`; `config_files` maps a file name to the flags it holds (`fulcrum serve --config`)."""
     from fulcrum.utils.config_file import write_config
 
     out.mkdir(parents=True, exist_ok=True)
     doc = {**doc, "trials": [trial_dict(t) for t in trials]}
-    paths = [out / "report.json", out / "report.md", out / "serve-config.yaml"]
+    paths = [out / "report.json", out / "report.md"]
     paths[0].write_text(json.dumps(doc, indent=1, default=str))
     paths[1].write_text(markdown(doc, tables))
-    write_config(paths[2], config_flags)
+    for name, flags in config_files.items():
+        paths.append(write_config(out / name, flags))
     png = plot(out / "goodput.png", trials)
     return paths + ([png] if png else [])

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fulcrum.tune.facts import Facts
 from fulcrum.tune.measure import Measurement
 from fulcrum.tune.space import Config
 from fulcrum.tune.target import quality_verdict
@@ -42,31 +43,6 @@ class Trial:
     notes: dict = field(default_factory=dict)
 
 
-@dataclass
-class Facts:
-    """What the walk knows before it measures: the machine, the model, the workload, and plan's arithmetic."""
-
-    device: str = "cpu"  # cpu or cuda
-    units: int = 1  # CPU cores or GPUs the candidates may use
-    num_heads: int = 1
-    num_kv_heads: int = 1
-    num_layers: int = 1
-    shares_prefixes: bool = False
-    mean_input_len: float = 0.0
-    mean_output_len: float = 0.0
-    kv_cache_need_gib: float | None = None  # KV of the ladder's top concurrency at the workload's lengths
-    kv_cache_default_gib: float | None = None  # what the engine takes by default (CPU: 2 GiB)
-    fits: Callable[[Config], str | None] = lambda c: None  # why a config cannot fit (plan's memory), or None
-    draft: str | None = None  # a draft model folder for speculative decoding
-    quantizations: tuple[str, ...] = ("int8", "fp8", "int4")
-    kv_cache_dtypes: tuple[str, ...] = ("int8", "fp8")
-    exposes: Callable[[str], bool] = lambda knob: True  # whether the server command takes the knob
-    pd_possible: str | None = None  # why P/D cannot be measured here (None: it can)
-    target_rate: float | None = None
-    price_per_hour: float | None = None
-    router_policy: str = "least-load"
-
-
 class Walk:
     """Runs the stages. `measure(config, start_at, deadline)` measures one candidate; `gate(quantization,
     kv_cache_dtype)` scores a format (`quality.EvalGate`); `progress(stage, change, seconds_left)` shows where the
@@ -89,7 +65,8 @@ class Walk:
         self.trials: list[Trial] = []
         self.best: Trial | None = None
         self.baseline: Trial | None = None
-        self.bar = 0.0  # the goodput a change must beat: the best's, raised by its reruns
+        self.best_runs: list[float] = []  # the goodput of each run of the best so far
+        self.bar = 0.0  # what a change must beat: the mean of the best's runs
         self.measured_s: list[float] = []
 
     # -- time ------------------------------------------------------------------------------------------------------
@@ -111,70 +88,67 @@ class Walk:
     def skip(self, stage: str, change: str, config: Config, why: str) -> Trial:
         return self._record(Trial(stage, change, config, f"skipped: {why}"))
 
-    def try_(self, stage: str, change: str, config: Config, *, keep_if_better: bool = True) -> Trial:
-        """Measure `config` and keep it if it beat the best (or unconditionally as the baseline)."""
+    def _why_not(self, config: Config) -> str | None:
+        """Why a candidate is not started: a knob the server command lacks, plan's memory, or the budget."""
         for knob in config.changes:
             if not self.facts.exposes(knob):
-                return self.skip(stage, change, config, f"the server command does not expose {knob}")
+                return f"the server command does not expose {knob}"
         why = self.facts.fits(config)
         if why:
-            return self.skip(stage, change, config, f"does not fit ({why}); pruned by plan, not started")
-        if self.best is not None and self.left() < 1.2 * self._estimate():
-            return self.skip(stage, change, config, f"budget ({self.left():.0f} s left, a candidate takes ~"
-                                                    f"{self._estimate():.0f} s)")  # fmt: skip
-        self.progress(stage, change, self.left())
-        start_at = max(1, self._best_concurrency() // 2)
-        m = self.measure_fn(config, start_at, self.clock() + max(self.left(), 1.0) if self.best else None)
-        self.measured_s.append(m.seconds)
-        trial = Trial(stage, change, config, "", measurement=m)
-        if not keep_if_better:
-            trial.kept, trial.verdict = True, "baseline"
-            self.best = self.baseline = trial
-            self.bar = m.goodput
-        elif m.error:
-            trial.verdict = f"rejected: {m.error}"
-        elif self._beats(m) and self._beats(m := self._confirm(config, m, trial)):
-            gain = f"x{m.goodput / self.bar:.2f} of the best so far" if self.bar else "the first to meet the SLO"
-            trial.measurement, trial.kept = m, True
-            trial.verdict = f"kept: goodput {gain} (the lower of two runs against the higher of the best's)"
-            self.best, self.bar = trial, m.goodput
-        elif m.error:  # it won once, and the confirming runs could not be made
-            trial.verdict = f"rejected: won once, but {m.error}"
-        else:
-            runs = " (the lower of two runs)" if "runs" in trial.notes else ""
-            trial.measurement, trial.verdict = (
-                m,
-                (f"rejected: goodput {m.goodput:.3g} req/s{runs} vs {self.bar:.3g} kept (needs +{self.min_gain:.0%})"),
-            )
-        return self._record(trial)
+            return f"does not fit ({why}); pruned by plan, not started"
+        if self.left() < 1.2 * self._estimate():
+            return f"budget ({self.left():.0f} s left, a candidate takes ~{self._estimate():.0f} s)"
+        return None
 
-    def _beats(self, m: Measurement) -> bool:
-        return m.goodput > 0 and m.goodput > self.bar * (1 + self.min_gain)
-
-    def _confirm(self, config: Config, first: Measurement, trial: Trial) -> Measurement:
-        """A candidate that seemed to win runs again, and so does the best so far, one after the other: the
-        candidate's lower run must still beat the best's higher one, so that a lucky run or an unlucky baseline
-        on a noisy machine keeps nothing."""
-        if self.left() < 2 * first.seconds:
-            trial.notes["confirmation"] = "none: out of budget, so the first run's win is not kept"
-            return Measurement(error="no budget left to confirm the win")
-        again = self._measure(config, first)
-        incumbent = self._measure(self.best.config, self.best.measurement)
-        trial.notes["runs"] = [first.as_dict(), again.as_dict()]
-        trial.notes["best_rerun"] = incumbent.as_dict()
-        self.bar = max(self.bar, incumbent.goodput)
-        return min(first, again, key=lambda x: x.goodput)
-
-    def _measure(self, config: Config, before: Measurement) -> Measurement:
-        """Another run of a configuration, its load starting below where its last run did best."""
-        start = max(1, (before.best.concurrency if before.best else 2) // 2)
-        m = self.measure_fn(config, start, self.clock() + max(self.left(), 1.0))
+    def _measure(self, config: Config, like: Measurement | None) -> Measurement:
+        """One run of a configuration, its load starting at half the concurrency where `like` did best."""
+        start = max(1, (like.best.concurrency if like and like.best else 2) // 2)
+        m = self.measure_fn(config, start, self.t0 + self.budget_s)
         self.measured_s.append(m.seconds)
         return m
 
-    def _best_concurrency(self) -> int:
-        p = self.best.measurement.best if self.best and self.best.measurement else None
-        return p.concurrency if p else 1
+    def candidate(self, stage: str, change: str, config: Config) -> Trial:
+        """Measure a change on top of the best so far, and keep it when it wins twice (`_judge`)."""
+        why = self._why_not(config)
+        if why:
+            return self.skip(stage, change, config, why)
+        self.progress(stage, change, self.left())
+        trial = Trial(stage, change, config, "", measurement=self._measure(config, self.best.measurement))
+        self._judge(trial)
+        return self._record(trial)
+
+    def _beats(self, goodput: float, bar: float) -> bool:
+        return goodput > 0 and goodput > bar * (1 + self.min_gain)
+
+    def _judge(self, trial: Trial) -> None:
+        """A candidate that beat the bar once runs again, and so does the best, one after the other; kept when the
+        lower of its two runs beats the higher of the best's, so that neither a lucky run of the candidate nor an
+        unlucky one of the best keeps anything on a noisy machine."""
+        first, need = trial.measurement, f"needs +{self.min_gain:.0%}"
+        if first.error:
+            trial.verdict = f"rejected: {first.error}"
+            return
+        if not self._beats(first.goodput, self.bar):
+            trial.verdict = f"rejected: goodput {first.goodput:.3g} req/s vs {self.bar:.3g} kept ({need})"
+            return
+        if self.left() < 2 * first.seconds:
+            trial.verdict = "rejected: won once, but no budget was left to confirm the win"
+            return
+        again = self._measure(trial.config, first)
+        rerun = self._measure(self.best.config, self.best.measurement)
+        trial.notes.update(runs=[first.as_dict(), again.as_dict()], best_rerun=rerun.as_dict())
+        low = min(first, again, key=lambda m: m.goodput)
+        high = max(self.best_runs + [rerun.goodput])
+        self.best_runs.append(rerun.goodput)
+        trial.measurement = low
+        if again.error or not self._beats(low.goodput, high):
+            trial.verdict = (f"rejected: goodput {low.goodput:.3g} req/s, the lower of two runs, vs {high:.3g}, the "
+                             f"higher of the best's ({need})")  # fmt: skip
+        else:
+            trial.kept = True
+            trial.verdict = f"kept: goodput x{low.goodput / high:.2f} (its lower run against the best's higher)"
+            self.best, self.best_runs = trial, [first.goodput, again.goodput]
+        self.bar = sum(self.best_runs) / len(self.best_runs)
 
     # -- the stages ----------------------------------------------------------------------------------------------
     def run(self) -> list[Trial]:
@@ -188,6 +162,14 @@ class Walk:
         self.disaggregate_stage()
         self.final_check()
         return self.trials
+
+    def baseline_stage(self) -> None:
+        """The defaults, measured whatever plan's arithmetic says: every change is judged against them."""
+        self.progress("baseline", "defaults", self.left())
+        m = self._measure(Config(), None)
+        verdict = f"the defaults did not serve: {m.error}" if m.error else "baseline"
+        self.best = self.baseline = self._record(Trial("baseline", "defaults", Config(), verdict, not m.error, m))
+        self.best_runs, self.bar = [m.goodput], m.goodput
 
     def final_check(self) -> None:
         """The default and the best, run once more back to back: the gain the report states, on the same machine
@@ -203,52 +185,51 @@ class Walk:
             m = self._measure(trial.config, trial.measurement)
             self._record(Trial("final check", name, trial.config, "measured for the report", measurement=m))
 
-    def baseline_stage(self) -> None:
-        self.try_("baseline", "defaults", Config(), keep_if_better=False)
-
     def memory_stage(self) -> None:
         stage, f = "memory & batching", self.facts
         if f.kv_cache_need_gib and f.kv_cache_default_gib and f.kv_cache_need_gib > f.kv_cache_default_gib:
             size = round(f.kv_cache_need_gib * 1.25, 2)
-            self.try_(stage, f"kv-cache-memory {size:g} GiB (the load needs {f.kv_cache_need_gib:.2f})",
+            self.candidate(stage, f"kv-cache-memory {size:g} GiB (the load needs {f.kv_cache_need_gib:.2f})",
                       self.best.config.with_(kv_cache_memory=size))  # fmt: skip
         elif f.kv_cache_need_gib is not None:
             self.skip(stage, "kv-cache-memory", self.best.config,
                       f"the default cache ({f.kv_cache_default_gib:g} GiB) already holds the load's "
                       f"{f.kv_cache_need_gib:.2f} GiB of KV")  # fmt: skip
         for chunk in (512, 8192):
-            self.try_(stage, f"max-num-batched-tokens {chunk}", self.best.config.with_(max_num_batched_tokens=chunk))
-        c = self._best_concurrency()
+            self.candidate(
+                stage, f"max-num-batched-tokens {chunk}", self.best.config.with_(max_num_batched_tokens=chunk)
+            )
+        best = self.best.measurement.best
+        c = best.concurrency if best else 1
         seqs = max(4, 2 * c)
         if seqs < self.best.config.get("max_num_seqs"):
-            self.try_(stage, f"max-num-seqs {seqs} (twice the best point's load)",
+            self.candidate(stage, f"max-num-seqs {seqs} (twice the best point's load)",
                       self.best.config.with_(max_num_seqs=seqs))  # fmt: skip
         if f.shares_prefixes:
             self.skip(stage, "no-prefix-caching", self.best.config, "the workload shares prefixes: caching stays on")
         else:
-            self.try_(stage, "no-prefix-caching (no prefix is shared)", self.best.config.with_(no_prefix_caching=True))
+            self.candidate(
+                stage, "no-prefix-caching (no prefix is shared)", self.best.config.with_(no_prefix_caching=True)
+            )
         if f.device == "cpu" and f.units > 1:  # by default the engine leaves the frontend one core
-            self.try_(stage, f"cpu-threads {f.units} (the frontend shares the cores)",
+            self.candidate(stage, f"cpu-threads {f.units} (the frontend shares the cores)",
                       self.best.config.with_(cpu_threads=f.units))  # fmt: skip
 
     def _gated(self, stage: str, change: str, config: Config, quantization, kv_dtype: str) -> None:
-        if not all(self.facts.exposes(k) for k in config.changes):
-            self.try_(stage, change, config)  # skipped there, saying why
+        """A quantized candidate: scored against the unquantized model first, measured only within the bound."""
+        why = self._why_not(config)
+        if why:
+            self.skip(stage, change, config, why)
             return
-        if self.left() < 1.2 * self._estimate():  # neither the score nor the run would fit
-            self.try_(stage, change, config)  # skipped there, saying so
-            return
-        q = self.gate(quantization, kv_dtype)
+        q = self.gate(quantization, kv_dtype, timeout=max(self.left(), 1.0))
         if q.error:
             self.skip(stage, change, config, f"quality not known ({q.error})")
             return
         miss = quality_verdict(q.figures, self.bounds)
         if miss:
-            t = Trial(stage, change, config, f"rejected unmeasured: quality {miss}", quality=q.figures)
-            self._record(t)
+            self._record(Trial(stage, change, config, f"rejected unmeasured: quality {miss}", quality=q.figures))
             return
-        t = self.try_(stage, change, config)
-        t.quality = q.figures
+        self.candidate(stage, change, config).quality = q.figures
 
     def quantization_stage(self) -> None:
         stage, f = "quantization", self.facts
@@ -265,22 +246,26 @@ class Walk:
         sizes = [n for n in (2, 4, 8) if n <= f.units]
         if not sizes:
             self.skip(stage, "tensor / pipeline / data parallel", base, f"one {_unit(f)} only")
-        for n in sizes:
-            if f.num_heads % n or f.num_kv_heads % n and n % f.num_kv_heads:
-                self.skip(stage, f"tensor-parallel-size {n}", base, f"{f.num_heads} heads do not split {n} ways")
+        for n in sizes:  # a shape not known (another engine's model) is tried: its server says if it splits
+            kv_split = f.num_kv_heads % n == 0 or n % f.num_kv_heads == 0 if f.num_kv_heads else True
+            if f.num_heads and (f.num_heads % n or not kv_split):
+                self.skip(stage, f"tensor-parallel-size {n}", base,
+                          f"{f.num_heads} query and {f.num_kv_heads} KV heads do not split {n} ways")  # fmt: skip
             else:
-                self.try_(stage, f"tensor-parallel-size {n}", base.with_(tensor_parallel_size=n))
+                self.candidate(stage, f"tensor-parallel-size {n}", base.with_(tensor_parallel_size=n))
         for n in sizes:
-            if n > f.num_layers:
+            if f.num_layers and n > f.num_layers:
                 self.skip(stage, f"pipeline-parallel-size {n}", base, f"{f.num_layers} layers")
             else:
-                self.try_(stage, f"pipeline-parallel-size {n}", base.with_(pipeline_parallel_size=n))
+                self.candidate(stage, f"pipeline-parallel-size {n}", base.with_(pipeline_parallel_size=n))
         for n in sizes:
-            self.try_(stage, f"data-parallel-size {n}", base.with_(data_parallel_size=n))
-        self.try_(stage, "speculative decoding, n-gram (4 tokens)", self.best.config.with_(speculative_config=NGRAM))
+            self.candidate(stage, f"data-parallel-size {n}", base.with_(data_parallel_size=n))
+        self.candidate(
+            stage, "speculative decoding, n-gram (4 tokens)", self.best.config.with_(speculative_config=NGRAM)
+        )
         if f.draft:
             spec = {"method": "draft_model", "model": f.draft, "num_speculative_tokens": 4}
-            self.try_(stage, "speculative decoding, draft model", self.best.config.with_(speculative_config=spec))
+            self.candidate(stage, "speculative decoding, draft model", self.best.config.with_(speculative_config=spec))
         else:
             self.skip(stage, "speculative decoding, draft model", self.best.config, "no --draft given")
 
@@ -298,8 +283,8 @@ class Walk:
             n = math.ceil(f.target_rate / g)
             notes.update(replicas=n, target_rate=f.target_rate)
             verdict = f"computed: {n} replica(s) of the best configuration hold {f.target_rate:g} req/s"
-            if f.price_per_hour is not None:
-                notes["fleet_cost_per_hour"] = n * f.price_per_hour * best.config.engines()
+            if f.price_per_hour is not None:  # a replica is a machine like this one, P/D pair or not
+                notes["fleet_cost_per_hour"] = n * f.price_per_hour
                 verdict += f", ${notes['fleet_cost_per_hour']:.2f}/h"
         verdict += f"; router --policy {f.router_policy} ({why_policy})"
         self._record(Trial("scale out", "replicas behind the router", best.config, verdict, predicted=True,
@@ -312,7 +297,7 @@ class Walk:
         if why is None and self.left() < 1.5 * self._estimate():
             why = f"budget ({self.left():.0f} s left)"
         if why is None:
-            t = self.try_(stage, "P/D: a prefill and a decode engine, half the machine each", pd)
+            t = self.candidate(stage, "P/D: a prefill and a decode engine, half the machine each", pd)
             if t.measurement is not None:
                 return
             why = t.verdict

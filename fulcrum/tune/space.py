@@ -8,10 +8,12 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
+from fulcrum.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+
 # knob: (fulcrum serve's flag, its default). A knob whose default is None or False adds no flag when unset.
 KNOBS: dict[str, tuple[str, object]] = {
-    "max_num_seqs": ("--max-num-seqs", 128),
-    "max_num_batched_tokens": ("--max-num-batched-tokens", 2048),
+    "max_num_seqs": ("--max-num-seqs", DEFAULT_MAX_NUM_SEQS),
+    "max_num_batched_tokens": ("--max-num-batched-tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS),
     "kv_cache_memory": ("--kv-cache-memory", None),  # GiB
     "no_prefix_caching": ("--no-prefix-caching", False),
     "cpu_threads": ("--cpu-threads", None),
@@ -24,6 +26,7 @@ KNOBS: dict[str, tuple[str, object]] = {
     "kv_role": ("--kv-role", None),
     "cpu_bind": ("--cpu-bind", "auto"),
 }
+SWITCHES = {k for k, (_, default) in KNOBS.items() if default is False}  # on or off: no value to fill in
 PLACEHOLDER = re.compile(r"\{(\w+)(?::([^}]*))?\}")
 FIXED_PLACEHOLDERS = ("port", "model", "host")
 
@@ -93,6 +96,10 @@ def template_knobs(template: str) -> set[str]:
             f"--serve-cmd: unknown placeholder(s) {', '.join('{' + n + '}' for n in sorted(unknown))}; known: "
             + ", ".join("{" + n + "}" for n in (*FIXED_PLACEHOLDERS, *KNOBS))
         )
+    bare = [m.group(1) for m in PLACEHOLDER.finditer(template) if m.group(1) in SWITCHES and m.group(2) is None]
+    if bare:
+        raise ValueError(f"--serve-cmd: {{{bare[0]}}} is a switch: write it as {{{bare[0]}:--the-flag}}, the text "
+                         "that turns it on")  # fmt: skip
     if "port" not in names:
         raise ValueError("--serve-cmd needs a {port} placeholder: tune starts each server on a free port")
     return names & set(KNOBS)
@@ -109,7 +116,7 @@ def render(template: str, config: Config, port: int, model: str, host: str = "12
         if name in fixed:
             return fixed[name]
         value = config.changes.get(name) if prefix is not None else config.get(name)
-        if value in (None, False):
+        if value is None or value is False:
             return ""
         if value is True:
             return prefix or ""

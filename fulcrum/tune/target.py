@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from fulcrum.utils.arg_types import seconds_with_unit
+
 METRICS = ("ttft", "tpot", "itl", "e2e")
 STATS = ("mean", "p50", "p90", "p95", "p99")
 QUALITY_KEYS = {  # key: (eval's figure, whether larger is worse)
@@ -38,13 +40,8 @@ class Bound:
 
 
 def _seconds(text: str, part: str) -> float:
-    text, scale = text.strip().lower(), 1.0
-    if text.endswith("ms"):
-        text, scale = text[:-2], 1e-3
-    elif text.endswith("s"):
-        text = text[:-1]
     try:
-        value = float(text) * scale
+        value = seconds_with_unit(text)
     except ValueError:
         raise ValueError(f"bad SLO value {part!r}: write e.g. ttft_p90=500ms or e2e_p99=10s") from None
     if not value > 0:
@@ -93,7 +90,9 @@ def quality_verdict(figures: dict, bounds: dict[str, float]) -> str | None:
     for key, limit in bounds.items():
         name, larger_is_worse = QUALITY_KEYS[key]
         got = figures.get(name)
-        if got is None or (got > limit if larger_is_worse else got < limit):
+        if got is None:
+            misses.append(f"{key} missing from fulcrum eval's figures")
+        elif got > limit if larger_is_worse else got < limit:
             misses.append(f"{key} {got:.4g} {'>' if larger_is_worse else '<'} {limit:g}")
     return "; ".join(misses) or None
 

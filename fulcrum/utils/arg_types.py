@@ -31,3 +31,27 @@ def non_negative_float(value: str) -> float:
     if not 0 <= x < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
     return x
+
+
+def positive_float(value: str) -> float:
+    x = _parsed(value, float, "a number")
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
+    return x
+
+
+def non_negative_int(value: str) -> int:
+    n = _parsed(value, int, "a whole number")
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return n
+
+
+def seconds_with_unit(text: str) -> float:
+    """`500ms`, `2s` or `2` (seconds) -> seconds: the SLO values of `fulcrum bench` and `fulcrum tune`."""
+    t, scale = text.strip().lower(), 1.0
+    if t.endswith("ms"):
+        t, scale = t[:-2], 1e-3
+    elif t.endswith("s"):
+        t = t[:-1]
+    return float(t) * scale  # ValueError for the caller to word

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from fulcrum.tune.facts import Facts
 from fulcrum.tune.measure import Measurement, Point
 from fulcrum.tune.quality import QualityResult
-from fulcrum.tune.search import Facts, Walk
+from fulcrum.tune.search import Walk
 from fulcrum.tune.space import Config
 
 
@@ -35,7 +36,7 @@ class FakeGate:
     def __init__(self, kl: dict):
         self.kl, self.calls = kl, []
 
-    def __call__(self, quantization, kv_cache_dtype="auto") -> QualityResult:
+    def __call__(self, quantization, kv_cache_dtype="auto", timeout=None) -> QualityResult:
         self.calls.append((quantization, kv_cache_dtype))
         key = quantization if kv_cache_dtype == "auto" else f"kv-{kv_cache_dtype}"
         return QualityResult({"kl_mean": self.kl.get(key, 0.0), "top1_agreement": 0.99})
@@ -90,7 +91,7 @@ def test_a_win_the_best_matches_when_run_again_is_not_kept():
     # the baseline measured 10 once, but 11.9 when run again beside the candidate: 12 is within the noise
     w, m, _ = walk({"max-num-batched-tokens=512": 12.0, "defaults": [10.0, 11.9]})
     t = trial(w, "max-num-batched-tokens 512")
-    assert not t.kept and "vs 11.9 kept" in t.verdict
+    assert not t.kept and "vs 11.9, the higher of the best's" in t.verdict
     assert t.notes["best_rerun"]["goodput_rps"] == 11.9
     assert [c.describe() for c in m.calls[:4]] == ["defaults", "max-num-batched-tokens=512",
                                                    "max-num-batched-tokens=512", "defaults"]  # fmt: skip
@@ -117,7 +118,7 @@ def test_what_cannot_fit_is_pruned_unstarted():
 
 def test_heads_that_do_not_split_are_skipped():
     w, _, _ = walk({}, facts=Facts(units=4, num_heads=6, num_kv_heads=2, num_layers=8))
-    assert "6 heads do not split 4 ways" in trial(w, "tensor-parallel-size 4").verdict
+    assert "6 query and 2 KV heads do not split 4 ways" in trial(w, "tensor-parallel-size 4").verdict
 
 
 def test_knobs_the_server_command_does_not_expose_are_skipped():
@@ -183,6 +184,7 @@ def test_an_unreachable_slo_is_an_answer_naming_the_limit_and_the_hardware_that_
     from fulcrum.defaults import DEFAULT_MODEL
     from fulcrum.plan.model_spec import load_model_spec
     from fulcrum.tune.cli import _result
+    from fulcrum.tune.facts import WorkloadFacts
     from fulcrum.tune.target import parse_slo
 
     def broken(config, start_at=1, deadline=None):
@@ -191,12 +193,43 @@ def test_an_unreachable_slo_is_an_answer_naming_the_limit_and_the_hardware_that_
 
     w = Walk(broken, FakeGate({}), Facts(units=1, num_heads=8, num_kv_heads=4, num_layers=8), {"kl": 0.01}, 1e9)
     w.run()
-    launcher = SimpleNamespace(command=lambda c: "fulcrum serve MODEL")
+    launcher = SimpleNamespace(commands=lambda c: ["fulcrum serve MODEL"], logs="logs")
     args = SimpleNamespace(slo=parse_slo("ttft_p90=5ms"))
-    result = _result(args, w, w.best, launcher, load_model_spec(DEFAULT_MODEL), 32, 48, 60.0)
+    workload = WorkloadFacts(32, 32, 16, 16, 1, False)
+    result = _result(args, w, launcher, load_model_spec(DEFAULT_MODEL), workload, 60.0)
     text = "\n".join(result["lines"])
     assert result["goodput_rps"] == 0
     assert "unreachable here: no configuration met the SLO" in text and "ttft_p90 900ms > 5ms" in text
     assert "limited by prefill compute" in text
     assert "plan's roofline says one of these would meet it: H100-SXM" in text
     assert not any(t.kept for t in w.trials if t.stage != "baseline")
+
+
+def test_the_baseline_is_measured_whatever_plans_arithmetic_says():
+    facts = Facts(units=2, num_heads=8, num_kv_heads=4, num_layers=8, fits=lambda c: "too big")
+    w, m, _ = walk({}, facts=facts)
+    assert w.baseline.verdict == "baseline" and m.calls[0].describe() == "defaults"
+    assert all("does not fit (too big)" in t.verdict for t in w.trials if t.stage == "memory & batching")
+
+
+def test_a_win_with_no_budget_left_to_confirm_it_is_not_kept():
+    class Clock:
+        t = 0.0
+
+        def __call__(self):
+            return self.t
+
+    clock, m = Clock(), FakeMeasurer({"max-num-batched-tokens=512": 20.0})
+
+    def timed(config, start_at=1, deadline=None):
+        clock.t += 40
+        r = m(config)
+        r.seconds = 40
+        return r
+
+    w = Walk(timed, FakeGate({}), Facts(units=2, num_heads=8, num_kv_heads=4, num_layers=8), {"kl": 0.01}, 100,
+             clock=clock)  # fmt: skip
+    w.run()
+    t = trial(w, "max-num-batched-tokens 512")
+    assert not t.kept and t.verdict == "rejected: won once, but no budget was left to confirm the win"
+    assert w.best is w.baseline

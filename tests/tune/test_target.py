@@ -26,6 +26,27 @@ def test_quality_bounds():
         parse_quality("bleu=3")
 
 
+def test_a_figure_eval_did_not_give_is_a_miss():
+    assert quality_verdict({"kl_mean": None}, {"kl": 0.01}) == "kl missing from fulcrum eval's figures"
+
+
+@pytest.mark.parametrize("p", [50, 90, 95, 99])
+@pytest.mark.parametrize("n", [5, 10, 17, 40])
+def test_a_point_is_given_up_exactly_when_numpys_percentile_can_no_longer_meet_the_bound(p, n):
+    import numpy as np
+
+    early = EarlyBreak(parse_slo(f"ttft_p{p}=500ms"), planned=n)
+    misses = 0
+    while not early.add(result(0.9)):
+        misses += 1
+    # with `misses` slow requests the percentile can still be met (when they are only just slow); with one more
+    # it cannot, however little slow they are
+    just = 0.5 + 1e-6
+    ok = [0.1] * (n - misses) + [just] * misses
+    bad = [0.1] * (n - misses - 1) + [just] * (misses + 1)
+    assert np.percentile(ok, p) <= 0.5 < np.percentile(bad, p)
+
+
 def test_slo_misses_name_the_broken_bound():
     s = {"ttft_ms": {"p90": 612.0}, "tpot_ms": {"p90": 20.0}, "e2e_ms": {"p90": 900.0}, "itl_ms": {"p90": None}}
     assert slo_misses(s, parse_slo("ttft_p90=500ms,tpot_p90=50ms,itl_p90=10ms")) == ["ttft_p90 612ms > 500ms"]
@@ -69,3 +90,5 @@ def test_template_fills_values_prefixes_and_leaves_unset_knobs_out():
         template_knobs("serve {max_num_seqs}")
     with pytest.raises(ValueError, match="unknown placeholder"):
         template_knobs("serve {port} {max_seqs}")
+    with pytest.raises(ValueError, match="is a switch"):  # a bare switch would render nothing, on or off
+        template_knobs("serve {port} {no_prefix_caching}")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -41,17 +42,19 @@ def test_a_tune_walks_every_stage_and_its_config_starts_a_server(tmp_path):
     out = tmp_path / "tune"
     marker, serve_args = marked(tmp_path)
     # a quality bound no quantization meets: every format is rejected before a server of it starts
-    done = tune("--budget", "75s", "--max-quality-loss", "kl=1e-9", "--try-quantization", "int8",
+    done = tune("--budget", "90s", "--max-quality-loss", "kl=1e-9", "--try-quantization", "int8",
                 "--slo", "ttft_p90=2s,tpot_p90=500ms", "--out", str(out), *serve_args, *SMALL)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads((out / "report.json").read_text())
     stages = [t["stage"] for t in doc["trials"]]
     for stage in ("baseline", "memory & batching", "quantization", "parallelism", "scale out", "disaggregate"):
         assert stage in stages, stages
+    assert doc["elapsed_s"] <= 90 + 30  # the budget, and the last candidate's stop
     baseline = doc["trials"][0]
     assert baseline["verdict"] == "baseline" and baseline["measurement"]["goodput_rps"] > 0
     quant = [t for t in doc["trials"] if t["stage"] == "quantization"]
-    assert quant and all(t["verdict"].startswith("rejected unmeasured: quality kl") for t in quant)
+    rejected = [t for t in quant if t["verdict"].startswith("rejected unmeasured: quality kl")]
+    assert rejected and all(t in rejected or t["verdict"].startswith("skipped: budget") for t in quant)
     assert all(t["measurement"] is None for t in quant)
     logs = "".join(p.read_text() for p in (out / "logs").glob("*.log"))
     assert "--quantization" not in logs and "--kv-cache-dtype" not in logs  # no server of them was started
@@ -73,7 +76,7 @@ def test_serve_cmd_drives_another_engines_server_through_the_template(tmp_path):
     template = f"{sys.executable} {STANDIN} --port {{port}} {{max_num_seqs:--max-num-seqs }}"
     done = tune("--serve-cmd", template, "--budget", "60s", "--slo", "ttft_p90=120ms", "--concurrency", "8",
                 "--input-len", "8", "--output-len", "16", "--point-seconds", "3", "--quiet", "--out", str(out),
-                env={"STANDIN_LOG": str(log)})  # fmt: skip
+                "--price-per-hour", "2", env={"STANDIN_LOG": str(log)})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads((out / "report.json").read_text())
     starts = [json.loads(line) for line in log.read_text().splitlines()]
@@ -111,7 +114,8 @@ def test_bad_flags_are_one_line_and_exit_2(args, message):
     assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
-def test_ctrl_c_stops_every_server_and_keeps_what_was_measured(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_stops_every_server_and_keeps_what_was_measured(tmp_path, sig):
     out = tmp_path / "tune"
     marker, serve_args = marked(tmp_path)
     cmd = [sys.executable, "-m", "fulcrum.cli", "tune", "--budget", "5m", "--out", str(out), *serve_args, *SMALL]
@@ -122,7 +126,7 @@ def test_ctrl_c_stops_every_server_and_keeps_what_was_measured(tmp_path):
             time.sleep(0.2)
         assert running(marker), "no server started"
         time.sleep(3)  # starting or loaded: either way it must go
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=90)
     finally:
         proc.kill()
@@ -140,7 +144,7 @@ def test_a_pd_candidate_is_a_prefill_and_a_decode_engine_behind_the_router(tmp_p
     from fulcrum.tune.launch import Launcher
     from fulcrum.tune.space import Config
 
-    launcher = Launcher(str(DEFAULT_MODEL), tmp_path / "logs", cores=2)
+    launcher = Launcher(str(DEFAULT_MODEL), tmp_path / "logs", units=2)
     with launcher.serving(Config({"max_num_seqs": 8}, pd=True)) as url:
         body = {"model": "tiny-shakespeare-target", "prompt": "To be, or not to be " * 12, "max_tokens": 4}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
@@ -161,3 +165,36 @@ def test_defaults_that_do_not_serve_end_the_tune_with_the_reason(tmp_path):
     assert "RuntimeError: no GPU here" in done.stdout
     doc = json.loads((tmp_path / "tune" / "report.json").read_text())
     assert [t["stage"] for t in doc["trials"]] == ["baseline"]
+
+
+def test_a_trace_and_a_fleet_rate(tmp_path):
+    out, trace = tmp_path / "tune", tmp_path / "trace.jsonl"
+    rows = [
+        {"prompt": f"request {i}: " + "word " * 20, "max_tokens": 8} for i in range(100)
+    ]  # no repeats among what tune samples
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    template = f"{sys.executable} {STANDIN} --port {{port}} --max-num-seqs 16 {{max_num_seqs:--max-num-seqs }}"
+    done = tune("--serve-cmd", template, "--dataset", str(trace), "--rate", "5000", "--budget", "20s",
+                "--slo", "ttft_p90=500ms", "--price-per-hour", "2", "--point-seconds", "2", "--quiet",
+                "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads((out / "report.json").read_text())
+    assert "workload: jsonl" in doc["target"]["lines"][1] and "prefixes not shared" in doc["target"]["lines"][1]
+    fleet = next(t for t in doc["trials"] if t["stage"] == "scale out")
+    g = doc["result"]["goodput_rps"]  # the best's, per replica
+    assert 0 < g < 5000 and fleet["notes"]["replicas"] == math.ceil(5000 / g)
+    assert fleet["notes"]["fleet_cost_per_hour"] == 2 * fleet["notes"]["replicas"]
+    assert "--policy least-load" in fleet["verdict"]
+
+
+def test_a_pd_winner_is_written_as_its_two_engines_and_the_router(tmp_path):
+    from fulcrum.tune.launch import Launcher
+    from fulcrum.tune.space import Config
+
+    launcher = Launcher("/m", tmp_path / "logs", units=4)
+    prefill, decode, router = launcher.commands(Config({"max_num_seqs": 8}, pd=True))
+    assert "--kv-role producer" in prefill and "--cpu-bind 0-1" in prefill and "--port 8100" in prefill
+    assert "--kv-role consumer" in decode and "--cpu-bind 2-3" in decode and "--max-num-seqs 8" in decode
+    assert router.startswith("fulcrum router") and "--prefill http://127.0.0.1:8100" in router
+    gpus = Launcher("/m", tmp_path / "logs", device="cuda", units=2).commands(Config({}, pd=True))
+    assert gpus[0].startswith("CUDA_VISIBLE_DEVICES=0 ") and gpus[1].startswith("CUDA_VISIBLE_DEVICES=1 ")
