@@ -20,7 +20,7 @@ from benchmarks.common import BUNDLED, cpu_summary, qwen05_model, save_json
 # the 0.5B shape decodes at tens of ms per token on a few cores
 PRESETS = {
     "bundled": {"slo": "ttft_p90=200ms,tpot_p90=10ms", "workload": ["--input-len", "256", "--output-len", "64"]},
-    "qwen05": {"slo": "ttft_p90=4s,tpot_p90=200ms", "workload": ["--input-len", "128", "--output-len", "64"]},
+    "qwen05": {"slo": "ttft_p90=1s,tpot_p90=100ms", "workload": ["--input-len", "128", "--output-len", "64"]},
 }
 
 

@@ -187,10 +187,15 @@ class Walk:
 
     def memory_stage(self) -> None:
         stage, f = "memory & batching", self.facts
+        # first: on a small machine the core the engine leaves its frontend is the largest lever of this stage, and
+        # a budget that runs short must not end before it (the 0.5B shape on 2 cores: x1.7)
+        if f.device == "cpu" and f.units > 1:
+            self.candidate(stage, f"cpu-threads {f.units} (the frontend shares the cores)",
+                           self.best.config.with_(cpu_threads=f.units))  # fmt: skip
         if f.kv_cache_need_gib and f.kv_cache_default_gib and f.kv_cache_need_gib > f.kv_cache_default_gib:
             size = round(f.kv_cache_need_gib * 1.25, 2)
             self.candidate(stage, f"kv-cache-memory {size:g} GiB (the load needs {f.kv_cache_need_gib:.2f})",
-                      self.best.config.with_(kv_cache_memory=size))  # fmt: skip
+                           self.best.config.with_(kv_cache_memory=size))  # fmt: skip
         elif f.kv_cache_need_gib is not None:
             self.skip(stage, "kv-cache-memory", self.best.config,
                       f"the default cache ({f.kv_cache_default_gib:g} GiB) already holds the load's "
@@ -211,9 +216,6 @@ class Walk:
             self.candidate(
                 stage, "no-prefix-caching (no prefix is shared)", self.best.config.with_(no_prefix_caching=True)
             )
-        if f.device == "cpu" and f.units > 1:  # by default the engine leaves the frontend one core
-            self.candidate(stage, f"cpu-threads {f.units} (the frontend shares the cores)",
-                      self.best.config.with_(cpu_threads=f.units))  # fmt: skip
 
     def _gated(self, stage: str, change: str, config: Config, quantization, kv_dtype: str) -> None:
         """A quantized candidate: scored against the unquantized model first, measured only within the bound."""

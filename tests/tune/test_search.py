@@ -93,8 +93,8 @@ def test_a_win_the_best_matches_when_run_again_is_not_kept():
     t = trial(w, "max-num-batched-tokens 512")
     assert not t.kept and "vs 11.9, the higher of the best's" in t.verdict
     assert t.notes["best_rerun"]["goodput_rps"] == 11.9
-    assert [c.describe() for c in m.calls[:4]] == ["defaults", "max-num-batched-tokens=512",
-                                                   "max-num-batched-tokens=512", "defaults"]  # fmt: skip
+    order = [c.describe() for c in m.calls if c.describe() in ("defaults", "max-num-batched-tokens=512")]
+    assert order[:4] == ["defaults", "max-num-batched-tokens=512", "max-num-batched-tokens=512", "defaults"]
 
 
 def test_a_quantization_over_the_quality_bound_is_rejected_before_any_speed_run():
@@ -227,7 +227,7 @@ def test_a_win_with_no_budget_left_to_confirm_it_is_not_kept():
         r.seconds = 40
         return r
 
-    w = Walk(timed, FakeGate({}), Facts(units=2, num_heads=8, num_kv_heads=4, num_layers=8), {"kl": 0.01}, 100,
+    w = Walk(timed, FakeGate({}), Facts(units=1, num_heads=8, num_kv_heads=4, num_layers=8), {"kl": 0.01}, 100,
              clock=clock)  # fmt: skip
     w.run()
     t = trial(w, "max-num-batched-tokens 512")
