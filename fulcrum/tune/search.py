@@ -68,6 +68,7 @@ class Walk:
         self.best_runs: list[float] = []  # the goodput of each run of the best so far
         self.bar = 0.0  # what a change must beat: the mean of the best's runs
         self.measured_s: list[float] = []
+        self.gate_s: list[float] = []  # how long each quality score took
 
     # -- time ------------------------------------------------------------------------------------------------------
     def left(self) -> float:
@@ -88,16 +89,18 @@ class Walk:
     def skip(self, stage: str, change: str, config: Config, why: str) -> Trial:
         return self._record(Trial(stage, change, config, f"skipped: {why}"))
 
-    def _why_not(self, config: Config) -> str | None:
-        """Why a candidate is not started: a knob the server command lacks, plan's memory, or the budget."""
+    def _why_not(self, config: Config, takes: float | None = None) -> str | None:
+        """Why a candidate is not started: a knob the server command lacks, plan's memory, or the budget (`takes`:
+        what the step costs, by default a speed run: the median so far)."""
         for knob in config.changes:
             if not self.facts.exposes(knob):
                 return f"the server command does not expose {knob}"
         why = self.facts.fits(config)
         if why:
             return f"does not fit ({why}); pruned by plan, not started"
-        if self.left() < 1.2 * self._estimate():
-            return f"budget ({self.left():.0f} s left, a candidate takes ~{self._estimate():.0f} s)"
+        takes = self._estimate() if takes is None else takes
+        if self.left() < 1.2 * takes:
+            return f"budget ({self.left():.0f} s left, this takes ~{takes:.0f} s)"
         return None
 
     def _measure(self, config: Config, like: Measurement | None) -> Measurement:
@@ -219,11 +222,15 @@ class Walk:
 
     def _gated(self, stage: str, change: str, config: Config, quantization, kv_dtype: str) -> None:
         """A quantized candidate: scored against the unquantized model first, measured only within the bound."""
-        why = self._why_not(config)
+        # the score alone must fit the budget: a format over the bound then costs no speed run at all
+        scores = sorted(self.gate_s)
+        why = self._why_not(config, takes=scores[len(scores) // 2] if scores else 1.0)
         if why:
             self.skip(stage, change, config, why)
             return
+        t0 = self.clock()
         q = self.gate(quantization, kv_dtype, timeout=max(self.left(), 1.0))
+        self.gate_s.append(self.clock() - t0)
         if q.error:
             self.skip(stage, change, config, f"quality not known ({q.error})")
             return
