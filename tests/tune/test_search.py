@@ -50,6 +50,23 @@ def walk(figures: dict, facts: Facts | None = None, kl: dict | None = None, budg
     return w, m, gate
 
 
+def timed_walk(figures: dict, seconds: float, units: int, budget: float = 100) -> tuple[Walk, FakeMeasurer]:
+    """A walk on a clock that only the runs move: each takes `seconds` of a `budget`-second budget."""
+    clock = [0.0]
+    m = FakeMeasurer(figures)
+
+    def timed(config, start_at=1, deadline=None):
+        clock[0] += seconds
+        r = m(config)
+        r.seconds = seconds
+        return r
+
+    facts = Facts(units=units, num_heads=8, num_kv_heads=4, num_layers=8)
+    w = Walk(timed, FakeGate({}), facts, {"kl": 0.01}, budget, clock=lambda: clock[0])
+    w.run()
+    return w, m
+
+
 def trial(w: Walk, change_prefix: str):
     found = [t for t in w.trials if t.change.startswith(change_prefix)]
     assert found, [t.change for t in w.trials]
@@ -131,24 +148,7 @@ def test_knobs_the_server_command_does_not_expose_are_skipped():
 
 
 def test_the_budget_skips_candidates_but_every_stage_is_walked():
-    class Clock:
-        t = 0.0
-
-        def __call__(self):
-            return self.t
-
-    clock = Clock()
-    m = FakeMeasurer({})
-
-    def slow(config, start_at=1, deadline=None):
-        clock.t += 30
-        r = m(config)
-        r.seconds = 30
-        return r
-
-    w = Walk(slow, FakeGate({}), Facts(units=2, num_heads=8, num_kv_heads=4, num_layers=8), {"kl": 0.01}, 100,
-             clock=clock)  # fmt: skip
-    w.run()
+    w, m = timed_walk({}, seconds=30, units=2)
     stages = {t.stage for t in w.trials}
     assert stages == {"baseline", "memory & batching", "quantization", "parallelism", "scale out", "disaggregate"}
     assert len(m.calls) <= 3
@@ -213,23 +213,7 @@ def test_the_baseline_is_measured_whatever_plans_arithmetic_says():
 
 
 def test_a_win_with_no_budget_left_to_confirm_it_is_not_kept():
-    class Clock:
-        t = 0.0
-
-        def __call__(self):
-            return self.t
-
-    clock, m = Clock(), FakeMeasurer({"max-num-batched-tokens=512": 20.0})
-
-    def timed(config, start_at=1, deadline=None):
-        clock.t += 40
-        r = m(config)
-        r.seconds = 40
-        return r
-
-    w = Walk(timed, FakeGate({}), Facts(units=1, num_heads=8, num_kv_heads=4, num_layers=8), {"kl": 0.01}, 100,
-             clock=clock)  # fmt: skip
-    w.run()
+    w, _ = timed_walk({"max-num-batched-tokens=512": 20.0}, seconds=40, units=1)
     t = trial(w, "max-num-batched-tokens 512")
     assert not t.kept and t.verdict == "rejected: won once, but no budget was left to confirm the win"
     assert w.best is w.baseline
