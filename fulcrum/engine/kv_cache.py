@@ -47,6 +47,9 @@ class KVCacheManager:
         # a request's blocks by position; None where a block fell out of the window and was released
         self.req_blocks: dict[str, list[Block | None]] = {}
         self.req_hashes: dict[str, list[int]] = {}  # hashes of the request's full blocks, in order
+        # positions of a request's blocks already registered (or found held, or released): each step registers only
+        # the blocks that filled since, instead of walking the whole list again
+        self.req_registered: dict[str, int] = {}
         self.queries = self.hits = 0
         # KV-cache events since the engine core last took them, kept when `events_medium` names where the cache lives
         self.events: list | None = [] if events_medium is not None else None
@@ -144,6 +147,7 @@ class KVCacheManager:
         `release`) and free the rest; returns the ids handed over (none when one of them was already released)."""
         blocks = self.req_blocks.pop(request_id, [])
         self.req_hashes.pop(request_id, None)
+        self.req_registered.pop(request_id, None)
         keep = blocks[:num_blocks]
         if len(keep) < num_blocks or any(b is None for b in keep):
             keep = []
@@ -173,9 +177,13 @@ class KVCacheManager:
     def _cache_full_blocks(self, req: Request, blocks: list[Block | None], num_tokens: int) -> None:
         """Register the blocks that `num_tokens` known tokens fill completely."""
         num_full = min(num_tokens, req.num_tokens) // self.block_size
+        start = self.req_registered.get(req.request_id, 0)
+        if num_full <= start:
+            return
         hashes = self._full_block_hashes(req, num_full * self.block_size)
         stored = []  # positions newly registered (a block whose hash another block holds is not)
-        for i in range(num_full):
+        self.req_registered[req.request_id] = num_full
+        for i in range(start, num_full):
             b = blocks[i]
             if b is not None and b.block_hash is None:
                 b.block_hash = hashes[i]
@@ -219,6 +227,7 @@ class KVCacheManager:
         first so that they are evicted before the shared prefix blocks."""
         self._drop(self.req_blocks.pop(request_id, []))
         self.req_hashes.pop(request_id, None)
+        self.req_registered.pop(request_id, None)
 
     def _drop(self, blocks: list[Block | None]) -> None:
         for b in reversed(blocks):
