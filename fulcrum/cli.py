@@ -427,7 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
     # plan/ imports neither torch (which fulcrum.config does) nor what measures: the CLI joins them, handing it the
     # bundled model as the default and fulcrum.probe's measurements
     add_plan_parser(sub).set_defaults(
-        model=str(DEFAULT_MODEL), measure_machine=_measure_machine, measure_engine=_measure_engine
+        model=str(DEFAULT_MODEL),
+        measure_machine=_measure_machine,
+        measure_engine=_measure_engine,
+        local_step_costs=_local_step_costs,
     )
     return p
 
@@ -444,6 +447,14 @@ def _measure_engine(**kwargs):
     from fulcrum.probe.engine_speed import measure_speed
 
     return measure_speed(**kwargs)
+
+
+def _local_step_costs(*args, **kwargs):
+    """This machine's calibrated step costs for an engine's settings (calibrated now when there are none), for
+    `fulcrum plan --hardware local` and `--validate`."""
+    from fulcrum.probe.step_costs import local_step_costs
+
+    return local_step_costs(*args, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

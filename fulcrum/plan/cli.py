@@ -2,12 +2,16 @@
 on a hardware entry, or `--validate` against a measured run on this machine.
 
 plan imports neither torch nor the engine: the top-level CLI sets the bundled model as --model's default and
-passes in the probes (`args.measure_machine`, `args.measure_engine`, from `fulcrum.probe`) that measure."""
+passes in the probes (`args.measure_machine`, `args.measure_engine`, `args.local_step_costs`, from `fulcrum.probe`)
+that measure. On this machine (`--hardware local`, `--validate`) decode and prefill times are the calibrated step
+costs of their steps (`fulcrum sim calibrate`'s file, calibrated first when there is none, or `--step-costs FILE`)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from collections.abc import Callable
 
 from fulcrum.errors import FulcrumError
 from fulcrum.plan.advice import what_to_do
@@ -16,10 +20,21 @@ from fulcrum.plan.local import LOCAL_EFFICIENCY, local_hardware
 from fulcrum.plan.memory import MemoryAssumptions, plan_memory
 from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec, load_model_spec, load_presets
 from fulcrum.plan.report import Plan, plot, render, to_json
-from fulcrum.plan.roofline import INT4_GROUP_SIZES, QUANT_METHODS, Efficiency, batch_sizes, decode_step, prefill
-from fulcrum.plan.validate import KV_CACHE_DTYPES
+from fulcrum.plan.roofline import (
+    INT4_GROUP_SIZES,
+    QUANT_METHODS,
+    DecodePoint,
+    Efficiency,
+    Prefill,
+    batch_sizes,
+    decode_step,
+    prefill,
+)
+from fulcrum.plan.step_costs import StepCosts, decode_seconds, prefill_seconds
+from fulcrum.plan.validate import KV_CACHE_DTYPES, describe_costs
 from fulcrum.utils.arg_types import non_negative_float, positive_int
 from fulcrum.utils.console import wide_console
+from fulcrum.utils.cost import cost_per_million_tokens
 
 WEIGHT_DTYPES = ["bf16", "fp16", "fp8", "int8", "int4", "fp4", "fp32"]
 KV_DTYPES = ["bf16", "fp16", "fp8", "int8", "fp32"]
@@ -75,6 +90,13 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", default=None, metavar="FILE", help="save TPOT and throughput against batch size")
     p.add_argument("--validate", action="store_true", help="predict on this machine, then measure fulcrum's engine")
+    p.add_argument(
+        "--step-costs",
+        default=None,
+        metavar="FILE",
+        help="--hardware local / --validate: predict from this step-cost file (`fulcrum sim calibrate --out`); "
+        "default: the one calibrated for the engine's settings here, calibrated first when missing",
+    )
     p.set_defaults(func=run_plan)
     return p
 
@@ -120,6 +142,56 @@ def engine_formats(args: argparse.Namespace, spec: ModelSpec) -> tuple[str | Non
     return _one_of(("--weight-dtype", weight), ("--quantization", args.quantization)), kv
 
 
+def local_costs(
+    args: argparse.Namespace,
+    say: Callable[[str], None],
+    kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
+    group_size: int = 128,
+    dtype: str = "auto",
+    own_process: bool = True,
+) -> Callable[[], tuple[StepCosts, str]]:
+    """This machine's step costs, when asked for: `--step-costs FILE`, else the probe's file for the engine's
+    settings (calibrated now when missing: `own_process`, the thread plan of `fulcrum serve`; without it, of an
+    in-process LLM, as `--validate` measures)."""
+
+    def get() -> tuple[StepCosts, str]:
+        if args.step_costs:
+            return StepCosts.load(args.step_costs), args.step_costs
+        if getattr(args, "local_step_costs", None) is None:
+            raise ValueError("no step costs for this machine: give --step-costs FILE (`fulcrum sim calibrate`)")
+        costs, path = args.local_step_costs(
+            args.model, dtype, kv_cache_dtype, quantization, group_size, own_process=own_process,
+            served=own_process, say=say,
+        )  # fmt: skip
+        return costs, str(path)
+
+    return get
+
+
+def engine_dtype(spec: ModelSpec, asked: str | None) -> tuple[str, str | None] | None:
+    """The engine's (--dtype, --quantization) that runs plan's weight format here, or None when it has none."""
+    if asked is None or asked == spec.dtype:
+        return "auto", None
+    if asked in QUANT_METHODS:
+        return "auto", asked
+    return {"bf16": ("bfloat16", None), "fp16": ("float16", None), "fp32": ("float32", None)}.get(asked)
+
+
+def with_step_costs(
+    plan_decode: list[DecodePoint], pf: Prefill, costs: StepCosts, price: float | None
+) -> tuple[list[DecodePoint], Prefill]:
+    """The roofline's decode points and prefill with their times replaced by the step costs' (one engine here)."""
+    decode = []
+    for d in plan_decode:
+        tpot = decode_seconds(costs, d.batch, d.context)
+        cost = cost_per_million_tokens(price, d.batch / tpot) if price else None
+        decode.append(dataclasses.replace(d, tpot_s=tpot, tokens_per_s=d.batch / tpot, cost_per_million=cost))
+    chunk = int(costs.engine.get("max_num_batched_tokens") or pf.tokens)
+    seconds = prefill_seconds(costs, pf.tokens, chunk)
+    return decode, dataclasses.replace(pf, seconds=seconds, tokens_per_s=pf.tokens / seconds)
+
+
 def build_plan(args: argparse.Namespace) -> Plan:
     spec = load_model_spec(args.model)
     seq_len, context_note = plan_context(spec, args.context)
@@ -145,8 +217,23 @@ def build_plan(args: argparse.Namespace) -> Plan:
         decode_step(spec, hw, wdtype, args.kv_dtype, b, context, tp, pp, eff, args.price_per_hour)
         for b in batch_sizes(limit)
     ]
+    pf = prefill(spec, hw, wdtype, args.input_len, tp, pp, eff)
+    costs_note, speed_from = [], "roofline"
+    if args.hardware.lower() == "local":
+        engine = engine_dtype(spec, asked)
+        if engine is None or (tp, pp) != (1, 1):
+            costs_note = ["decode and prefill: the roofline of the measured figures (no calibrated engine runs this "
+                          "format or split here)"]  # fmt: skip
+        else:
+            kv = args.kv_dtype if args.kv_dtype in ("fp8", "int8") else "auto"
+            say = wide_console(stderr=True, width=120).print
+            costs, where = local_costs(args, say, kv, engine[1], args.quantization_group_size, engine[0])()
+            decode, pf = with_step_costs(decode, pf, costs, args.price_per_hour)
+            speed_from = "calibrated step costs"
+            costs_note = [f"decode TPOT and prefill: the calibrated step costs of {where} ({describe_costs(costs)})"]
     notes = [
         context_note,
+        *costs_note,
         f"weights {wdtype} ({DTYPE_BYTES[wdtype]:g} bytes/parameter"
         + (", the checkpoint's quantization_config" if not asked and spec.weight_format else "")
         + f"), matmuls in {hw.compute_format(wdtype)}",
@@ -158,12 +245,13 @@ def build_plan(args: argparse.Namespace) -> Plan:
         spec=spec,
         hardware=hw,
         memory=mem,
-        prefill=prefill(spec, hw, wdtype, args.input_len, tp, pp, eff),
+        prefill=pf,
         decode=decode,
         advice=what_to_do(spec, hw, mem, catalog),
         assumptions=notes,
         price_per_hour=args.price_per_hour,
         decode_max_batch=plan_memory(spec, hw, wdtype, args.kv_dtype, context, 1, tp, pp).max_concurrency,
+        speed_from=speed_from,
     )
 
 
@@ -186,6 +274,9 @@ def run_plan(args: argparse.Namespace) -> int:
                 group_size=args.quantization_group_size,
                 kv_cache_dtype=kv_cache_dtype,
                 console=console,
+                step_costs=local_costs(
+                    args, console.print, kv_cache_dtype, quantization, args.quantization_group_size, own_process=False
+                ),
             )
             if args.json:
                 import json

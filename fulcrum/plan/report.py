@@ -26,6 +26,7 @@ class Plan:
     assumptions: list[str] = field(default_factory=list)
     price_per_hour: float | None = None
     decode_max_batch: int = 0  # sequences of the decode context (not --context) that fit in memory
+    speed_from: str = "roofline"  # or "calibrated step costs" (--hardware local)
 
 
 def _gb(n: float) -> str:
@@ -72,7 +73,7 @@ def render(plan: Plan, console: Console | None = None) -> None:
     c.print(t)
 
     r = Table(
-        title=f"roofline: decode over {plan.decode[0].context:,} tokens of context; prefill of {plan.prefill.tokens:,}"
+        title=f"{plan.speed_from}: decode over {plan.decode[0].context:,} tokens of context; prefill of {plan.prefill.tokens:,}"
     )
     for col in ("batch", "TPOT", "tokens/s", "bound", "fits in memory"):
         r.add_column(col, justify="right")
@@ -129,7 +130,7 @@ def plot(plan: Plan, path: str) -> None:
     m = plan.memory
     fig.suptitle(
         f"{plan.spec.name}, {m.weight_dtype} weights, on {m.num_gpus} x {plan.hardware.name} "
-        f"(roofline, {plan.decode[0].context} tokens of context)"
+        f"({plan.speed_from}, {plan.decode[0].context} tokens of context)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
