@@ -418,12 +418,14 @@ def build_parser() -> argparse.ArgumentParser:
     from fulcrum.eval.cli import add_eval_parser
     from fulcrum.plan.cli import add_plan_parser
     from fulcrum.router.cli import add_router_parsers
+    from fulcrum.sim.cli import add_sim_parser
     from fulcrum.tune.cli import add_tune_parser
 
     add_bench_parser(sub)
     add_eval_parser(sub)
     add_router_parsers(sub)
     add_tune_parser(sub)
+    add_sim_parser(sub)
     # plan/ imports neither torch (which fulcrum.config does) nor what measures: the CLI joins them, handing it the
     # bundled model as the default and fulcrum.probe's measurements
     add_plan_parser(sub).set_defaults(
