@@ -302,9 +302,10 @@ def run_sim(args: argparse.Namespace) -> int:
     console = report.console()
     label = "predicted (roofline, " + args.hardware + ")" if costs.source == "predicted" else "calibrated"
     fit = getattr(costs, "fit", {}) or {}
-    err = fit.get("heldout", fit).get("p90_abs_rel_error") if isinstance(fit.get("heldout", fit), dict) else None
+    held = fit.get("held_out")
+    err = held.get("p90_abs_rel_error") if isinstance(held, dict) else None
     console.print(
-        f"step costs: {label}" + (f", held-out p90 error {err:.0%}" if isinstance(err, float) else "")
+        f"step costs: {label}" + (f" (held-out steps: p90 error {err:.0%})" if isinstance(err, float) else "")
         + f"; frontend {costs.frontend_s * 1e3 if args.frontend_latency is None else args.frontend_latency * 1e3:.1f} ms;"
         f" replica: {shape.num_blocks} KV blocks of {shape.block_size}, max {shape.max_num_seqs} seqs, "
         f"{shape.max_num_batched_tokens} tokens a step"
