@@ -361,10 +361,11 @@ class Fleet:
             t.finish = self.now
             self._done(t)
             return
+        priority = t.session.priority
         if leg == "prefill":
-            sim.add(f"{t.rid}#prefill", t, t.prompt_ids, 1, self.now)
+            sim.add(f"{t.rid}#prefill", t, t.prompt_ids, 1, self.now, priority)
         else:
-            sim.add(t.rid, t, t.prompt_ids, t.max_tokens, self.now)
+            sim.add(t.rid, t, t.prompt_ids, t.max_tokens, self.now, priority)
         if sim.idle() and not sim.waking:
             sim.waking = True
             self.push(self.now, WAKE, name)

@@ -5,7 +5,8 @@ same seed) and their tokens straight as ids (no text to make and tokenize: a run
 once). A shared-prefix group's system prompt is the same ids in every session of the group, so prefix caching and
 prefix-aware routing see exactly what they see live. A jsonl trace is bench's format (prompt and max_tokens, or
 ShareGPT conversations), tokenized with the model's tokenizer when there is one (word ids otherwise), and may carry
-its own arrival times (`timestamp` or `arrival_time`, seconds): then it is replayed on that clock."""
+its own arrival times (`timestamp` or `arrival_time`, seconds: then it is replayed on that clock) and a `priority`
+per request (lower runs first, as the engine's priority scheduling takes it)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class SimSession:
     tag: str = ""
     turn_tags: list[str] = field(default_factory=list)
     arrival: float | None = None  # a trace's own arrival time (seconds from its start)
+    priority: int = 0  # a trace's `priority` (lower runs first, as the engine takes it)
 
 
 def _ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
@@ -102,6 +104,9 @@ def trace_sessions(spec: WorkloadSpec, encode: Callable[[str], list[int]]) -> It
             item = _jsonl_item(obj, spec, counter)
             if item is None:
                 continue
+            priority = obj.get("priority", 0)
+            if isinstance(priority, bool) or not isinstance(priority, int):
+                raise ValueError(f"priority must be an integer, not {priority!r}")
             at = obj.get("timestamp", obj.get("arrival_time"))
             if at is not None and (isinstance(at, bool) or not isinstance(at, (int, float)) or at < 0
                                    or not math.isfinite(at)):  # fmt: skip
@@ -116,22 +121,22 @@ def trace_sessions(spec: WorkloadSpec, encode: Callable[[str], list[int]]) -> It
             ids = encode(prompt)
             if not ids:
                 raise ValueError("the prompt is empty")
-            items.append((ids, max_tokens, float(at) if at is not None else None))
+            items.append((ids, max_tokens, float(at) if at is not None else None, priority))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}:{lineno}: {e}") from None
     if not items:
         raise ValueError(f"{path} has no usable prompts")
     if timed:
         items.sort(key=lambda it: it[2])
-        for i, (ids, max_tokens, at) in enumerate(items):
-            yield SimSession(i, [], [ids], [max_tokens], arrival=at - items[0][2])
+        for i, (ids, max_tokens, at, priority) in enumerate(items):
+            yield SimSession(i, [], [ids], [max_tokens], arrival=at - items[0][2], priority=priority)
         return
     rng = np.random.default_rng(spec.seed)
     i = 0
     while True:
         for j in rng.permutation(len(items)):
-            ids, max_tokens, _ = items[j]
-            yield SimSession(i, [], [ids], [max_tokens])
+            ids, max_tokens, _, priority = items[j]
+            yield SimSession(i, [], [ids], [max_tokens], priority=priority)
             i += 1
 
 

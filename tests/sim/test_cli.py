@@ -117,3 +117,19 @@ def test_a_malformed_costs_file_is_one_line(tmp_path, capsys):
     assert main(["sim", "--costs", bad, "--request-rate", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not a fulcrum step-cost file" in err
+
+
+def test_a_traces_priorities_reach_the_scheduler(costs_file, tmp_path):
+    """A burst too large for one step: the requests marked priority 0 are served before the ones marked 1,
+    whatever their order in the trace."""
+    lines = [json.dumps({"prompt": " ".join(f"w{i}x{k}" for k in range(300)), "max_tokens": 8, "timestamp": 0,
+                         "priority": 1 if i < 10 else 0}) for i in range(20)]  # fmt: skip
+    trace = write(tmp_path / "t.jsonl", lines)
+    out = tmp_path / "o.json"
+    flags = ["--workload", "jsonl", "--dataset", trace, "--out", str(out), "--max-num-seqs", "4"]
+    assert main(["sim", "--costs", costs_file, *flags]) == 0
+    reqs = json.loads(out.read_text())["runs"][0]["requests"]
+    first = {r["session"]: r["ttft"] for r in reqs}
+    urgent = [first[i] for i in range(20) if i >= 10]
+    late = [first[i] for i in range(20) if i < 10]
+    assert max(urgent) < min(late)
