@@ -131,23 +131,28 @@ class TextMaker:
         return len(self._encode(text))
 
 
+def check_spec(spec: WorkloadSpec) -> None:
+    """ValueError for a synthetic workload's settings that cannot make sessions."""
+    if spec.name not in WORKLOADS:
+        raise ValueError(f"unknown workload {spec.name!r}; choose from {', '.join(WORKLOADS)}")
+    if spec.name == "shared-prefix" and (spec.num_groups < 1 or spec.prefix_len < 1):
+        raise ValueError("shared-prefix needs --num-groups >= 1 and --prefix-len >= 1")
+    if spec.name == "long-prefill" and not 0 <= spec.long_fraction <= 1:
+        raise ValueError("--long-fraction must be between 0 and 1")
+    if spec.name == "multi-turn" and spec.turns < 1:
+        raise ValueError("--turns must be >= 1")
+
+
 def sessions(spec: WorkloadSpec, text: TextMaker) -> Iterator[Session]:
     """The endless, reproducible stream of sessions of a workload (the load generator takes what it needs)."""
     rng = np.random.default_rng(spec.seed)
     if spec.name == "jsonl":
         yield from _jsonl(spec, text)
         return
-    if spec.name not in WORKLOADS:
-        raise ValueError(f"unknown workload {spec.name!r}; choose from {', '.join(WORKLOADS)}")
+    check_spec(spec)
     prefixes = []
     if spec.name == "shared-prefix":
-        if spec.num_groups < 1 or spec.prefix_len < 1:
-            raise ValueError("shared-prefix needs --num-groups >= 1 and --prefix-len >= 1")
         prefixes = [text.make(spec.prefix_len, rng) for _ in range(spec.num_groups)]
-    if spec.name == "long-prefill" and not 0 <= spec.long_fraction <= 1:
-        raise ValueError("--long-fraction must be between 0 and 1")
-    if spec.name == "multi-turn" and spec.turns < 1:
-        raise ValueError("--turns must be >= 1")
     for i in itertools.count():
         if spec.name == "multi-turn":
             lens = [spec.input_len.sample(rng) for _ in range(spec.turns)]

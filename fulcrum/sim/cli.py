@@ -16,7 +16,7 @@ from pathlib import Path
 from fulcrum.bench.cli import add_workload_args, workload_spec
 from fulcrum.defaults import DEFAULT_MODEL
 from fulcrum.router.policies import POLICIES
-from fulcrum.utils.arg_types import positive_float, positive_int, seconds_with_unit
+from fulcrum.utils.arg_types import checked, one_line_errors, positive_float, positive_int, seconds_with_unit
 
 DEFAULT_NUM_PROMPTS = 1000
 
@@ -91,21 +91,21 @@ def add_sim_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--prefill-replicas", type=positive_int, default=None, help="P/D: prefill engines")
     g.add_argument("--decode-replicas", type=positive_int, default=None, help="P/D: decode engines")
     g.add_argument("--pd-min-prompt-tokens", type=int, default=32, help="P/D: shorter prompts skip the prefill pool")
-    g.add_argument("--autoscale", type=_checked(parse_autoscale), default=None,
+    g.add_argument("--autoscale", type=checked(parse_autoscale), default=None,
                    help="MIN,MAX[,ttft=500ms][,itl=100ms][,target=N]: the router's autoscaler")  # fmt: skip
-    g.add_argument("--replica-startup", type=_checked(seconds_with_unit), default=10.0,
+    g.add_argument("--replica-startup", type=checked(seconds_with_unit), default=10.0,
                    help="seconds a scaled-up replica takes to serve (default 10s)")  # fmt: skip
-    g.add_argument("--router-latency", type=_checked(seconds_with_unit), default=0.0,
+    g.add_argument("--router-latency", type=checked(seconds_with_unit), default=0.0,
                    help="the router's own hop per request (default 0)")  # fmt: skip
     g.add_argument(
         "--frontend-latency",
-        type=_checked(seconds_with_unit),
+        type=checked(seconds_with_unit),
         default=None,
         help="a request's time outside the engine before its first step (default: the calibration's)",
     )
     g.add_argument(
         "--kv-transfer-per-block",
-        type=_checked(seconds_with_unit),
+        type=checked(seconds_with_unit),
         default=None,
         help="P/D: seconds to move one KV block (default: the calibration's)",
     )
@@ -125,7 +125,7 @@ def add_sim_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--max-concurrency", type=positive_int, default=None, help="open loop: cap on requests in flight")
     g.add_argument("--num-prompts", type=positive_int, default=None,
                    help=f"sessions per run (default {DEFAULT_NUM_PROMPTS} unless --duration)")  # fmt: skip
-    g.add_argument("--duration", type=_checked(seconds_with_unit), default=None,
+    g.add_argument("--duration", type=checked(seconds_with_unit), default=None,
                    help="simulated seconds of arrivals per run")  # fmt: skip
     g.add_argument("--seed", type=int, default=0)
     add_workload_args(p)
@@ -136,30 +136,15 @@ def add_sim_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--csv", default=None, help="CSV, one row per run")
     g.add_argument("--no-requests", action="store_true", help="leave each request's timings out of --out")
     p.set_defaults(func=run_sim, sim_verb=None)
-    p.error = _usage_error
+    p.error = one_line_errors("sim")
     verbs = p.add_subparsers(dest="sim_verb")
     from fulcrum.sim.calibrate import add_calibrate_args, run_calibrate
 
     c = verbs.add_parser("calibrate", help="measure the engine's steps on this machine and fit the step-cost model")
     add_calibrate_args(c)
     c.set_defaults(func=run_calibrate)
-    c.error = _usage_error
+    c.error = one_line_errors("sim calibrate")
     return p
-
-
-def _checked(parse):
-    def run(text: str):
-        try:
-            return parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    return run
-
-
-def _usage_error(message: str):
-    print(f"fulcrum sim: {message} (fulcrum sim --help for the flags)", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def _error(message: str) -> int:

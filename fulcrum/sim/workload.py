@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fulcrum.bench.workloads import WORKLOADS, TextMaker, WorkloadSpec, _jsonl_item
+from fulcrum.bench.workloads import TextMaker, WorkloadSpec, _jsonl_item, check_spec
 
 
 @dataclass
@@ -49,18 +49,11 @@ def token_sessions(spec: WorkloadSpec, vocab: int, encode: Callable[[str], list[
     if spec.name == "jsonl":
         yield from trace_sessions(spec, encode or word_ids(vocab))
         return
-    if spec.name not in WORKLOADS:
-        raise ValueError(f"unknown workload {spec.name!r}; choose from {', '.join(WORKLOADS)}")
+    check_spec(spec)
     rng = np.random.default_rng(spec.seed)
     prefixes: list[list[int]] = []
     if spec.name == "shared-prefix":
-        if spec.num_groups < 1 or spec.prefix_len < 1:
-            raise ValueError("shared-prefix needs --num-groups >= 1 and --prefix-len >= 1")
         prefixes = [_ids(rng, spec.prefix_len, vocab) for _ in range(spec.num_groups)]
-    if spec.name == "long-prefill" and not 0 <= spec.long_fraction <= 1:
-        raise ValueError("--long-fraction must be between 0 and 1")
-    if spec.name == "multi-turn" and spec.turns < 1:
-        raise ValueError("--turns must be >= 1")
     for i in itertools.count():
         if spec.name == "multi-turn":
             lens = [spec.input_len.sample(rng) for _ in range(spec.turns)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def _parsed(value: str, kind: type, what: str):
@@ -55,3 +56,25 @@ def seconds_with_unit(text: str) -> float:
     elif t.endswith("s"):
         t = t[:-1]
     return float(t) * scale  # ValueError for the caller to word
+
+
+def checked(parse):
+    """An argparse type from a parser that raises ValueError: its message becomes the usage error."""
+
+    def run(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return run
+
+
+def one_line_errors(verb: str):
+    """A parser's `error` that prints one line (not argparse's usage block) and exits 2."""
+
+    def error(message: str):
+        print(f"fulcrum {verb}: {message} (fulcrum {verb} --help for the flags)", file=sys.stderr)
+        raise SystemExit(2)
+
+    return error
