@@ -290,7 +290,8 @@ class Tune:
                                 on_point=self.on_point)  # fmt: skip
         gate = EvalGate(args.folder)
         walk = Walk(measurer.measure, gate, self.facts(), args.max_quality_loss, args.budget, args.min_gain,
-                    self.progress)  # fmt: skip
+                    self.progress, fleet=self.fleet_sim(),
+                    fleet_why="--serve-cmd is another engine: fulcrum sim simulates fulcrum's")  # fmt: skip
         t0, stopped_by = time.monotonic(), None
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:
@@ -334,6 +335,15 @@ class Tune:
         if stopped_by == "interrupted":
             return 130
         return 1 if stopped_by or doc["result"].get("failed") else 0
+
+    def fleet_sim(self):
+        """`fulcrum sim` on the walk's workload and SLO for scale out and P/D (None for another engine's server)."""
+        from fulcrum.tune.fleet import FleetSim
+
+        if self.args.serve_cmd:
+            return None
+        return FleetSim(self.args.model, self.spec, self.args.slo, self.out / "sim",
+                        dtype=str(self.base_flags.get("dtype", "auto")), tokenizer=self.args.tokenizer)  # fmt: skip
 
     def config_files(self, best, launcher) -> dict[str, dict]:
         """The winner as `fulcrum serve --config` files: one, or P/D's two engines."""

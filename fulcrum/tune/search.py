@@ -1,7 +1,8 @@
 """The walk: target, baseline, memory and batching, quantization, parallelism, scale out, disaggregate. Each stage
 tries a few changes on top of the best configuration so far and keeps one only when its measured goodput under the
 SLO beat the best by `min_gain`; what cannot fit is pruned first, a quantization over the quality bound is
-rejected before any speed run, and a candidate the budget cannot pay for is skipped, saying so."""
+rejected before any speed run, and a candidate the budget cannot pay for is skipped, saying so. The fleet beyond
+this machine (replicas for --rate, P/D splits of them) is simulated with `fulcrum sim` (fleet.py), a prediction."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fulcrum.tune.facts import Facts
+from fulcrum.tune.fleet import FleetSim, SimRun, pd_splits
 from fulcrum.tune.measure import Measurement
 from fulcrum.tune.space import Config
 from fulcrum.tune.target import quality_verdict
@@ -25,6 +27,8 @@ STAGES = (
     "disaggregate",
     "final check",
 )
+MIN_SIM_S = 30.0  # the least budget a simulated fleet gets: a quick calibration and a few `fulcrum sim` runs
+SIM_RUN_S = 3.0  # one `fulcrum sim` run of a minute's arrivals: mostly its process starting
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
@@ -46,7 +50,7 @@ class Trial:
 class Walk:
     """Runs the stages. `measure(config, start_at, deadline)` measures one candidate; `gate(quantization,
     kv_cache_dtype)` scores a format (`quality.EvalGate`); `progress(stage, change, seconds_left)` shows where the
-    walk is."""
+    walk is. `fleet` simulates scale out and P/D with `fulcrum sim` (None: arithmetic only, `fleet_why` says why)."""
 
     def __init__(
         self,
@@ -58,6 +62,8 @@ class Walk:
         min_gain: float = 0.05,
         progress: Callable[[str, str, float], None] = lambda *a: None,
         clock: Callable[[], float] = time.monotonic,
+        fleet: FleetSim | None = None,
+        fleet_why: str = "no fleet simulator",
     ):
         self.measure_fn, self.gate, self.facts, self.bounds = measure, gate, facts, quality_bounds
         self.budget_s, self.min_gain, self.progress, self.clock = budget_s, min_gain, progress, clock
@@ -69,10 +75,16 @@ class Walk:
         self.bar = 0.0  # what a change must beat: the mean of the best's runs
         self.measured_s: list[float] = []
         self.gate_s: list[float] = []  # how long each quality score took
+        self.fleet, self.fleet_why = fleet, fleet_why
+        self.fleet_answer: SimRun | None = None  # scale out's simulated fleet, which P/D is set against
 
     # -- time ------------------------------------------------------------------------------------------------------
     def left(self) -> float:
         return self.budget_s - (self.clock() - self.t0)
+
+    def _kept(self) -> float:
+        """With a rate to hold, the simulated fleet at the end of the walk keeps its share of the budget."""
+        return MIN_SIM_S if self.fleet is not None and self.facts.target_rate else 0.0
 
     def _estimate(self) -> float:
         """What one more candidate will take: the median of those measured so far."""
@@ -99,14 +111,16 @@ class Walk:
         if why:
             return f"does not fit ({why}); pruned by plan, not started"
         takes = self._estimate() if takes is None else takes
-        if self.left() < 1.2 * takes:
-            return f"budget ({self.left():.0f} s left, this takes ~{takes:.0f} s)"
+        kept = self._kept()
+        if self.left() - kept < 1.2 * takes:
+            also = f", {kept:.0f} s kept for fulcrum sim" if kept else ""
+            return f"budget ({self.left():.0f} s left, this takes ~{takes:.0f} s{also})"
         return None
 
     def _measure(self, config: Config, like: Measurement | None) -> Measurement:
         """One run of a configuration, its load starting at half the concurrency where `like` did best."""
         start = max(1, (like.best.concurrency if like and like.best else 2) // 2)
-        m = self.measure_fn(config, start, self.t0 + self.budget_s)
+        m = self.measure_fn(config, start, self.t0 + self.budget_s - self._kept())
         self.measured_s.append(m.seconds)
         return m
 
@@ -134,7 +148,7 @@ class Walk:
         if not self._beats(first.goodput, self.bar):
             trial.verdict = f"rejected: goodput {first.goodput:.3g} req/s vs {self.bar:.3g} kept ({need})"
             return
-        if self.left() < 2 * first.seconds:
+        if self.left() - self._kept() < 2 * first.seconds:
             trial.verdict = "rejected: won once, but no budget was left to confirm the win"
             return
         again = self._measure(trial.config, first)
@@ -229,7 +243,7 @@ class Walk:
             self.skip(stage, change, config, why)
             return
         t0 = self.clock()
-        q = self.gate(quantization, kv_dtype, timeout=max(self.left(), 1.0))
+        q = self.gate(quantization, kv_dtype, timeout=max(self.left() - self._kept(), 1.0))
         self.gate_s.append(self.clock() - t0)
         if q.error:
             self.skip(stage, change, config, f"quality not known ({q.error})")
@@ -278,6 +292,16 @@ class Walk:
         else:
             self.skip(stage, "speculative decoding, draft model", self.best.config, "no --draft given")
 
+    def _sim_deadline(self, share: float, least: float) -> float | None:
+        """When simulated runs must end: `share` of what the final check leaves (all that is left when that is
+        under MIN_SIM_S: the fleet answers --rate, the check only restates a gain), None when under `least`."""
+        final = 2 * self._estimate() if self.best is not self.baseline else 0.0
+        spare = self.left() - final
+        spare = spare if spare >= MIN_SIM_S else self.left()
+        if spare < least:
+            return None
+        return self.clock() + max(least, share * spare)
+
     def scale_out_stage(self) -> None:
         f, best = self.facts, self.best
         g = best.measurement.goodput
@@ -290,14 +314,38 @@ class Walk:
             verdict = f"computed: no configuration met the SLO, so no number of replicas holds {f.target_rate:g} req/s"
         else:
             n = math.ceil(f.target_rate / g)
-            notes.update(replicas=n, target_rate=f.target_rate)
-            verdict = f"computed: {n} replica(s) of the best configuration hold {f.target_rate:g} req/s"
+            notes.update(replicas=n, arithmetic_replicas=n, target_rate=f.target_rate)
+            arithmetic = f"{n} replica(s) of the best configuration hold {f.target_rate:g} req/s"
+            verdict, n = self._simulated_fleet(n, notes, arithmetic)
             if f.price_per_hour is not None:  # a replica is a machine like this one, P/D pair or not
                 notes["fleet_cost_per_hour"] = n * f.price_per_hour
                 verdict += f", ${notes['fleet_cost_per_hour']:.2f}/h"
         verdict += f"; router --policy {f.router_policy} ({why_policy})"
         self._record(Trial("scale out", "replicas behind the router", best.config, verdict, predicted=True,
                            notes=notes))  # fmt: skip
+
+    def _simulated_fleet(self, n: int, notes: dict, arithmetic: str) -> tuple[str, int]:
+        """The fewest replicas `fulcrum sim` says meet every bound at the target rate, searched from the arithmetic
+        `n`; the arithmetic verdict, with the reason, when sim cannot run or answer."""
+        f, config = self.facts, self.best.config
+        why = self.fleet_why if self.fleet is None else self.fleet.why_not(config)
+        deadline = None if why else self._sim_deadline(0.6 if f.pd_possible else 1.0, MIN_SIM_S / 2)
+        if deadline is None:
+            why = why or f"budget ({self.left():.0f} s left)"
+            return f"computed: {arithmetic} (not simulated: {why})", n
+        self.progress("scale out", f"fulcrum sim: replicas for {f.target_rate:g} req/s", self.left())
+        t0 = self.clock()
+        answer, tried, why = self.fleet.fewest_replicas(config, f.target_rate, f.router_policy, n, deadline)
+        notes["sim"] = {"tried": {k: r.as_dict() for k, r in sorted(tried.items())}, "wall_s": self.clock() - t0,
+                        "calibrations": self.fleet.calibrations}  # fmt: skip
+        if answer is None:
+            return f"computed: {arithmetic} (not simulated: {why})", n
+        self.fleet_answer = answer
+        notes.update(replicas=answer.replicas, sim_file=answer.path)
+        fewer = tried.get(answer.replicas - 1)
+        below = f"; {fewer.replicas} break it ({'; '.join(fewer.misses)})" if fewer and not fewer.met else ""
+        return (f"simulated: {answer.replicas} replica(s) of the best configuration hold {f.target_rate:g} req/s "
+                f"({answer.p90s()}{below}); arithmetic from the measured goodput: {n}"), answer.replicas  # fmt: skip
 
     def disaggregate_stage(self) -> None:
         stage, f = "disaggregate", self.facts
@@ -312,11 +360,62 @@ class Walk:
             why = t.verdict
         ratio = f.mean_input_len / max(f.mean_output_len, 1.0)
         pays = ratio >= 4
-        self._record(Trial(stage, "P/D: a prefill and a decode engine", pd,
-                           f"predicted, not measured ({why}): prompts are {ratio:.1f}x the output, so P/D "
-                           + ("may pay (prefill-heavy: long prompts stall decodes)" if pays
-                              else "is unlikely to pay (decode-heavy: a split idles the prefill engine)"),
-                           predicted=True))  # fmt: skip
+        context = (f"prompts are {ratio:.1f}x the output, so P/D "
+                   + ("may pay (prefill-heavy: long prompts stall decodes)" if pays
+                      else "is unlikely to pay (decode-heavy: a split idles the prefill engine)"))  # fmt: skip
+        notes: dict = {}
+        simulated = self._simulated_pd(notes) if self.fleet_answer is not None else None
+        verdict = (f"simulated, not measured ({why}): {simulated}; {context}" if simulated
+                   else f"predicted, not measured ({why}): {context}")  # fmt: skip
+        if "sim_error" in notes:
+            verdict += f" (not simulated: {notes['sim_error']})"
+        self._record(Trial(stage, "P/D: a prefill and a decode engine", pd, verdict, predicted=True, notes=notes))
+
+    def _simulated_pd(self, notes: dict) -> str | None:
+        """P/D splits of the scaled-out fleet's machine count (and of one machine fewer, when one holds), set
+        against the colocated fleet by `fulcrum sim`: which met the SLO on fewer machines. None: not simulated."""
+        f, colocated = self.facts, self.fleet_answer
+        if colocated.replicas < 2:  # P/D needs a prefill and a decode engine
+            return (
+                f"one replica holds {f.target_rate:g} req/s ({colocated.p90s()}): P/D's two engines take more machines"
+            )
+        deadline = self._sim_deadline(1.0, 2 * SIM_RUN_S)
+        if deadline is None:
+            return None
+        n = colocated.replicas
+        self.progress("disaggregate", f"fulcrum sim: P/D splits of {n} machines", self.left())
+        runs: list[SimRun] = []
+
+        def first_met(machines: int) -> SimRun | None:
+            for p, d in pd_splits(machines):
+                if self.clock() >= deadline:
+                    return None
+                runs.append(self.fleet.run(self.best.config, f.target_rate, f.router_policy, deadline,
+                                           prefill=p, decode=d))  # fmt: skip
+                if runs[-1].met:
+                    return runs[-1]
+            return None
+
+        t0 = self.clock()
+        same = first_met(n)
+        fewer = first_met(n - 1) if same and n - 1 >= 2 else None
+        notes["sim"] = {"colocated": colocated.as_dict(), "pd": [r.as_dict() for r in runs],
+                        "wall_s": self.clock() - t0}  # fmt: skip
+        if not runs or all(r.error for r in runs):
+            notes["sim_error"] = runs[0].error if runs else "no time left for a run"
+            return None
+        tried = ", ".join(r.describe() for r in runs)
+        if fewer:
+            return (f"P/D {fewer.prefill}+{fewer.decode} meets the SLO on {fewer.replicas} machines where "
+                    f"colocated replicas need {colocated.replicas}: P/D takes fewer machines ({tried})")  # fmt: skip
+        if same:
+            fewer_too = f"no split of {n - 1} does" if n > 2 else "P/D takes two at least"
+            return (f"P/D {same.prefill}+{same.decode} meets the SLO on {n} machines, as {n} colocated replicas do, "
+                    f"and {fewer_too}: colocated is as good, and simpler ({tried})")  # fmt: skip
+        return (
+            f"no P/D split of {n} machines met the SLO where {colocated.replicas} colocated replica(s) do: "
+            f"colocated takes fewer machines ({tried})"
+        )
 
 
 def _unit(f: Facts) -> str:
