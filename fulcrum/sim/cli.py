@@ -80,8 +80,12 @@ def add_sim_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--hardware", default="local", help="local (calibrated step costs) or a catalog name (predicted)")
     p.add_argument("--costs", default=None, help="a step-cost file from `fulcrum sim calibrate` (default: this "
                    "machine's calibration of --model)")  # fmt: skip
-    p.add_argument("--dtype", default=None, help="--hardware NAME: the weights' dtype (default: the model's)")
-    p.add_argument("--kv-cache-dtype", default=None, help="--hardware NAME: the KV cache's dtype")
+    p.add_argument(
+        "--dtype", default=None, help="the weights' dtype (default: the model's; finds that calibration here)"
+    )
+    p.add_argument("--kv-cache-dtype", default=None, help="the KV cache's dtype (finds that calibration here)")
+    p.add_argument("--quantization", default=None, help="the engine's online quantization (finds that calibration)")
+    p.add_argument("--quantization-group-size", type=positive_int, default=128)
     p.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=positive_int, default=1,
                    help="--hardware NAME: GPUs per replica")  # fmt: skip
     g = p.add_argument_group("fleet")
@@ -167,7 +171,8 @@ def load_costs(args):
     if args.hardware.lower() == "local":
         from fulcrum.probe.step_costs import default_costs_path
 
-        path = default_costs_path(args.model, args.dtype or "auto", args.kv_cache_dtype or "auto", None)
+        path = default_costs_path(args.model, args.dtype or "auto", args.kv_cache_dtype or "auto", None,
+                                  args.quantization, args.quantization_group_size)  # fmt: skip
         if not Path(path).is_file():
             raise ValueError(f"no step-cost calibration of {args.model} on this machine ({path}): run "
                              f"`fulcrum sim calibrate {args.model}` first, or give --costs FILE or --hardware NAME")  # fmt: skip
