@@ -89,7 +89,7 @@ class StepCosts:
         return self.seconds(s.tokens, s.samples, s.decode_kv, s.prefill_rows, s.prefill_attn)
 
     def seconds(self, tokens: int, samples: int, decode_kv: int, prefill_rows: int, prefill_attn: float) -> float:
-        """The step's seconds (the simulator's hot path: no objects built)."""
+        """The step's seconds for a shape given as its features."""
         if tokens <= 0:
             return 0.0
         knots, ks = self.knots, self.knot_seconds

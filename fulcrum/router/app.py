@@ -73,6 +73,11 @@ class RouterConfig:
     kv_events_topic: str = ""
 
     @property
+    def remembers_sent(self) -> bool:
+        """Prefix-aware routing without KV events: each replica's cache is guessed from the prompts sent there."""
+        return self.policy == "prefix" or (self.policy == "weighted" and not self.uses_kv_events)
+
+    @property
     def uses_kv_events(self) -> bool:
         return self.policy == "kv-events" or (
             self.policy == "weighted" and bool(self.kv_events_endpoints or self.kv_events_port)
@@ -104,7 +109,7 @@ class Router:
         self.subscriptions = Subscriptions(self.kv_index) if self.kv_index is not None else None
         self.policy = make_policy(cfg, pool, self.kv_index)
         self.tokenizer = PromptTokenizer(cfg.model) if cfg.policy in NEEDS_TOKENS else None
-        self.remembers = cfg.policy == "prefix" or (cfg.policy == "weighted" and self.kv_index is None)
+        self.remembers = cfg.remembers_sent
         self.metrics = RouterMetrics(pool, self.kv_index)
         self.sticky: dict[str, str] = {}
         self.session: aiohttp.ClientSession | None = None

@@ -222,7 +222,7 @@ def predicted_blocks(costs, spec, block_size: int) -> int:
     return int(free // per_block)
 
 
-def _requests(tracks, max_turns_tag: bool = False):
+def _requests(tracks):
     """The simulated requests as bench's RequestResult records (times relative to the run's start)."""
     from fulcrum.bench.client import RequestResult
 

@@ -14,6 +14,7 @@ its Decider's (router/autoscaler.py), fed as Autoscaler feeds it: concurrency, l
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from fulcrum.router.app import RouterConfig, make_policy
-from fulcrum.router.autoscaler import Autoscaler, Decider, ScalerConfig
+from fulcrum.router.autoscaler import Autoscaler, ScalerConfig
 from fulcrum.router.kv_index import KVIndex
 from fulcrum.router.pd import PDConfig
 from fulcrum.router.pool import Pool
@@ -120,13 +121,13 @@ class Fleet:
         self.now = 0.0
         self.events = 0
         self.routes: dict[str, int] = {}
-        self.sims: dict[str, SimReplica] = {}
-        self.retired: list[SimReplica] = []
+        self.sims: dict[str, SimReplica] = {}  # in the pools now
+        self.every: dict[str, SimReplica] = {}  # every replica the run had, retired ones too
         self.lifetimes: dict[str, list[float]] = {}  # name -> [start, end]
         rcfg = RouterConfig(policy=cfg.policy, balance_margin=cfg.balance_margin)
         self.uses_events = rcfg.uses_kv_events
         self.index = KVIndex() if self.uses_events else None
-        self.remembers = cfg.policy in ("prefix", "weighted") and self.index is None
+        self.remembers = rcfg.remembers_sent
         self.pools: dict[str, Pool] = {}
         self.policies: dict[str, object] = {}
         roles = {"prefill": "producer", "decode": "consumer"} if cfg.disaggregated else {"main": "both"}
@@ -142,7 +143,6 @@ class Fleet:
         self.scaler = None
         if cfg.autoscale is not None:
             self.scaler = Autoscaler(self.pools["main"], backend=None, cfg=cfg.autoscale)
-            self.scaler.decider = Decider(cfg.autoscale)
             self.scale_events: list[dict] = []
             self.starting = 0
             self.draining: set[str] = set()
@@ -160,7 +160,7 @@ class Fleet:
         sim = SimReplica(name, self.shape, self.costs, role, record=self.cfg.record_steps, kv_events=self.uses_events)
         sim.pool_name = pool_name
         sim.started_at = self.now
-        self.sims[name] = sim
+        self.sims[name] = self.every[name] = sim
         self.lifetimes[name] = [self.now, math.inf]
         r = self.pools[pool_name].add(name)
         r.healthy = True
@@ -172,7 +172,6 @@ class Fleet:
         sim = self.sims.pop(name)
         self.pools[sim.pool_name].remove(name)
         self.lifetimes[name][1] = self.now
-        self.retired.append(sim)
 
     def _scrape(self) -> None:
         """Every replica's gauges as its /metrics would give them now."""
@@ -433,9 +432,7 @@ class Fleet:
         self._engine_arrive(name, t, "decode")
 
     def _release_lease(self, producer: str, t: Track) -> None:
-        sim = self.sims.get(producer) or next((s for s in self.retired if s.name == producer), None)
-        if sim is not None:
-            sim.release_lease(t.prefill_rid)
+        self.every[producer].release_lease(t.prefill_rid)
 
     # -- autoscaling -----------------------------------------------------------------------------------
 
@@ -480,7 +477,7 @@ class Fleet:
         end = self.now
         replica_seconds = sum(min(b, end) - a for a, b in self.lifetimes.values())
         per = {}
-        for sim in [*self.sims.values(), *self.retired]:
+        for sim in self.every.values():
             kv = sim.kv.stats()
             a, b = self.lifetimes[sim.name]
             per[sim.name] = {
@@ -500,7 +497,7 @@ class Fleet:
             replicas=per,
             scale_events=getattr(self, "scale_events", []),
             routes=dict(self.routes),
-            steps_log={s.name: s.log for s in [*self.sims.values(), *self.retired]} if self.cfg.record_steps else {},
+            steps_log={s.name: s.log for s in self.every.values()} if self.cfg.record_steps else {},
             sim_events=self.events,
         )
 
@@ -515,8 +512,6 @@ def _histogram(bounds: tuple[float, ...], counts: list[int]) -> Histogram:
 
 
 def _observe(hist: tuple[list[int], list[int]], t: Track) -> None:
-    import bisect
-
     ttft, itl = hist
     times = t.token_times
     if not times:
@@ -524,7 +519,3 @@ def _observe(hist: tuple[list[int], list[int]], t: Track) -> None:
     ttft[bisect.bisect_left(TTFT_BUCKETS, times[0] - t.start)] += 1
     for a, b in zip(times, times[1:]):
         itl[bisect.bisect_left(ITL_BUCKETS, b - a)] += 1
-
-
-def load_from(rate: float | None, concurrency: int | None, **kw) -> Load:
-    return Load(rate=rate, concurrency=concurrency, **kw)

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from fulcrum.engine.kv_cache import KVCacheManager
 from fulcrum.engine.request import Request
 from fulcrum.engine.scheduler import Scheduler, SchedulerOutput
+from fulcrum.plan.step_costs import StepShape
 from fulcrum.sampling_params import SamplingParams
 
 SIM_TOKEN = 0  # the token every simulated step samples (only lengths stop a simulated request)
@@ -128,22 +129,13 @@ class SimReplica:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return None
-        tokens = samples = decode_kv = prefill_rows = 0
-        prefill_attn = 0.0
-        sampling = []
-        for s in out.scheduled:
-            req, n = s.request, s.num_new_tokens
-            c = req.num_computed_tokens
-            tokens += n
-            if req.num_computed_tokens + n == req.num_tokens:
-                samples += 1
-                sampling.append(req.request_id)
-            if n == 1:
-                decode_kv += c + 1
-            else:
-                prefill_rows += 1
-                prefill_attn += n * (c + (n + 1) / 2)
-        dt = self.costs.seconds(tokens, samples, decode_kv, prefill_rows, prefill_attn)
+        shape, sampling = StepShape(), []
+        for s in out.scheduled:  # the shape as calibration reads it (probe/step_sweep.py's StepRecorder)
+            samples = s.samples_next_token
+            shape.add(s.num_new_tokens, s.request.num_computed_tokens, samples)
+            if samples:
+                sampling.append(s.request.request_id)
+        dt = self.costs.step_seconds(shape)
         if self.record:
             self.log.append(([(s.request.request_id, s.num_new_tokens) for s in out.scheduled], list(out.preempted)))
         self.current, self.sampling = out, sampling

@@ -16,7 +16,14 @@ from pathlib import Path
 from fulcrum.bench.cli import add_workload_args, workload_spec
 from fulcrum.defaults import DEFAULT_MODEL, ONLINE_QUANTIZATIONS
 from fulcrum.tune.target import parse_quality, parse_slo
-from fulcrum.utils.arg_types import non_negative_float, non_negative_int, positive_float, positive_int
+from fulcrum.utils.arg_types import (
+    checked,
+    non_negative_float,
+    non_negative_int,
+    one_line_errors,
+    positive_float,
+    positive_int,
+)
 
 DEFAULT_SLO = "ttft_p90=500ms,tpot_p90=50ms"
 DEFAULT_QUALITY = "kl=0.01"
@@ -36,16 +43,6 @@ def duration(text: str) -> float:
     return value
 
 
-def _checked(parse):
-    def run(text: str):
-        try:
-            return parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    return run
-
-
 def add_tune_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "tune",
@@ -57,7 +54,7 @@ def add_tune_parser(sub) -> argparse.ArgumentParser:
         "and goodput.png under --out.",
     )
     p.add_argument("model", nargs="?", default=str(DEFAULT_MODEL), help="model folder (default: the bundled model)")
-    p.add_argument("--slo", type=_checked(parse_slo), default=parse_slo(DEFAULT_SLO),
+    p.add_argument("--slo", type=checked(parse_slo), default=parse_slo(DEFAULT_SLO),
                    help=f"latency SLOs as METRIC_STAT=VALUE (ttft, tpot, itl, e2e; mean, p50, p90, p95, p99), "
                    f"default {DEFAULT_SLO}")  # fmt: skip
     load = p.add_mutually_exclusive_group()
@@ -66,7 +63,7 @@ def add_tune_parser(sub) -> argparse.ArgumentParser:
                       "reaches it needs no higher load")  # fmt: skip
     load.add_argument("--concurrency", type=positive_int, default=None,
                       help="the most users at once the service sees: the load rises up to it (default 64)")  # fmt: skip
-    p.add_argument("--max-quality-loss", type=_checked(parse_quality), default=parse_quality(DEFAULT_QUALITY),
+    p.add_argument("--max-quality-loss", type=checked(parse_quality), default=parse_quality(DEFAULT_QUALITY),
                    help="bounds on `fulcrum eval` against the unquantized model a quantized candidate must meet "
                    f"before it is measured: kl, kl_p99, top1, ppl_ratio (default {DEFAULT_QUALITY})")  # fmt: skip
     p.add_argument("--budget", type=duration, default=duration("20m"), help="wall time for the whole tune (20m)")
@@ -103,13 +100,8 @@ def add_tune_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     add_workload_args(p)
     p.set_defaults(func=run_tune)
-    p.error = _usage_error  # one line, not argparse's usage block
+    p.error = one_line_errors("tune")  # one line, not argparse's usage block
     return p
-
-
-def _usage_error(message: str):
-    print(f"fulcrum tune: {message} (fulcrum tune --help for the flags)", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def _error(message: str) -> int:
