@@ -355,7 +355,7 @@ class Fleet:
 
     def _engine_arrive(self, name: str, t: Track, leg: str) -> None:
         sim = self.sims.get(name)
-        if sim is None:  # retired meanwhile: cannot happen (a draining replica keeps its requests), kept safe
+        if sim is None:  # retired meanwhile: cannot happen (a replica is retired with nothing in flight there)
             t.error = "connection"
             t.finish = self.now
             self._done(t)
@@ -394,10 +394,8 @@ class Fleet:
             t.replica = name
             self._done(t)
         self._begin(sim)
-        if self.scaler is not None and name in self.draining and sim.idle() and not sim.tracks:
-            self._retire(name)
-            self.draining.discard(name)
-            self._scaled("down")
+        if self.scaler is not None and name in self.draining:
+            self._retire_if_drained(name)
 
     def _apply_events(self, sim: SimReplica) -> None:
         events = sim.kv.take_events()
@@ -455,11 +453,15 @@ class Fleet:
             r.draining = True
             self.draining.add(r.url)
             self.scale_reason = reason
-            sim = self.sims[r.url]
-            if sim.idle() and not sim.tracks:
-                self._retire(r.url)
-                self.draining.discard(r.url)
-                self._scaled("down")
+            self._retire_if_drained(r.url)
+
+    def _retire_if_drained(self, name: str) -> None:
+        """A draining replica goes once the router has nothing in flight there, as the live autoscaler waits for
+        it: a request still on its way in (the frontend's hop) counts, so it is never sent to a removed replica."""
+        if self.pools["main"].replicas[name].in_flight == 0 and self.sims[name].idle():
+            self._retire(name)
+            self.draining.discard(name)
+            self._scaled("down")
 
     def _replica_up(self) -> None:
         self.starting -= 1

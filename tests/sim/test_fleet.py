@@ -135,3 +135,15 @@ def test_pd_split_moves_prefills_to_the_prefill_pool_and_pulls_their_blocks():
 def test_bad_fleets_are_refused(cfg, message):
     with pytest.raises(ValueError, match=message):
         Fleet(cfg, EngineShape(num_blocks=100), costs())
+
+
+def test_a_replica_scaled_down_loses_no_request_on_its_way_in(tmp_path):
+    """With a long way in (frontend_s), requests are in flight to a replica before it holds them: a drain waits
+    for them, as the live autoscaler waits for the router's in-flight count."""
+    trace = step_trace(tmp_path / "step.jsonl", [(20, 2.0), (40, 40.0), (200, 3.0)])
+    scaler = ScalerConfig(min_replicas=1, max_replicas=6, target_concurrency=4, stable_window=20, panic_window=4,
+                          slo=SLO(ttft=0.5))  # fmt: skip
+    res = run(FleetConfig(autoscale=scaler, replica_startup_s=5.0), WorkloadSpec(name="jsonl", dataset=trace),
+              Load(rate=float("inf")), frontend_s=0.4)  # fmt: skip
+    assert [e for e in res.scale_events if e["kind"] == "down"]
+    assert all(t.error is None for t in res.tracks), sum(t.error is not None for t in res.tracks)
