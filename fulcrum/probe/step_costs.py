@@ -21,7 +21,7 @@ from dataclasses import astuple
 from pathlib import Path
 
 from fulcrum.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_MODEL
-from fulcrum.plan.step_costs import StepCosts, StepShape, errors, fit
+from fulcrum.plan.step_costs import StepCosts, StepShape, errors, fit, prefill_seconds
 from fulcrum.probe.step_sweep import SWEEPS, sweep_in_own_process
 from fulcrum.utils import cpu_isa
 from fulcrum.utils.serve_process import start
@@ -130,13 +130,6 @@ def split_held_out(steps: list[tuple[StepShape, float]]) -> tuple[list, list]:
         digest = hashlib.sha256(repr(astuple(s)).encode()).digest()
         (held if digest[0] % HELD_OUT == 0 else fitted).append((s, t))
     return fitted, held
-
-
-def prefill_shape(tokens: int) -> StepShape:
-    """One fresh prompt of `tokens` computed in one step."""
-    s = StepShape()
-    s.add(tokens, 0, True)
-    return s
 
 
 # -- the frontend and KV transfers ------------------------------------------------------------------------------
@@ -280,7 +273,7 @@ def calibrate(
         )
         say("warning: " + costs.fit["interference"])
     if ttft:
-        prefill = costs.step_seconds(prefill_shape(16))
+        prefill = prefill_seconds(costs, 16, max_num_batched_tokens)
         costs.frontend_s = max(statistics.median(ttft) - prefill, 0.0)
         costs.fit["frontend"] = {"ttft_median_s": statistics.median(ttft), "requests": len(ttft),
                                  "prompt_tokens": 16, "predicted_prefill_s": prefill,
