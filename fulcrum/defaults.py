@@ -11,7 +11,7 @@ from pathlib import Path
 # Weight-only quantization methods (fulcrum/quant) and int4's group sizes: online (a full-precision checkpoint
 # quantized at load time), or read from a checkpoint's quantization_config (its quant_method, as named there)
 ONLINE_QUANTIZATIONS = ("int8", "int4", "fp8")
-CHECKPOINT_QUANTIZATIONS = ("gptq", "awq", "compressed-tensors")
+CHECKPOINT_QUANTIZATIONS = ("gptq", "awq", "compressed-tensors", "gguf")
 QUANTIZATIONS = ONLINE_QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS
 INT4_GROUP_SIZES = (32, 64, 128)
 # What the KV cache stores: "auto" is the model's dtype; fp8 (e4m3) and int8 hold one byte per value with an fp16

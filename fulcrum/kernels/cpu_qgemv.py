@@ -29,6 +29,8 @@ BINDINGS = {
     "qgemv.cpp": {
         "fulcrum_qgemv_int8": (None, I64, I64, *[PTR] * 5, I64, I64, I64),
         "fulcrum_qgemv_int4": (None, I64, *[PTR] * 6, I64, I64, I64, I64),
+        "fulcrum_qgemv_int8g": (None, I64, *[PTR] * 6, I64, I64, I64, I64),
+        "fulcrum_dequant_int8g": (None, I64, PTR, PTR, PTR, PTR, I64, I64, I64),
         "fulcrum_dequant_int8": (None, I64, I64, PTR, PTR, PTR, I64, I64),
         "fulcrum_dequant_int4": (None, I64, PTR, PTR, PTR, PTR, I64, I64, I64),
     }
@@ -40,8 +42,9 @@ def _module():
     lib = cpu_ext.load("qgemv.cpp", level(), BINDINGS["qgemv.cpp"])
     if lib is None:
         return None
-    return {"int8": lib.fulcrum_qgemv_int8, "int4": lib.fulcrum_qgemv_int4,
-            "dequant_int8": lib.fulcrum_dequant_int8, "dequant_int4": lib.fulcrum_dequant_int4}  # fmt: skip
+    return {"int8": lib.fulcrum_qgemv_int8, "int4": lib.fulcrum_qgemv_int4, "int8g": lib.fulcrum_qgemv_int8g,
+            "dequant_int8": lib.fulcrum_dequant_int8, "dequant_int4": lib.fulcrum_dequant_int4,
+            "dequant_int8g": lib.fulcrum_dequant_int8g}  # fmt: skip
 
 
 def available() -> bool:
@@ -94,6 +97,23 @@ def int4(
     return y
 
 
+def int8g(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, I] @ W^T + bias with W int8 in groups (w [O, I] int8, scale and offset or None [O, I/G] fp32, G 16
+    or 32): W = w * scale + offset per group."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    _module()["int8g"](x.dtype == torch.bfloat16, x.data_ptr(), w.data_ptr(), scale.data_ptr(), _ptr(offset),
+                       _ptr(bias), y.data_ptr(), x.shape[0], x.shape[1], w.shape[0], group_size)  # fmt: skip
+    return y
+
+
 # One buffer per dtype, grown to the largest weight and reused by every layer's dequantized copy: a fresh tensor of
 # tens of MB per call costs its page faults each time (10 ms for a 9728 x 896 weight here, against 2-3 ms reused).
 _SCRATCH: dict[torch.dtype, torch.Tensor] = {}
@@ -123,4 +143,18 @@ def dequantize_int4(
     out = _scratch((w.shape[0], w.shape[1] * 2), dtype)
     _module()["dequant_int4"](dtype == torch.bfloat16, w.data_ptr(), scale.data_ptr(), offset.data_ptr(),
                               out.data_ptr(), w.shape[0], w.shape[1] * 2, group_size)  # fmt: skip
+    return out
+
+
+def dequantize_int8g(
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    group_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The grouped int8 weight as [O, I] in `dtype`, in a reused buffer like dequantize_int8's."""
+    out = _scratch(tuple(w.shape), dtype)
+    _module()["dequant_int8g"](dtype == torch.bfloat16, w.data_ptr(), scale.data_ptr(), _ptr(offset), out.data_ptr(),
+                               w.shape[0], w.shape[1], group_size)  # fmt: skip
     return out

@@ -16,6 +16,7 @@ BINDINGS = {
     "qgemv_vnni.cpp": {
         "fulcrum_qgemv_int8_vnni": (None, *[PTR] * 5, I64, I64, I64),
         "fulcrum_qgemv_int4_vnni": (None, *[PTR] * 6, I64, I64, I64, I64),
+        "fulcrum_qgemv_int8g_vnni": (None, *[PTR] * 6, I64, I64, I64, I64),
     }
 }
 
@@ -27,7 +28,11 @@ def _module():
     lib = cpu_ext.load("qgemv_vnni.cpp", "avx512_bf16", BINDINGS["qgemv_vnni.cpp"], extra_flags=("-mavx512vnni",))
     if lib is None:
         return None
-    return {"int8": lib.fulcrum_qgemv_int8_vnni, "int4": lib.fulcrum_qgemv_int4_vnni}
+    return {
+        "int8": lib.fulcrum_qgemv_int8_vnni,
+        "int4": lib.fulcrum_qgemv_int4_vnni,
+        "int8g": lib.fulcrum_qgemv_int8g_vnni,
+    }
 
 
 def available() -> bool:
@@ -67,4 +72,14 @@ def int4(x, w, scale, offset, group_size: int, bias=None) -> torch.Tensor:
     _module()["int4"](x.data_ptr(), w.data_ptr(), scale.data_ptr(), offset.data_ptr(),
                       None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], w.shape[0],
                       group_size)  # fmt: skip
+    return y
+
+
+def int8g(x, w, scale, offset, group_size: int, bias=None) -> torch.Tensor:
+    """The grouped int8 format of cpu_qgemv.int8g (G 16 or 32)."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    _module()["int8g"](x.data_ptr(), w.data_ptr(), scale.data_ptr(), None if offset is None else offset.data_ptr(),
+                       None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], w.shape[0],
+                       group_size)  # fmt: skip
     return y

@@ -20,10 +20,14 @@ class VocabParallelEmbedding(nn.Module):
         self.start = self.per_rank * self.tp_rank
         self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.weight.takes_gguf_raw = tp_size() == 1  # a GGUF table's blocks, kept (finish_gguf_table)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != self.vocab_size:
-            raise WeightShapeError((self.vocab_size, *param.shape[1:]), loaded.shape)
+        if tuple(loaded.shape[1:]) != tuple(param.shape[1:]) or loaded.shape[0] != self.vocab_size:
+            raise WeightShapeError((self.vocab_size, *param.shape[1:]), tuple(loaded.shape))
+        if not isinstance(loaded, torch.Tensor):  # a GGUF tensor's blocks: converted once loading is done
+            self._gguf_raw = loaded
+            return
         part = loaded[self.start : self.start + self.per_rank]
         param.data.zero_()
         param.data[: part.shape[0]].copy_(part)
@@ -35,8 +39,23 @@ class VocabParallelEmbedding(nn.Module):
         self.out_dtype = self.weight.dtype
         del self.weight
 
+    def finish_gguf_table(self) -> None:
+        """A GGUF table in blocks that no quantized LM head shares (an untied file): converted into this layer's
+        own quantized table (fulcrum.quant.gguf), whose rows lookups dequantize."""
+        raw = self.__dict__.pop("_gguf_raw", None)
+        if raw is None or hasattr(self, "_quantized_head"):
+            return
+        from fulcrum.quant.gguf import merge_parts, part_of
+
+        self.out_dtype = self.weight.dtype
+        (self.gguf_table,) = merge_parts([part_of(raw, self.weight.dtype)])
+        del self.weight
+
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         head = getattr(self, "_quantized_head", None)
+        table = getattr(self, "gguf_table", None)
+        if table is not None:
+            return table.dequantize(ids.reshape(-1)).to(self.out_dtype).reshape(*ids.shape, -1)
         if head is None:
             return F.embedding(ids, self.weight)
         flat = ids.reshape(-1)

@@ -26,7 +26,7 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 GGUF_LINK = "model.gguf"
 GGUF_TENSORS = "gguf_tensors.json"
 # Part of each folder's key: a change to what the folder holds (this module) must not reuse an older folder
-GGUF_FOLDER_VERSION = 1
+GGUF_FOLDER_VERSION = 2
 # Llama 3's original context, which its rope settings are stated against (see llama3_rope)
 LLAMA3_CONTEXT = 8192
 # The types that hold values, and the dtype a model whose weights are stored in them runs in
@@ -136,6 +136,9 @@ def _write_gguf_folder(file: Path, folder: Path) -> None:
         config.sliding_window = None
     _rope_from_gguf(reader, arch, config, file)
     config.dtype = file_dtype({t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2})
+    types = gguf_block_types(table)
+    if types:  # the weights stay in their blocks (fulcrum.quant.gguf), as a quantized checkpoint's do
+        config.quantization_config = {"quant_method": "gguf", "types": types}
     config.save_pretrained(folder)
 
     eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
@@ -157,10 +160,19 @@ def _write_gguf_folder(file: Path, folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(saved, indent=2) + "\n")
 
 
+def gguf_block_types(table: list[dict]) -> dict[str, int]:
+    """How many tensors of two or more dimensions the file holds in each block type (Q4_K: 120 ...), most first."""
+    counts: dict[str, int] = {}
+    for t in table:
+        if len(t["shape"]) >= 2 and t["type"] not in FLOAT_DTYPES:
+            counts[t["type"]] = counts.get(t["type"], 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def file_dtype(weight_types: set[str]) -> str:
     """The dtype of a model whose 2-D weights are stored in these GGML types (its norms are F32 in every file): the
-    half type the weights are in, float32 for an all-F32 file; bfloat16 for blocks (Q8_0 ...), which are dequantized
-    at load (the type such models are published in, half of float32's memory; dtype=float32 keeps them exact)."""
+    half type the weights are in, float32 for an all-F32 file; bfloat16 for blocks (Q8_0 ...), the activations'
+    type beside weights kept in their blocks (the type such models are published in; dtype=float32 runs them too)."""
     if not weight_types <= FLOAT_DTYPES.keys():
         return "bfloat16"
     halves = weight_types - {"F32"}

@@ -1,7 +1,8 @@
-"""Weights from a llama.cpp GGUF file, under the Hugging Face checkpoint names fulcrum's loader takes: GGUF's
-tensor names mapped back with gguf's own table (the one llama.cpp's converter names them by), Llama's q/k rows put
-back in Hugging Face's rotary layout, and every block type gguf can dequantize (Q8_0, Q4_0 ...) dequantized. The
-tensors are read from the memory-mapped file at the places the file's folder lists (fulcrum.model_folder.from_gguf)."""
+"""Weights from a llama.cpp GGUF file, under the Hugging Face checkpoint names fulcrum's loader takes (mapped back by
+fulcrum.models.gguf_names). Block-quantized tensors (Q8_0, Q4_K ...) go, as their bytes, to the layers that keep them
+quantized (fulcrum.quant.gguf: every linear layer and the embedding of a quantized file); anything else, and blocks
+of a tensor no such layer takes (MoE experts), is dequantized. The tensors are read from the memory-mapped file at
+the places the file's folder lists (fulcrum.model_folder.from_gguf)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,43 +19,13 @@ from torch import nn
 
 from fulcrum.errors import WeightLoadError
 from fulcrum.model_folder.from_gguf import FLOAT_DTYPES, GGUF_LINK, GGUF_TENSORS
-from fulcrum.model_folder.hf_config import head_dim as config_head_dim
+from fulcrum.models.gguf_names import fix_values, gguf_to_hf_names, row_order
+from fulcrum.quant.gguf import GGUFRaw
 
 log = logging.getLogger(__name__)
 
 # Tensors the file holds that are no parameter: Llama 3's frequency divisors went into config.json's rope settings
 CONSUMED = ("rope_freqs.weight",)
-
-
-def checkpoint_names(model: nn.Module) -> list[str]:
-    """The Hugging Face checkpoint name of every tensor the model takes (stacked parameters split back into the
-    q/k/v or gate/up tensors they are loaded from), the tied LM head's included."""
-    names = ["lm_head.weight"] if getattr(model, "tie_word_embeddings", False) else []
-    packed = getattr(model, "packed_modules_mapping", {})
-    for name, _ in model.named_parameters():
-        srcs = [name.replace(f".{dst}.", f".{src}.") for src, (dst, _) in packed.items() if f".{dst}." in name]
-        names += srcs or [name]
-    return names
-
-
-def gguf_to_hf_names(model: nn.Module, arch: str) -> dict[str, str]:
-    """GGUF tensor name -> Hugging Face checkpoint name, for the tensors this model takes."""
-    import gguf
-
-    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
-    table = gguf.get_tensor_name_map(arch_id, model.config.num_hidden_layers)
-    out = {}
-    for name in checkpoint_names(model):
-        gguf_name = table.get_name(name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is not None:
-            out[gguf_name] = name
-    return out
-
-
-def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's `LlamaModel.permute` of q/k rows (weights or biases): it interleaves each head's two
-    rotary halves for GGML's rope; Hugging Face's Llama keeps them as halves."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def tensor_values(raw: np.ndarray, ggml_type: str, shape: list[int]) -> torch.Tensor:
@@ -73,20 +44,40 @@ def tensor_values(raw: np.ndarray, ggml_type: str, shape: list[int]) -> torch.Te
     return torch.from_numpy(np.ascontiguousarray(dequantize(blocks, qtype)))
 
 
-def gguf_weights(model: nn.Module, folder: Path) -> tuple[Iterator[tuple[str, torch.Tensor]], dict[str, str]]:
+def gguf_weights(
+    model: nn.Module, folder: Path, takes_raw: Callable[[str], bool] = lambda name: False
+) -> tuple[Iterator[tuple[str, object]], dict[str, str]]:
     """(name, tensor) under Hugging Face names for every tensor of a GGUF folder's file, and each name's GGUF name
-    (for the loader's messages). A tensor the model has no place for, or that the file cuts short, fails naming it."""
+    (for the loader's messages). A block-quantized tensor whose parameter `takes_raw` comes as a GGUFRaw (its bytes,
+    type and shape), every other as float values. A tensor the model has no place for, or that the file cuts short,
+    fails naming it."""
     file = Path(os.readlink(folder / GGUF_LINK))  # the file as it was given (a Hub snapshot's link, not its blob)
     listing = json.loads((folder / GGUF_TENSORS).read_text())
     arch, table = listing["architecture"], listing["tensors"]
     data = np.memmap(file, dtype=np.uint8, mode="r")
     to_hf = gguf_to_hf_names(model, arch)
     cfg = model.config
-    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
-    hd = config_head_dim(cfg)
-    blocks = sorted({t["type"] for t in table} - FLOAT_DTYPES.keys())
-    if blocks:
-        log.info("GGUF %s: dequantizing %s at load (fulcrum has no kernel for GGUF blocks)", file, ", ".join(blocks))
+    dequantized: set[str] = set()
+
+    def values(t, name):
+        try:
+            w = tensor_values(data[t["offset"] : t["offset"] + t["nbytes"]], t["type"], t["shape"])
+        except NotImplementedError:
+            raise WeightLoadError(f"GGUF tensor {t['name']} is {t['type']}, which gguf cannot dequantize") from None
+        if t["type"] not in FLOAT_DTYPES:
+            dequantized.add(t["type"])
+        return w
+
+    def ordered(w, name):
+        rows = row_order(arch, name, w.shape[0], cfg)
+        return w if rows is None else w[rows]
+
+    # a tied head that keeps blocks (a quantized file without output.weight) takes the embedding's tensor as its own
+    tied_head = (
+        getattr(model, "tie_word_embeddings", False)
+        and takes_raw("lm_head.weight")
+        and not any(t["name"] == "output.weight" for t in table)
+    )
 
     def tensors():
         for t in table:
@@ -100,13 +91,27 @@ def gguf_weights(model: nn.Module, folder: Path) -> tuple[Iterator[tuple[str, to
             end = t["offset"] + t["nbytes"]
             if end > len(data):
                 raise WeightLoadError(f"GGUF file {file} is truncated: tensor {t['name']} ends at byte {end}")
-            try:
-                w = tensor_values(data[t["offset"] : end], t["type"], t["shape"])
-            except NotImplementedError:
-                raise WeightLoadError(f"GGUF tensor {t['name']} is {t['type']}, which gguf cannot dequantize") from None
-            module = name.rsplit(".", 2)[-2]
-            if arch == "llama" and module in heads and w.shape[0] == heads[module] * hd:
-                w = unpermute_rotary(w, heads[module])
-            yield name, w
+            if isinstance(name, list):  # experts stacked along the first dimension
+                w = values(t, name)
+                if w.shape[0] != len(name):
+                    raise WeightLoadError(
+                        f"GGUF tensor {t['name']} stacks {w.shape[0]} experts, the model has {len(name)}"
+                    )
+                for expert, n in zip(w, name):
+                    yield n, fix_values(arch, n, ordered(expert, n), cfg)
+                continue
+            for n in [name, "lm_head.weight"] if tied_head and name == "model.embed_tokens.weight" else [name]:
+                if t["type"] not in FLOAT_DTYPES and len(t["shape"]) == 2 and takes_raw(n):
+                    rows = row_order(arch, n, t["shape"][0], cfg)
+                    yield n, GGUFRaw(data[t["offset"] : end], t["type"], tuple(t["shape"]), t["name"], rows)
+                else:
+                    yield n, fix_values(arch, n, ordered(values(t, n), n), cfg)
+        if dequantized:
+            log.info("GGUF %s: %s dequantized at load where no layer keeps them quantized", file,
+                     ", ".join(sorted(dequantized)))  # fmt: skip
 
-    return tensors(), {hf: g for g, hf in to_hf.items()}
+    names = {}
+    for g, hf in to_hf.items():
+        for n in hf if isinstance(hf, list) else [hf]:
+            names[n] = g
+    return tensors(), names

@@ -241,6 +241,11 @@ class LlamaModel(nn.Module):
         return self._stack
 
 
+def from_checkpoint(head) -> bool:
+    """Whether the LM head loads its own tensor as the checkpoint stores it (a GGUF file's blocks)."""
+    return getattr(getattr(head, "quant_method", None), "from_checkpoint", False)
+
+
 class LlamaForCausalLM(nn.Module):
     # checkpoint name fragment -> (our stacked parameter fragment, shard id)
     packed_modules_mapping = {
@@ -281,7 +286,9 @@ class LlamaForCausalLM(nn.Module):
         if parallel_state.state().is_last_stage:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, quant_method=quant("lm_head"))
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        if self.tie_word_embeddings and self.lm_head is not None:
+        # a head that loads as its file stores it (a GGUF's blocks) takes the embedding's tensor into its own format,
+        # and the embedding then reads its rows from the head (after_loading)
+        if self.tie_word_embeddings and self.lm_head is not None and not from_checkpoint(self.lm_head):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def skip_weight(self, name: str) -> bool:

@@ -93,7 +93,12 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 def load_weights(model: nn.Module, path: Path) -> None:
     if (path / GGUF_LINK).exists():
-        weights, gguf_names = gguf_weights(model, path)
+        params = dict(model.named_parameters())
+
+        def takes_raw(name: str) -> bool:  # a parameter that keeps a GGUF tensor's blocks (fulcrum.quant.gguf)
+            return getattr(params.get(_packed_target(model, name)[0]), "takes_gguf_raw", False)
+
+        weights, gguf_names = gguf_weights(model, path, takes_raw)
         file = os.readlink(path / GGUF_LINK)
         load_named_weights(model, weights, file, lambda name: f"{gguf_names.get(name, '?')} ({name})")
     else:
@@ -108,7 +113,8 @@ def load_named_weights(model: nn.Module, weights, source: str, label=lambda name
     loaded: dict[str, set] = {}
     skip = getattr(model, "skip_weight", None)  # a model's tensors that serve no layer of it (DeepSeek-V3's MTP)
     for name, tensor in weights:
-        if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight") or (skip and skip(name)):
+        tied_head = tied and name == "lm_head.weight" and name not in params  # the embedding's tensor already
+        if name.endswith(IGNORED_SUFFIXES) or tied_head or (skip and skip(name)):
             continue
         param_name, shard = _packed_target(model, name)
         param = params.get(param_name)
@@ -159,6 +165,9 @@ def finish_loading(model: nn.Module) -> None:
             method.process_weights_after_loading(module)
     if hasattr(model, "after_loading"):
         model.after_loading()
+    for module in model.modules():  # an embedding whose GGUF table no quantized head shares converts its own
+        if hasattr(module, "finish_gguf_table"):
+            module.finish_gguf_table()
 
 
 def load_model(config: ModelConfig, device: str | torch.device = "cpu") -> nn.Module:

@@ -24,6 +24,10 @@ def method_factory(
         return lambda prefix: None
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    if quantization == "gguf":  # a GGUF file's blocks, each tensor in its own type
+        from fulcrum.quant.gguf import gguf_factory
+
+        return gguf_factory(tie_word_embeddings)
     if quantization in CHECKPOINT_QUANTIZATIONS:
         from fulcrum.quant.checkpoint import checkpoint_factory
 
@@ -48,6 +52,10 @@ def describe(quantization: str | None, group_size: int = 128, checkpoint: dict |
         return f"int4 (group {group_size})" if quantization == "int4" else quantization
     if not checkpoint:
         return f"{quantization} (from the checkpoint)"
+    if quantization == "gguf":
+        from fulcrum.quant.gguf import describe as describe_gguf
+
+        return describe_gguf(checkpoint)
     from fulcrum.quant.checkpoint import checkpoint_format
 
     return checkpoint_format(quantization, checkpoint).describe()

@@ -66,3 +66,27 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Ten
     out_f, in_f = q.shape
     g = q.reshape(out_f, scale.shape[1], -1)
     return (g * scale[..., None] + offset[..., None]).reshape(out_f, in_f)
+
+
+def quantize_int8g(w: torch.Tensor, group_size: int, offset: bool = False):
+    """int8 in groups of `group_size` inputs (16 or 32; the layout GGUF's Q8_0, Q5_*, Q6_K ... load into): symmetric
+    (q in -127..127, W ~ q * scale), or with an offset per group (q in -128..127 over the group's range). Returns
+    (q [O, I] int8, scale [O, I/G], offset [O, I/G] or None). For tests: GGUF files come quantized."""
+    out_f, in_f = w.shape
+    g = w.float().reshape(out_f, in_f // group_size, group_size)
+    if not offset:
+        scale = g.abs().amax(-1).clamp(min=1e-12) / 127
+        q = torch.round(g / scale[..., None]).clamp(-127, 127)
+        return q.to(torch.int8).reshape(out_f, in_f), scale, None
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 255).clamp(min=1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 255) - 128
+    return q.to(torch.int8).reshape(out_f, in_f), scale, lo + 128 * scale
+
+
+def dequantize_int8g(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+    out_f, in_f = q.shape
+    g = q.float().reshape(out_f, scale.shape[1], -1) * scale[..., None]
+    if offset is not None:
+        g = g + offset[..., None]
+    return g.reshape(out_f, in_f)

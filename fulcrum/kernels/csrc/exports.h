@@ -48,11 +48,18 @@ void fulcrum_dequant_int8(int64_t bf16, int64_t fp8, const void* w, const void* 
 void fulcrum_dequant_int4(int64_t bf16, const void* w, const void* scale, const void* offset, void* out, int64_t O,
                           int64_t I, int64_t G);
 
+void fulcrum_qgemv_int8g(int64_t bf16, const void* x, const void* w, const void* scale, const void* offset,
+                         const void* bias, void* y, int64_t M, int64_t I, int64_t O, int64_t G);
+void fulcrum_dequant_int8g(int64_t bf16, const void* w, const void* scale, const void* offset, void* out, int64_t O,
+                           int64_t I, int64_t G);
+
 // qgemv_vnni.cpp
 void fulcrum_qgemv_int8_vnni(const void* x, const void* w, const void* scale, const void* bias, void* y, int64_t M,
                              int64_t I, int64_t O);
 void fulcrum_qgemv_int4_vnni(const void* x, const void* w, const void* scale, const void* offset, const void* bias,
                              void* y, int64_t M, int64_t I, int64_t O, int64_t G);
+void fulcrum_qgemv_int8g_vnni(const void* x, const void* w, const void* scale, const void* offset, const void* bias,
+                              void* y, int64_t M, int64_t I, int64_t O, int64_t G);
 
 // decode_stack.cpp
 int64_t fulcrum_decode_stack(int64_t bf16, const int64_t* fns, const int64_t* layers, const float* scales, int64_t L,

@@ -4,6 +4,8 @@
 // per output channel (int8, fp8) or per group (int4). Formats (fulcrum.quant makes them at load time):
 // - int8: w [O, I] int8, scale [O] fp32: W[o, i] = w[o, i] * scale[o].
 // - fp8: the same with w in float8_e4m3fn, widened through fp16 (F16C), since x86 CPUs have no fp8 arithmetic.
+// - int8 in groups (GGUF's Q8_0, Q5_*, Q6_K, Q3_K, Q2_K): w [O, I] int8, scale and offset (or none) [O, I / G] fp32,
+//   G 16 or 32: W[o, i] = w[o, i] * scale[o, i / G] + offset[o, i / G].
 // - int4: w [O, I / 2] uint8, scale and offset [O, I / G] fp32, G a multiple of 32:
 //   W[o, i] = q * scale[o, i / G] + offset[o, i / G], q the 4-bit value in 0..15. In each 32 values of a row
 //   (16 bytes), byte j holds value j in its low nibble and value j + 16 in its high one, so one load of VW bytes
@@ -114,6 +116,38 @@ static void rows_i4(const float* x, const uint8_t* w, const float* scale, const 
   }
 }
 
+// int8 in groups of G (16 or 32) with a scale each and optionally an offset: per group, s * sum(q * x) + m * sum(x)
+template <int M, typename T>
+static void rows_i8g(const float* x, const int8_t* w, const float* scale, const float* offset, const float* xsum,
+                     const T* bias, T* y, int64_t I, int64_t O, int64_t G, int64_t begin, int64_t end) {
+  const int64_t ng = I / G;
+  for (int64_t o = begin; o < end; ++o) {
+    const int8_t* wr = w + o * I;
+    const float* sr = scale + o * ng;
+    vf acc[M];
+    float macc[M];
+    for (int m = 0; m < M; ++m) acc[m] = vzero(), macc[m] = 0.f;
+    for (int64_t g = 0; g < ng; ++g) {
+      vf gacc[M];
+      for (int m = 0; m < M; ++m) gacc[m] = vzero();
+      for (int64_t c = g * G; c < (g + 1) * G; c += VW) {
+        prefetch_span<VW>(wr + c, c);
+        const vf wv = vload_i8(wr + c);
+        for (int m = 0; m < M; ++m) gacc[m] = vfmadd(wv, vload(x + m * I + c), gacc[m]);
+      }
+      const vf s = vset1(sr[g]);
+      for (int m = 0; m < M; ++m) acc[m] = vfmadd(gacc[m], s, acc[m]);
+      if (offset)
+        for (int m = 0; m < M; ++m) macc[m] += offset[o * ng + g] * xsum[m * ng + g];
+    }
+    for (int m = 0; m < M; ++m) {
+      float s = vsum(acc[m]) + macc[m];
+      if (bias) s += scalar(bias[o]);
+      store(y + m * O + o, s);
+    }
+  }
+}
+
 // The input rows as fp32, widened once per call rather than once per weight row
 template <typename T> static std::vector<float> widen(const T* x, int64_t n) {
   std::vector<float> out(n);
@@ -160,6 +194,29 @@ static void qgemv_i4(const T* x_in, const uint8_t* w, const float* scale, const 
   });
 }
 
+template <typename T>
+static void qgemv_i8g(const T* x_in, const int8_t* w, const float* scale, const float* offset, const T* bias, T* y,
+                      int64_t M, int64_t I, int64_t O, int64_t G) {
+  const int64_t ng = I / G;
+  const std::vector<float> xf = widen(x_in, M * I);
+  const float* x = xf.data();
+  std::vector<float> xsum(offset ? M * ng : 0, 0.f);
+  if (offset)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t i = 0; i < I; ++i) xsum[m * ng + i / G] += x[m * I + i];
+  split_rows(M, O, I, [&](int64_t m0, int64_t n, int64_t o, int64_t oe) {
+    const float* xm = x + m0 * I;
+    const float* xs = xsum.data() + (offset ? m0 * ng : 0);
+    T* ym = y + m0 * O;
+    switch (n) {
+      case 1: rows_i8g<1>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
+      case 2: rows_i8g<2>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
+      case 3: rows_i8g<3>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
+      default: rows_i8g<4>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
+    }
+  });
+}
+
 // x [M, I] and y [M, O] in one dtype (bf16 when `bf16`, else fp32), bias [O] in it too or null; w int8, or fp8
 // e4m3 bytes when `fp8`
 extern "C" void fulcrum_qgemv_int8(int64_t bf16, int64_t fp8, const void* x, const void* w, const void* scale,
@@ -171,6 +228,17 @@ extern "C" void fulcrum_qgemv_int8(int64_t bf16, int64_t fp8, const void* x, con
   else if (bf16) qgemv_i8<false>((const B*)x, q, s, (const B*)bias, (B*)y, M, I, O);
   else if (fp8) qgemv_i8<true>((const float*)x, q, s, (const float*)bias, (float*)y, M, I, O);
   else qgemv_i8<false>((const float*)x, q, s, (const float*)bias, (float*)y, M, I, O);
+}
+
+// the grouped int8 format above (offset may be null)
+extern "C" void fulcrum_qgemv_int8g(int64_t bf16, const void* x, const void* w, const void* scale,
+                                    const void* offset, const void* bias, void* y, int64_t M, int64_t I, int64_t O,
+                                    int64_t G) {
+  using B = c10::BFloat16;
+  const int8_t* q = (const int8_t*)w;
+  const float *s = (const float*)scale, *m = (const float*)offset;
+  if (bf16) qgemv_i8g((const B*)x, q, s, m, (const B*)bias, (B*)y, M, I, O, G);
+  else qgemv_i8g((const float*)x, q, s, m, (const float*)bias, (float*)y, M, I, O, G);
 }
 
 extern "C" void fulcrum_qgemv_int4(int64_t bf16, const void* x, const void* w, const void* scale,
@@ -229,4 +297,25 @@ extern "C" void fulcrum_dequant_int4(int64_t bf16, const void* w, const void* sc
   const float *s = (const float*)scale, *m = (const float*)offset;
   if (bf16) dequant_i4(q, s, m, (c10::BFloat16*)out, O, I, G);
   else dequant_i4(q, s, m, (float*)out, O, I, G);
+}
+
+template <typename T>
+static void dequant_i8g(const int8_t* q, const float* s, const float* m, T* y, int64_t O, int64_t I, int64_t G) {
+  const int64_t ng = I / G;
+  at::parallel_for(0, O, std::max<int64_t>(1, 65536 / I), [&](int64_t b, int64_t e) {
+    for (int64_t o = b; o < e; ++o)
+      for (int64_t g = 0; g < ng; ++g) {
+        const vf sv = vset1(s[o * ng + g]), mv = vset1(m ? m[o * ng + g] : 0.f);
+        for (int64_t c = g * G; c < (g + 1) * G; c += VW)
+          vstore_as(y + o * I + c, vfmadd(vload_i8(q + o * I + c), sv, mv));
+      }
+  });
+}
+
+extern "C" void fulcrum_dequant_int8g(int64_t bf16, const void* w, const void* scale, const void* offset, void* out,
+                                      int64_t O, int64_t I, int64_t G) {
+  const int8_t* q = (const int8_t*)w;
+  const float *s = (const float*)scale, *m = (const float*)offset;
+  if (bf16) dequant_i8g(q, s, m, (c10::BFloat16*)out, O, I, G);
+  else dequant_i8g(q, s, m, (float*)out, O, I, G);
 }

@@ -35,16 +35,17 @@ static QX quantize_x(const B* x, int64_t M, int64_t I, int64_t G) {
       float amax = 0.f, f[32];
       for (int j = 0; j < 32; ++j) { f[j] = float(xb[j]); amax = std::max(amax, std::fabs(f[j])); }
       const float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
-      int32_t qs = 0;
+      int32_t qs[2] = {0, 0};  // per half block: groups of 16 weights (Q6_K ...) need each half's sum
       for (int j = 0; j < 32; ++j) {
         const int v = int(std::nearbyint(f[j] * inv));
         r.q[m * I + b * 32 + j] = int8_t(std::min(127, std::max(-127, v)));
-        qs += r.q[m * I + b * 32 + j];
+        qs[j / 16] += r.q[m * I + b * 32 + j];
       }
       r.s[m * nb + b] = s;
-      r.corr[m] += 128.f * s * float(qs);  // the +128 of unsigned int8 weights, times this block's sum
-      // int4's zero points multiply the sum of the quantized x, not of x: the offset then cancels out of the error
-      r.fsum[m * (I / G) + (b * 32) / G] += s * float(qs);
+      r.corr[m] += 128.f * s * float(qs[0] + qs[1]);  // the +128 of unsigned int8 weights, times this block's sum
+      // zero points (int4's, grouped int8's) multiply the sum of the quantized x, not of x: the offset then cancels
+      // out of the error
+      for (int h = 0; h < 2; ++h) r.fsum[m * (I / G) + (b * 32 + h * 16) / G] += s * float(qs[h]);
     }
     for (int64_t c = 0; c < nc; ++c) {
       const int8_t* q = r.q.data() + m * I + c * 64;
@@ -127,6 +128,53 @@ static void rows_i4(const QX& qx, int64_t m0, const uint8_t* w, const float* sca
   }
 }
 
+// int8 in groups of G (16 or 32) with a scale and optionally an offset each (qgemv.cpp's grouped format): the
+// lanes of one 64-byte dot product hold groups 64c/G.. in order (4 lanes = 16 weights), so the weights' scales are
+// spread over them beside the input blocks'. The +128 of the unsigned weights and the offsets both multiply a
+// group's sum of the quantized x: one pass over the groups at the end, (offset - 128 scale) . fsum.
+template <int M, int G>
+static void rows_i8g(const QX& qx, int64_t m0, const int8_t* w, const float* scale, const float* offset,
+                     const B* bias, B* y, int64_t O, int64_t begin, int64_t end) {
+  const int64_t I = qx.I, nc = I / 64, ng = I / G;
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  // lane l of a chunk's sums belongs to weight group l / (G / 4) of the chunk's 64 / G groups
+  const __m512i spread = G == 16 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                                 : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __mmask16 per_chunk = G == 16 ? 0xF : 0x3;
+  for (int64_t o = begin; o < end; ++o) {
+    const int8_t* wr = w + o * I;
+    const float* sr = scale + o * ng;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nc; ++c) {
+      prefetch_stream(wr + c * 64);
+      const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512((const void*)(wr + c * 64)), flip);  // w + 128
+      const __m512 ws = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(per_chunk, sr + c * (64 / G)));
+      for (int m = 0; m < M; ++m) {
+        const int64_t mm = m0 + m;
+        const __m512i xv = _mm512_loadu_si512((const void*)(qx.q.data() + mm * I + c * 64));
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
+        const __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(qx.s16.data() + (mm * nc + c) * 16), ws);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, acc[m]);
+      }
+    }
+    const float* mr = offset ? offset + o * ng : nullptr;
+    for (int m = 0; m < M; ++m) {
+      const float* fs = qx.fsum.data() + (m0 + m) * ng;
+      __m512 corr = _mm512_setzero_ps();
+      for (int64_t g = 0; g < ng; g += 16) {
+        const __mmask16 k = ng - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (ng - g)) - 1);
+        __m512 coef = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sr + g), _mm512_set1_ps(-128.f));
+        if (mr) coef = _mm512_add_ps(coef, _mm512_maskz_loadu_ps(k, mr + g));
+        corr = _mm512_fmadd_ps(coef, _mm512_maskz_loadu_ps(k, fs + g), corr);
+      }
+      float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], corr));
+      if (bias) s += float(bias[o]);
+      y[(m0 + m) * O + o] = B(s);
+    }
+  }
+}
+
 // x [M, I] bf16 (I a multiple of 64), w int8 [O, I], scale [O]; y [M, O] bf16
 extern "C" void fulcrum_qgemv_int8_vnni(const void* x, const void* w, const void* scale, const void* bias, void* y,
                                         int64_t M, int64_t I, int64_t O) {
@@ -155,6 +203,33 @@ extern "C" void fulcrum_qgemv_int4_vnni(const void* x, const void* w, const void
       case 2: rows_i4<2>(qx, m0, wq, s, mo, (const B*)bias, (B*)y, O, o, oe); break;
       case 3: rows_i4<3>(qx, m0, wq, s, mo, (const B*)bias, (B*)y, O, o, oe); break;
       default: rows_i4<4>(qx, m0, wq, s, mo, (const B*)bias, (B*)y, O, o, oe); break;
+    }
+  });
+}
+
+// the grouped int8 format (w [O, I] int8, scale and offset or null [O, I/G], G 16 or 32); I a multiple of 64
+extern "C" void fulcrum_qgemv_int8g_vnni(const void* x, const void* w, const void* scale, const void* offset,
+                                         const void* bias, void* y, int64_t M, int64_t I, int64_t O, int64_t G) {
+  const QX qx = quantize_x((const B*)x, M, I, G);
+  split_rows(M, O, I, [&](int64_t m0, int64_t n, int64_t o, int64_t oe) {
+    const int8_t* wq = (const int8_t*)w;
+    const float *s = (const float*)scale, *mo = (const float*)offset;
+    const B* b = (const B*)bias;
+    B* yb = (B*)y;
+    if (G == 16) {
+      switch (n) {
+        case 1: rows_i8g<1, 16>(qx, m0, wq, s, mo, b, yb, O, o, oe); break;
+        case 2: rows_i8g<2, 16>(qx, m0, wq, s, mo, b, yb, O, o, oe); break;
+        case 3: rows_i8g<3, 16>(qx, m0, wq, s, mo, b, yb, O, o, oe); break;
+        default: rows_i8g<4, 16>(qx, m0, wq, s, mo, b, yb, O, o, oe); break;
+      }
+    } else {
+      switch (n) {
+        case 1: rows_i8g<1, 32>(qx, m0, wq, s, mo, b, yb, O, o, oe); break;
+        case 2: rows_i8g<2, 32>(qx, m0, wq, s, mo, b, yb, O, o, oe); break;
+        case 3: rows_i8g<3, 32>(qx, m0, wq, s, mo, b, yb, O, o, oe); break;
+        default: rows_i8g<4, 32>(qx, m0, wq, s, mo, b, yb, O, o, oe); break;
+      }
     }
   });
 }
