@@ -56,6 +56,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
         core.kv.num_blocks, config.block_size, core.max_model_len, core.vocab_size,
         kv_cache_dtype=core.runner.kv_cache_dtype_name,
         kv_transfer=core.kv_transfer.describe() if core.kv_transfer is not None else None,
+        weights=getattr(core.runner, "weights_format", ""), weight_bytes=getattr(core.runner, "weight_bytes", 0),
     )  # fmt: skip
     push.send(encoder.encode(ready))
     try:

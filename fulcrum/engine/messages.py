@@ -60,6 +60,8 @@ class CoreReady(msgspec.Struct):
     error: str | None = None  # set when the core failed to start
     kv_cache_dtype: str = ""  # what the cache stores: the model's dtype, fp8 or int8
     kv_transfer: dict | None = None  # a KV producer/consumer: its role and cache layout, for the handshake
+    weights: str = ""  # the weights' format, as the startup line says it ("gguf (Q4_K x 96, Q6_K x 25)", "int8")
+    weight_bytes: int = 0  # what the loaded weights hold
 
 
 class CoreOutputs(msgspec.Struct):

@@ -72,16 +72,16 @@ class ModelRunner:
         torch.manual_seed(engine_config.seed)
         self.model = load_model(model_config, self.device)
         self.weight_bytes = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
-        log.info(
-            "weights: %.1f MiB (%s, quantization %s)",
-            self.weight_bytes / 2**20,
-            model_config.dtype,
-            describe(
-                model_config.quantization,
-                model_config.quantization_group_size,
-                getattr(model_config.hf_config, "quantization_config", None),
-            ),
+        # "gguf (Q4_K x 96, Q6_K x 25)", "int4 (group 128)"; unquantized weights say their dtype
+        self.weights_format = describe(
+            model_config.quantization,
+            model_config.quantization_group_size,
+            getattr(model_config.hf_config, "quantization_config", None),
         )
+        if model_config.quantization is None:
+            self.weights_format = str(model_config.dtype).removeprefix("torch.")
+        log.info("weights: %.1f MiB (%s, quantization %s)", self.weight_bytes / 2**20, model_config.dtype,
+                 self.weights_format)  # fmt: skip
         stack = getattr(self.model, "model", None)
         if engine_config.enforce_eager and hasattr(stack, "fused_decode"):
             stack.fused_decode = False  # decode steps on the layer modules

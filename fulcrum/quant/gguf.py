@@ -158,6 +158,13 @@ def convert(raw: GGUFRaw) -> dict[str, torch.Tensor]:
         r1 = min(rows, r0 + step)
         b = np.ascontiguousarray(blocks[r0 * nb : r1 * nb])
         scale, offset = group_scales(raw.ggml_type, b)
+        bad = ~np.isfinite(scale).all(1) if offset is None else ~(np.isfinite(scale) & np.isfinite(offset)).all(1)
+        if bad.any():  # an fp16 field of inf or NaN: no weight of it can be computed with
+            row = r0 + int(np.argmax(bad)) // nb
+            raise WeightLoadError(
+                f"GGUF tensor {raw.name} ({raw.ggml_type}) is corrupt: a block of row {row} has a scale that is not "
+                "a finite number"
+            )
         q = _integers(raw.ggml_type, b, scale, offset)
         q = torch.from_numpy(q).reshape(r1 - r0, inputs)
         if layout == "int4":

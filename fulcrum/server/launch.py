@@ -141,7 +141,8 @@ def _run(
         print(
             f"fulcrum serving {name} on {url} | KV cache: {ready.num_blocks} blocks x "
             f"{ready.block_size} tokens = {ready.num_blocks * ready.block_size} tokens ({ready.kv_cache_dtype}) | "
-            f"max_model_len {ready.max_model_len}",
+            f"max_model_len {ready.max_model_len}"
+            + (f" | weights: {ready.weights}, {ready.weight_bytes / 2**20:.1f} MiB" if ready.weights else ""),
             flush=True,
         )
         await server.serve(sockets=[sock])

@@ -99,6 +99,11 @@ class ServerMetrics:
             "fulcrum:cache_config_info", "KV cache configuration", ["model_name", "block_size", "num_blocks",
             "cache_dtype"], registry=r,
         )  # fmt: skip
+        # the weights' format and size (a GGUF file's block types), set once the engine reports ready
+        self.weights_info = Gauge(
+            "fulcrum:model_weights_bytes", "Bytes the loaded weights hold, labelled with their format",
+            ["model_name", "quantization"], registry=r,
+        )  # fmt: skip
         # speculative decoding, as vLLM counts it (engine/spec/stats.py); the ratios as gauges of our own
         self.spec_drafts = _Family(Counter, "spec_decode_num_drafts", "Request-steps that verified proposals", r, m, c)
         self.spec_draft_tokens = _Family(Counter, "spec_decode_num_draft_tokens", "Proposals verified", r, m, c)
@@ -161,6 +166,10 @@ class ServerMetrics:
             model_name=self.kv_capacity.model, block_size=str(ready.block_size), num_blocks=str(ready.num_blocks),
             cache_dtype=ready.kv_cache_dtype,
         ).set(1)  # fmt: skip
+        if ready.weights:
+            self.weights_info.labels(model_name=self.kv_capacity.model, quantization=ready.weights).set(
+                ready.weight_bytes
+            )
 
     def record(self, msg: CoreOutputs, now: float) -> None:
         s = msg.stats

@@ -43,6 +43,27 @@ def test_int4_matches_the_dequantized_weight(dtype, tol, rows, group, shape):
     assert got.dtype == dtype and close(got, ref, tol)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 3, 5, 16])
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("shape", [(96, 64), (7, 896)])
+def test_grouped_int8_matches_the_dequantized_weight(dtype, tol, rows, group, offset, shape):
+    """GGUF's Q8_0/Q5_*/Q6_K/Q3_K/Q2_K layout: int8 in groups of 16 or 32, a scale and maybe an offset each."""
+    g = torch.Generator().manual_seed(3)
+    w, x, b = torch.randn(shape, generator=g), torch.randn(rows, shape[1], generator=g), torch.randn(shape[0])
+    q, scale, off = formats.quantize_int8g(w, group, offset)
+    x, b = x.to(dtype), b.to(dtype)
+    deq = formats.dequantize_int8g(q, scale, off)
+    ref = F.linear(x.float(), deq, b.float())
+    got = cpu_qgemv.int8g(x, q, scale, off, group, b)
+    assert got.dtype == dtype and close(got, ref, tol)
+    assert close(cpu_qgemv.dequantize_int8g(q, scale, off, group, torch.float32), deq, 1e-6)  # one rounding (FMA)
+    if cpu_qgemv_vnni.usable(x, b):
+        ref = F.linear(q8_blocks(x), deq, b.float())
+        assert close(cpu_qgemv_vnni.int8g(x, q, scale, off, group, b), ref, tol)
+
+
 def test_the_whole_weight_dequantizes_as_the_reference_does():
     w = torch.randn(70, 256)
     q, scale = formats.quantize_int8(w)

@@ -67,11 +67,13 @@ def llama3_rope_factors(cfg: dict) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float32)
 
 
-def write_gguf(folder, out, arch, qtype=Q.F32, skip=(), edit=None, add_bos=False):
+def write_gguf(folder, out, arch, qtype=Q.F32, skip=(), edit=None, add_bos=False, blocks=None):
     """A GGUF of the model in `folder`, as convert_hf_to_gguf.py writes it with --outtype f32/f16/bf16/q8_0:
     TextModel's and LlamaModel's set_gguf_parameters, _set_vocab_gpt2, 2-D weights in `qtype` and the rest F32.
     `skip` leaves tensors out, `edit(tensors)` changes them first (the corrupt files); `add_bos` asks for a BOS
-    token before every prompt (as Llama 3's files do)."""
+    token before every prompt (as Llama 3's files do). `blocks`: {checkpoint name: (bytes, type)} written as they
+    are in place of those tensors (in GGUF's row order: block types gguf has no quantizer for, mixed files).
+    Ids past the tokenizer's vocabulary (a config's padded vocab_size) get [PAD<id>] tokens, as the converter's."""
     cfg = json.loads((folder / "config.json").read_text())
     tensors = load_file(folder / "model.safetensors")
     if edit:
@@ -102,7 +104,10 @@ def write_gguf(folder, out, arch, qtype=Q.F32, skip=(), edit=None, add_bos=False
     added = tok.get_added_vocab()
     types = []
     for i in range(cfg["vocab_size"]):
-        if by_id[i] not in added:
+        if i not in by_id:
+            by_id[i] = f"[PAD{i}]"
+            types.append(gguf.TokenType.UNUSED)
+        elif by_id[i] not in added:
             types.append(gguf.TokenType.NORMAL)
         else:
             special = tok.added_tokens_decoder[i].special
@@ -121,6 +126,10 @@ def write_gguf(folder, out, arch, qtype=Q.F32, skip=(), edit=None, add_bos=False
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg).numpy())
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for name, t in tensors.items():
+        if blocks and name in blocks:
+            data, raw_type = blocks[name]
+            w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), data, raw_dtype=raw_type)
+            continue
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             t = permute(t, nh, nh)
         if arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
