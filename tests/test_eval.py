@@ -7,7 +7,7 @@ import pytest
 
 from fulcrum.cli import main
 from fulcrum.config import DEFAULT_MODEL
-from fulcrum.eval.perplexity import RunSpec, evaluate, held_out_text, windows
+from fulcrum.eval.perplexity import RunSpec, chunk_windows, evaluate, held_out_text, windows
 
 
 @pytest.mark.parametrize("n, context, stride", [(10, 4, 2), (1000, 256, 128), (300, 256, 256), (5, 256, 128)])
@@ -16,6 +16,17 @@ def test_windows_score_every_token_after_the_first_once(n, context, stride):
     scored = [i for start, end, first in spans for i in range(first, end)]
     assert scored == list(range(1, n))
     assert all(end - start <= context for start, end, _ in spans)
+
+
+def test_chunks_are_llama_perplexitys_second_halves(capsys):
+    """--chunks scores as llama-perplexity does: whole chunks of --context tokens, the tail dropped, each scoring the
+    tokens after its middle (so figures compare with llama.cpp's on the same file)."""
+    assert chunk_windows(1030, 512) == [(0, 512, 257), (512, 1024, 769)]
+    assert main(["eval", "--no-reference", "--context", "128", "--chunks", "--data", "/dev/null"]) == 2
+    text = held_out_text()[:6000]
+    r = evaluate(RunSpec(str(DEFAULT_MODEL)), text, context=128, chunks=True)
+    assert r.tokens_scored == r.windows * 63 and r.windows >= 4  # a chunk of 128 scores its last 63 tokens
+    assert 10 < r.perplexity < 200
 
 
 def test_the_bundled_model_against_itself_and_int8(capsys):

@@ -36,6 +36,11 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--context", type=int, default=256, help="tokens per window")
     e.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: context / 2)")
     e.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
+    e.add_argument(
+        "--chunks", action="store_true",
+        help="llama-perplexity's method: whole chunks of --context tokens, each scoring its second half (figures "
+        "comparable with llama.cpp's on the same file)",
+    )  # fmt: skip
     r = e.add_argument_group("reference run")
     r.add_argument("--reference-model", default=None, help="default: the model itself")
     r.add_argument("--reference-dtype", default=None, help="default: --dtype")
@@ -47,7 +52,15 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
 
 
 def _prequantized(model: str) -> bool:
-    """Whether the folder's config.json carries a quantization_config (GPTQ, AWQ, compressed-tensors)."""
+    """Whether the folder's config.json carries a quantization_config (GPTQ, AWQ, compressed-tensors), or the GGUF
+    file holds blocks (Q8_0, Q4_K ...)."""
+    if model.endswith(".gguf"):
+        from fulcrum.config import ModelConfig
+
+        try:
+            return ModelConfig.from_path(model).quantization == "gguf"
+        except Exception:  # noqa: BLE001 (loading reports it)
+            return False
     try:
         return bool(json.loads((Path(model) / "config.json").read_text()).get("quantization_config"))
     except (OSError, ValueError):
@@ -83,7 +96,9 @@ def run_eval(args: argparse.Namespace) -> int:
         )
     try:
         text = Path(args.data).read_text(encoding="utf-8") if args.data else held_out_text(DEFAULT_DATA)
-        result = evaluate(run, text, reference, args.context, args.stride, args.max_windows, args.decode)
+        result = evaluate(
+            run, text, reference, args.context, args.stride, args.max_windows, args.decode, chunks=args.chunks
+        )
     except (OSError, ValueError) as e:
         print(f"fulcrum eval: {e}", file=sys.stderr)
         return 2

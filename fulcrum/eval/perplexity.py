@@ -96,6 +96,13 @@ def windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def chunk_windows(n: int, context: int) -> list[tuple[int, int, int]]:
+    """llama.cpp's `llama-perplexity` windows: whole chunks of `context` tokens side by side (a tail shorter than
+    one is dropped), each scoring its second half (the tokens after position context / 2), so that figures compare
+    with llama.cpp's on the same tokens."""
+    return [(s, s + context, s + context // 2 + 1) for s in range(0, n - context + 1, context)]
+
+
 @torch.inference_mode()
 def log_probs(model, ids: torch.Tensor) -> torch.Tensor:
     """log-softmax of the next-token logits at every position of one sequence, float32 [n, vocab]."""
@@ -145,21 +152,33 @@ def evaluate(
     stride: int | None = None,
     max_windows: int | None = None,
     decode: bool = False,
+    chunks: bool = False,
 ) -> EvalResult:
     """`decode`: score through the decode path (implied when either run quantizes its KV cache): each window decoded
     one token per step as a server decodes, windows side by side in one batch, every attention reading its context
-    back from a paged KV cache (the token's own k/v included). Otherwise each window is one full forward."""
+    back from a paged KV cache (the token's own k/v included). Otherwise each window is one full forward.
+    `chunks`: llama-perplexity's windows (chunk_windows), each starting with BOS where the tokenizer adds one."""
     stride = stride or context // 2
     decode = decode or run.kv_cache_dtype != "auto" or (reference is not None and reference.kv_cache_dtype != "auto")
     model, mc = run.load()
     ref_model = reference.load()[0] if reference is not None else None
     context = min(context, mc.max_model_len)
     stride = min(stride, context)
-    tokens = load_tokenizer(mc.path).encode(text, add_special_tokens=False, verbose=False)  # no max-length warning
+    tokenizer = load_tokenizer(mc.path)
+    tokens = tokenizer.encode(text, add_special_tokens=False, verbose=False)  # no max-length warning
     ids = torch.tensor(tokens, dtype=torch.long)
     if ids.numel() < 2:
         raise ValueError("the text is shorter than two tokens")
-    spans = windows(ids.numel(), context, stride)
+    if chunks:
+        stride = context
+        spans = chunk_windows(ids.numel(), context)
+        if not spans:
+            raise ValueError(f"the text has {ids.numel()} tokens, fewer than one chunk of {context}")
+        bos = tokenizer.bos_token_id
+        if bos is not None and tokenizer("a").input_ids[:1] == [bos]:
+            ids[[s for s, _, _ in spans]] = bos  # as llama-perplexity, each chunk starts with BOS (never scored)
+    else:
+        spans = windows(ids.numel(), context, stride)
     if max_windows:
         spans = spans[:max_windows]
     nll, ref_nll, kls, agree, scored = 0.0, 0.0, [], 0, 0
