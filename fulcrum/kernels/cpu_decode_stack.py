@@ -1,7 +1,8 @@
 """A decode step's whole decoder stack in one call into C++ (csrc/decode_stack.cpp): the layers' own kernels, layer
 after layer, without Python between them (on a small model most of a batch-1 step was module calls and views).
-`models/llama.py` uses it where its layers fit (dense weights, one TP rank, Llama's layer shape) and keeps its
-modules elsewhere; FULCRUM_FUSED_DECODE=0 turns it off (A/B runs, tests of the module path)."""
+`models/llama.py` uses it where its layers fit (dense or quantized weights the qgemv kernels read, one TP rank,
+Llama's layer shape) and keeps its modules elsewhere; FULCRUM_FUSED_DECODE=0 turns it off (A/B runs, tests of the
+module path)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,29 @@ from dataclasses import dataclass
 
 import torch
 
-from fulcrum.kernels import cpu_act, cpu_attention, cpu_ext, cpu_gemv, cpu_norm, cpu_prepack, cpu_rope
+from fulcrum.kernels import (
+    cpu_act,
+    cpu_attention,
+    cpu_ext,
+    cpu_gemv,
+    cpu_norm,
+    cpu_prepack,
+    cpu_qgemv,
+    cpu_qgemv_vnni,
+    cpu_rope,
+)
 from fulcrum.kernels.cpu_ext import F32, I64, PTR
 
 # The int64 arrays the driver reads, by the names of its enums in decode_stack.cpp (checked at load): the kernels'
 # addresses, the model's dimensions, one row of LAYER_FIELDS per layer
-FNS = ("GEMV", "NORM", "ROPE", "ATTN", "ACT", "SGEMM")
-DIMS = ("HIDDEN", "HEADS", "KV_HEADS", "HEAD_DIM", "INTER", "BLOCK_SIZE", "CACHE_KIND", "GEMV_ROWS")
+FNS = ("GEMV", "NORM", "ROPE", "ATTN", "ACT", "SGEMM", "Q4", "Q8G", "Q8", "Q4V", "Q8GV", "Q8V")
+DIMS = ("HIDDEN", "HEADS", "KV_HEADS", "HEAD_DIM", "INTER", "BLOCK_SIZE", "CACHE_KIND", "GEMV_ROWS", "QUANT",
+        "VNNI_ROWS")  # fmt: skip
+PART_FIELDS = ("KIND", "ROWS", "W", "SCALE", "OFFSET", "GROUP")
+KINDS = ("DENSE", "INT4", "INT8G", "INT8", "FP8")
 LAYER_FIELDS = ("IN_NORM", "QKV_W", "QKV_B", "O_W", "O_B", "POST_NORM", "GU_W", "GU_B", "DOWN_W", "DOWN_B", "K_CACHE",
                 "V_CACHE", "K_SCALES", "V_SCALES", "WINDOW")  # fmt: skip
-ENUMS = {"Fn": FNS, "Dim": DIMS, "LayerField": LAYER_FIELDS}
+ENUMS = {"Fn": FNS, "Dim": DIMS, "LayerField": LAYER_FIELDS, "PartField": PART_FIELDS, "Kind": KINDS}
 BINDINGS = {
     "decode_stack.cpp": {
         "fulcrum_decode_stack": (I64, I64, PTR, PTR, PTR, I64, PTR, F32, F32, *[PTR] * 6, I64, I64, PTR)
@@ -62,6 +76,47 @@ def blas_sgemm() -> int:
 
 
 @dataclass
+class Part:
+    """Rows of a linear's weight in one layout: DENSE (w in the activations' dtype), INT4 / INT8G (cpu_qgemv's
+    grouped formats: scale, offset or None, group), INT8 / FP8 (per-channel scale)."""
+
+    kind: str
+    w: torch.Tensor
+    scale: torch.Tensor | None = None
+    offset: torch.Tensor | None = None
+    group: int = 0
+
+
+class QuantWeight:
+    """A linear's weight in quantized parts, as the driver reads it: a descriptor of int64s (see decode_stack.cpp)."""
+
+    def __init__(self, parts: list[Part], in_features: int, dtype: torch.dtype):
+        self.parts, self.dtype = parts, dtype
+        rows = [p.w.shape[0] for p in parts]
+        self.shape = (sum(rows), in_features)
+        desc = [len(parts)]
+        for p, r in zip(parts, rows):
+            desc += [KINDS.index(p.kind), r, p.w.data_ptr(), _ptr(p.scale), _ptr(p.offset), p.group]
+        self.descriptor = torch.tensor(desc, dtype=torch.int64)
+
+    def data_ptr(self) -> int:
+        return self.descriptor.data_ptr()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for p in self.parts for t in (p.w, p.scale, p.offset) if t is not None]
+
+    def fits(self, dtype: torch.dtype) -> bool:
+        """CPU, contiguous, dense parts in the activations' dtype, I a multiple of the kernels' 32 (int4's nibbles)."""
+        return all(t.device.type == "cpu" and t.is_contiguous() for t in self.tensors()) and all(
+            p.w.dtype == dtype if p.kind == "DENSE" else p.kind != "INT4" or self.shape[1] % 32 == 0 for p in self.parts
+        )
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+@dataclass
 class LayerTensors:
     """One Llama-shaped decoder layer's tensors, as the driver walks them."""
 
@@ -82,6 +137,9 @@ class LayerTensors:
     scale: float
     sliding_window: int | None
 
+    def weights(self) -> list:
+        return [self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight]
+
 
 class DecodeStack:
     """The plan of one model's local decoder layers for decode-only steps of up to `max_rows` sequences."""
@@ -93,6 +151,7 @@ class DecodeStack:
         self.dtype = first.qkv_weight.dtype
         self.hidden = first.qkv_weight.shape[1]
         self.inter = first.down_weight.shape[1]
+        quant = isinstance(first.qkv_weight, QuantWeight)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps, self.softcap = eps, softcap or 0.0
         self.kind = cpu_ext.KV_CACHE_KINDS.get(first.k_cache.dtype, 0)
@@ -101,6 +160,16 @@ class DecodeStack:
         self.max_rows = MAX_ROWS if self.dtype == torch.float32 and blas_sgemm() else self.gemv_rows
         if packed:
             self.max_rows = min(self.max_rows, cpu_prepack.stack_rows(self.dtype))
+        # quantized parts: up to the rows their kernels take (the integer-dot kernel's for bf16 where every input
+        # width suits it, else the widening GEMV's), and the dense parts' GEMV rows
+        vnni_rows = 0
+        widths = (self.hidden, num_heads * head_dim, self.inter)
+        if quant and self.dtype == torch.bfloat16 and cpu_qgemv_vnni.available() and all(w % 64 == 0 for w in widths):
+            vnni_rows = cpu_qgemv_vnni.MAX_ROWS
+        if quant:
+            self.max_rows = max(vnni_rows, cpu_qgemv.max_rows(self.dtype))
+            if any(p.kind == "DENSE" for x in layers for w in x.weights() for p in w.parts):
+                self.max_rows = min(self.max_rows, self.gemv_rows)
         self._layers = layers  # keeps every pointer below alive
         self.cache_ptr = first.k_cache.data_ptr()
 
@@ -119,14 +188,20 @@ class DecodeStack:
         self.scales = torch.tensor([x.scale for x in layers], dtype=torch.float32)
         dims = {"HIDDEN": self.hidden, "HEADS": num_heads, "KV_HEADS": num_kv_heads, "HEAD_DIM": head_dim,
                 "INTER": self.inter, "BLOCK_SIZE": first.k_cache.shape[1], "CACHE_KIND": self.kind,
-                "GEMV_ROWS": self.gemv_rows}  # fmt: skip
+                "GEMV_ROWS": self.gemv_rows, "QUANT": int(quant), "VNNI_ROWS": vnni_rows}  # fmt: skip
         self.dims = torch.tensor([dims[f] for f in DIMS], dtype=torch.int64)
         fns = {"GEMV": _address(cpu_gemv._module()[self.dtype]), "NORM": _address(cpu_norm._module()),
                "ROPE": _address(cpu_rope._module()), "ATTN": _address(cpu_attention._decode(bool(self.kind))),
                "ACT": _address(cpu_act._module()), "SGEMM": blas_sgemm()}  # fmt: skip
+        q, qv = (cpu_qgemv._module() or {}) if quant else {}, (cpu_qgemv_vnni._module() or {}) if vnni_rows else {}
+        for name, lib, key in (("Q4", q, "int4"), ("Q8G", q, "int8g"), ("Q8", q, "int8"), ("Q4V", qv, "int4"),
+                               ("Q8GV", qv, "int8g"), ("Q8V", qv, "int8")):  # fmt: skip
+            fns[name] = _address(lib[key]) if key in lib else 0
         self.fns = torch.tensor([fns[f] for f in FNS], dtype=torch.int64)
         qkv = (num_heads + 2 * num_kv_heads) * head_dim
         self.per_row = 2 * self.hidden + qkv + 2 * num_heads * head_dim + 3 * self.inter
+        if quant:  # a part's output before it is copied into its columns
+            self.per_row += max(qkv, 2 * self.inter, self.hidden)
         self.scratch = torch.empty(max(self.gemv_rows, 1) * self.per_row, dtype=self.dtype)  # grown for more rows
 
     @staticmethod
@@ -137,12 +212,16 @@ class DecodeStack:
         first = layers[0]
         dtype = first.qkv_weight.dtype
         kind = cpu_ext.KV_CACHE_KINDS.get(first.k_cache.dtype, 0)
+        quant = [w for x in layers for w in x.weights() if isinstance(w, QuantWeight)]
+        if quant and (len(quant) != 4 * len(layers) or not cpu_qgemv.available()):
+            return False  # every linear a descriptor, or none
         tensors = [t for x in layers for t in (x.input_norm, x.qkv_weight, x.qkv_bias, x.o_weight, x.o_bias,
                                               x.post_norm, x.gate_up_weight, x.gate_up_bias, x.down_weight,
-                                              x.down_bias) if t is not None]  # fmt: skip
+                                              x.down_bias) if t is not None and not isinstance(t, QuantWeight)]  # fmt: skip
         return (
             dtype in (torch.float32, torch.bfloat16)
             and all(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in tensors)
+            and all(w.dtype == dtype and w.fits(dtype) for w in quant)
             and all(x.k_cache.dtype == first.k_cache.dtype and x.k_cache.is_contiguous() for x in layers)
             and (kind == 0 and first.k_cache.dtype == dtype or kind != 0 and first.k_scales is not None)
             and head_dim in cpu_attention.HEAD_DIMS

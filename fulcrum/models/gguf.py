@@ -9,39 +9,21 @@ from __future__ import annotations
 import json
 import logging
 import os
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
-import torch
 from torch import nn
 
 from fulcrum.errors import WeightLoadError
 from fulcrum.model_folder.from_gguf import FLOAT_DTYPES, GGUF_LINK, GGUF_TENSORS
 from fulcrum.models.gguf_names import fix_values, gguf_to_hf_names, row_order
-from fulcrum.quant.gguf import GGUFRaw
+from fulcrum.quant.gguf import GGUFRaw, tensor_values
 
 log = logging.getLogger(__name__)
 
 # Tensors the file holds that are no parameter: Llama 3's frequency divisors went into config.json's rope settings
 CONSUMED = ("rope_freqs.weight",)
-
-
-def tensor_values(raw: np.ndarray, ggml_type: str, shape: list[int]) -> torch.Tensor:
-    """A tensor's bytes as a torch tensor of `shape`: F32/F16/BF16 viewed as they are, blocks dequantized to
-    float32 by gguf.quants."""
-    from gguf import GGMLQuantizationType, dequantize, quant_shape_to_byte_shape
-
-    with warnings.catch_warnings():  # views of a read-only map: only ever copied from
-        warnings.simplefilter("ignore", UserWarning)
-        if ggml_type in ("F32", "F16"):
-            return torch.from_numpy(raw.view(np.float32 if ggml_type == "F32" else np.float16).reshape(shape))
-        if ggml_type == "BF16":  # numpy has no bfloat16
-            return torch.from_numpy(raw.view(np.int16).reshape(shape)).view(torch.bfloat16)
-    qtype = GGMLQuantizationType[ggml_type]
-    blocks = raw.reshape(quant_shape_to_byte_shape(shape, qtype))
-    return torch.from_numpy(np.ascontiguousarray(dequantize(blocks, qtype)))
 
 
 def gguf_weights(

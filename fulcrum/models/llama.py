@@ -24,7 +24,6 @@ from fulcrum.layers.linear import MergedColumnParallelLinear, QKVParallelLinear,
 from fulcrum.layers.rotary import RotaryEmbedding
 from fulcrum.model_folder.hf_config import head_dim as config_head_dim
 from fulcrum.model_folder.hf_config import layer_sliding_windows
-from fulcrum.quant.base import UnquantizedLinearMethod
 
 
 class LlamaAttention(nn.Module):
@@ -118,8 +117,9 @@ class LlamaDecoderLayer(nn.Module):
 
 def fused_decode_stack(layers: list[nn.Module]) -> DecodeStack | None:
     """The decode-stack plan of Llama-shaped layers (RMSNorms, fused QKV with rope, paged attention, SwiGLU MLP),
-    with dense weights on one tensor-parallel rank; None for anything else (quantized or split weights, q/k norms,
-    other layer classes), which keeps the modules."""
+    with weights the stack reads (dense, or quantized in a layout the qgemv kernels take: the methods'
+    decode_stack_weight) on one tensor-parallel rank; None for anything else (split weights, q/k norms, other layer
+    classes), which keeps the modules."""
     if not layers or any(type(x) is not LlamaDecoderLayer for x in layers):
         return None
     tensors = []
@@ -131,21 +131,21 @@ def fused_decode_stack(layers: list[nn.Module]) -> DecodeStack | None:
             sa.qk_norm
             or type(mlp.act) is not SiluAndMul
             or any(type(n) is not RMSNorm or n.eps != norms[0].eps for n in norms)
-            or any(type(lin.quant_method) is not UnquantizedLinearMethod or lin.tp_size != 1 for lin in linears)
+            or any(lin.tp_size != 1 or lin.quant_method.decode_stack_weight(lin) is None for lin in linears)
             or sa.attn.k_cache is None
         ):
             return None
         tensors.append(
             LayerTensors(
                 x.input_layernorm.weight,
-                sa.qkv_proj.weight,
+                sa.qkv_proj.quant_method.decode_stack_weight(sa.qkv_proj),
                 sa.qkv_proj.bias,
-                sa.o_proj.weight,
+                sa.o_proj.quant_method.decode_stack_weight(sa.o_proj),
                 sa.o_proj.bias,
                 x.post_attention_layernorm.weight,
-                mlp.gate_up_proj.weight,
+                mlp.gate_up_proj.quant_method.decode_stack_weight(mlp.gate_up_proj),
                 mlp.gate_up_proj.bias,
-                mlp.down_proj.weight,
+                mlp.down_proj.quant_method.decode_stack_weight(mlp.down_proj),
                 mlp.down_proj.bias,
                 sa.attn.k_cache,
                 sa.attn.v_cache,

@@ -23,6 +23,11 @@ class LinearMethod:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Repack loaded weights (transpose, quantize, pick a kernel) once loading is complete."""
 
+    def decode_stack_weight(self, layer: nn.Module):
+        """The weight as the fused decode stack reads it (fulcrum.kernels.cpu_decode_stack): a dense tensor, a
+        QuantWeight of parts, or None where the stack has no kernel for it (the layer's modules then run)."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethod):
     def create_weights(self, layer, input_size, output_sizes, dtype):
@@ -40,6 +45,9 @@ class UnquantizedLinearMethod(LinearMethod):
         ):
             return cpu_prepack.linear(x, packed, bias)
         return cpu_gemv.linear(x, weight, bias)
+
+    def decode_stack_weight(self, layer):
+        return layer.weight
 
     def process_weights_after_loading(self, layer):
         # oneDNN's blocked copy for many rows; the plain weight stays for the GEMV and the decode stack

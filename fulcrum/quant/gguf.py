@@ -23,6 +23,7 @@ only the rows of a step's tokens (fulcrum.layers.embedding)."""
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +67,22 @@ class GGUFRaw:
     shape: tuple[int, ...]
     name: str
     rows: torch.Tensor | None = None
+
+
+def tensor_values(raw: np.ndarray, ggml_type: str, shape: list[int]) -> torch.Tensor:
+    """A tensor's bytes as a torch tensor of `shape`: F32/F16/BF16 viewed as they are, blocks dequantized to
+    float32 by gguf.quants."""
+    from gguf import GGMLQuantizationType, dequantize, quant_shape_to_byte_shape
+
+    with warnings.catch_warnings():  # views of a read-only map: only ever copied from
+        warnings.simplefilter("ignore", UserWarning)
+        if ggml_type in ("F32", "F16"):
+            return torch.from_numpy(raw.view(np.float32 if ggml_type == "F32" else np.float16).reshape(shape))
+        if ggml_type == "BF16":  # numpy has no bfloat16
+            return torch.from_numpy(raw.view(np.int16).reshape(shape)).view(torch.bfloat16)
+    qtype = GGMLQuantizationType[ggml_type]
+    blocks = raw.reshape(quant_shape_to_byte_shape(shape, qtype))
+    return torch.from_numpy(np.ascontiguousarray(dequantize(blocks, qtype)))
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -243,8 +260,6 @@ def part_of(loaded, dtype: torch.dtype) -> tuple[str, int, dict[str, torch.Tenso
         if loaded.ggml_type in LAYOUTS:
             layout, group, _ = LAYOUTS[loaded.ggml_type]
             return layout, group, convert(loaded), loaded.ggml_type
-        from fulcrum.models.gguf import tensor_values
-
         w = tensor_values(loaded.data, loaded.ggml_type, list(loaded.shape))
         if loaded.rows is not None:
             w = w[loaded.rows]
@@ -303,6 +318,19 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_parts = nn.ModuleList(merge_parts(self.shards))
         self.shards = []
         layer.out_dtype = self.dtype
+
+    def decode_stack_weight(self, layer):
+        from fulcrum.kernels.cpu_decode_stack import Part as StackPart
+        from fulcrum.kernels.cpu_decode_stack import QuantWeight
+
+        kinds = {"dense": "DENSE", "int4": "INT4", "int8g": "INT8G"}
+        parts = [
+            StackPart("DENSE", p.weight)
+            if p.layout == "dense"
+            else StackPart(kinds[p.layout], p.qweight, p.scales, p.offsets_or_none, p.group_size)
+            for p in layer.gguf_parts
+        ]
+        return QuantWeight(parts, self.input_size, self.dtype)
 
     def formats(self, layer) -> list[str]:
         return [t for p in layer.gguf_parts for t in p.types]

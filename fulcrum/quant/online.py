@@ -12,6 +12,7 @@ from torch import nn
 
 from fulcrum.errors import ModelLoadError
 from fulcrum.kernels import cpu_gemv, cpu_qgemv, cpu_qgemv_vnni
+from fulcrum.kernels.cpu_decode_stack import Part, QuantWeight
 from fulcrum.quant import formats
 from fulcrum.quant.base import UnquantizedLinearMethod
 
@@ -104,6 +105,10 @@ class Int8Method(OnlineQuantMethod):
     def dequantize_fast(self, layer, dtype):
         return cpu_qgemv.dequantize_int8(layer.qweight, layer.scales, dtype)
 
+    def decode_stack_weight(self, layer):
+        kind = "FP8" if layer.qweight.dtype == torch.float8_e4m3fn else "INT8"
+        return QuantWeight([Part(kind, layer.qweight, layer.scales)], layer.qweight.shape[1], layer.out_dtype)
+
     def matmul(self, layer, x, bias):
         if scaled_mm_usable(x, layer.qweight):  # fp8 weights on a GPU with fp8 tensor cores
             return fp8_scaled_mm(x, layer.qweight, layer.scales, bias)
@@ -147,6 +152,12 @@ class Int4Method(OnlineQuantMethod):
 
     def dequantize_fast(self, layer, dtype):
         return cpu_qgemv.dequantize_int4(layer.qweight, layer.scales, layer.offsets, self.group_size, dtype)
+
+    def decode_stack_weight(self, layer):
+        if getattr(layer, "input_perm", None) is not None:  # GPTQ's act order permutes the input first
+            return None
+        part = Part("INT4", layer.qweight, layer.scales, layer.offsets, self.group_size)
+        return QuantWeight([part], layer.qweight.shape[1] * 2, layer.out_dtype)
 
 
 def scaled_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -59,9 +59,23 @@ def test_fused_decode_reads_a_quantized_cache_as_the_modules_do(kv, tiny_model_d
     assert_same(fused, run(llm, prompts, False), 1e-5)
 
 
-@pytest.mark.parametrize("family, kw", [("qwen3", {}), ("llama", {"quantization": "int8"}), ("gemma2", {})])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_runs_quantized_weights_as_the_modules_do(quantization, dtype, tiny_model_dir):
+    """Quantized linears go through the same qgemv kernels in the stack (the integer-dot ones for bf16 rows where
+    the CPU has them), at 1 row, a few, and more than those kernels take (the modules then)."""
+    llm = LLM(model=str(tiny_model_dir("llama")), dtype=dtype, kv_cache_memory=16 << 20, quantization=quantization,
+              quantization_group_size=32, enable_prefix_caching=False)  # fmt: skip
+    for count in (1, 5, 70):
+        prompts = random_prompts(count, 3, 30, seed=count)
+        fused = run(llm, prompts, True)
+        assert fused[2], "the fused stack was not used"
+        assert_same(fused, run(llm, prompts, False), 1e-5 if dtype == "float32" else 0.05)
+
+
+@pytest.mark.parametrize("family, kw", [("qwen3", {}), ("gemma2", {})])
 def test_models_the_stack_does_not_fit_keep_their_modules(family, kw, tiny_model_dir):
-    """q/k norms, quantized weights and other layer classes are not the driver's: those engines still generate."""
+    """q/k norms and other layer classes are not the driver's: those engines still generate."""
     llm = LLM(model=str(tiny_model_dir(family)), dtype="float32", kv_cache_memory=16 << 20, **kw)
     tokens, _, used = run(llm, random_prompts(2, 3, 20), True)
     assert not used and all(len(t) == 10 for t in tokens)

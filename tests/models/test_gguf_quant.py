@@ -219,3 +219,18 @@ def test_truncated_quantized_file_names_the_tensor_it_cuts(tmp_path):
     file.write_bytes(file.read_bytes()[:-100])
     with pytest.raises(WeightLoadError, match=r"truncated: tensor \S+\.weight"):
         ModelConfig.from_path(file)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_runs_a_mixed_file_as_the_modules_do(dtype, tmp_path):
+    """The decode stack takes each layer's parts (Q4_K rows and Q6_K rows of one qkv) through their own kernels."""
+    from tests.engine.test_llm_parity import random_prompts
+    from tests.kernels.test_cpu_decode_stack import assert_same, run
+
+    file, _ = quantized_files(tiny("qwen2", tmp_path), tmp_path, "qwen2", q4_k_m)
+    llm = LLM(model=str(file), dtype=dtype, kv_cache_memory=16 << 20, enable_prefix_caching=False)
+    for count in (1, 6):
+        prompts = random_prompts(count, 3, 30, seed=count)
+        fused = run(llm, prompts, True)
+        assert fused[2], "the fused stack was not used"
+        assert_same(fused, run(llm, prompts, False), 1e-4 if dtype == "float32" else 0.05)

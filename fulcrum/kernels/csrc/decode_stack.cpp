@@ -15,14 +15,23 @@ typedef decltype(&fulcrum_rms_norm) norm_fn;
 typedef decltype(&fulcrum_rope_cache) rope_fn;
 typedef decltype(&fulcrum_decode_attention) attn_fn;
 typedef decltype(&fulcrum_silu_and_mul) act_fn;
+typedef decltype(&fulcrum_qgemv_int4) qgemv_g_fn;        // fulcrum_qgemv_int8g's too: grouped (scale, offset, G)
+typedef decltype(&fulcrum_qgemv_int4_vnni) qgemv_gv_fn;  // fulcrum_qgemv_int8g_vnni's too
+typedef decltype(&fulcrum_qgemv_int8) qgemv_c_fn;        // per-channel int8 / fp8
+typedef decltype(&fulcrum_qgemv_int8_vnni) qgemv_cv_fn;
 // BLAS's sgemm (Fortran calling convention), the one torch's fp32 F.linear calls: for more rows than the GEMV takes
 typedef void (*sgemm_fn)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
                          const int*, const float*, const int*, const float*, float*, const int*);
 
 // The three int64 arrays the Python side fills (cpu_decode_stack.py reads these enums from this file and fills each
 // array by these names): the kernels' addresses, the model's dimensions, and one row of LAYER_FIELDS per layer.
-enum Fn { GEMV, NORM, ROPE, ATTN, ACT, SGEMM, NUM_FNS };
-enum Dim { HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, CACHE_KIND, GEMV_ROWS, NUM_DIMS };
+enum Fn { GEMV, NORM, ROPE, ATTN, ACT, SGEMM, Q4, Q8G, Q8, Q4V, Q8GV, Q8V, NUM_FNS };
+enum Dim { HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, CACHE_KIND, GEMV_ROWS, QUANT, VNNI_ROWS, NUM_DIMS };
+// With dims[QUANT] set, each layer's weight fields (QKV_W, O_W, GU_W, DOWN_W) point to a descriptor of the linear's
+// parts (a GGUF layer stacks tensors of several formats): {n, then per part PART_FIELDS values}, each part's rows
+// following the previous part's in the output.
+enum PartField { KIND, ROWS, W, SCALE, OFFSET, GROUP, PART_FIELDS };
+enum Kind { DENSE, INT4, INT8G, INT8, FP8, NUM_KINDS };
 enum LayerField { IN_NORM, QKV_W, QKV_B, O_W, O_B, POST_NORM, GU_W, GU_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE, K_SCALES,
                   V_SCALES, WINDOW, LAYER_FIELDS };
 
@@ -46,6 +55,47 @@ static void linear(const int64_t* fns, int64_t gemv_rows, const T* x, const void
       for (int64_t o = 0; o < O; ++o) y[r * O + o] = T(float(y[r * O + o]) + float(((const T*)bias)[o]));
 }
 
+// One part of a quantized layer: the integer-dot (VNNI) kernel for bf16 rows where it takes them, else the widening
+// GEMV (its row limit is the Python side's: the stack runs no more rows than every part takes)
+template <typename T>
+static void part(const int64_t* fns, const int64_t* dims, const int64_t* d, const T* x, const void* bias, T* y,
+                 int64_t M, int64_t I) {
+  const int64_t bf16 = sizeof(T) == 2, rows = d[ROWS], G = d[GROUP];
+  const void *w = (const void*)d[W], *s = (const void*)d[SCALE], *off = (const void*)d[OFFSET];
+  const bool vnni = bf16 && M <= dims[VNNI_ROWS] && I % 64 == 0;
+  switch (d[KIND]) {
+    case DENSE: return linear(fns, dims[GEMV_ROWS], x, w, bias, y, M, I, rows);
+    case INT4:
+      if (vnni && fns[Q4V]) return ((qgemv_gv_fn)fns[Q4V])(x, w, s, off, bias, y, M, I, rows, G);
+      return ((qgemv_g_fn)fns[Q4])(bf16, x, w, s, off, bias, y, M, I, rows, G);
+    case INT8G:
+      if (vnni && fns[Q8GV]) return ((qgemv_gv_fn)fns[Q8GV])(x, w, s, off, bias, y, M, I, rows, G);
+      return ((qgemv_g_fn)fns[Q8G])(bf16, x, w, s, off, bias, y, M, I, rows, G);
+    default:
+      if (d[KIND] == INT8 && vnni && fns[Q8V]) return ((qgemv_cv_fn)fns[Q8V])(x, w, s, bias, y, M, I, rows);
+      return ((qgemv_c_fn)fns[Q8])(bf16, d[KIND] == FP8, x, w, s, bias, y, M, I, rows);
+  }
+}
+
+// y [M, O] = x [M, I] @ W^T + bias over a descriptor's parts: one part writes y itself; several write `tmp` in turn,
+// copied into their columns of y, the bias added after
+template <typename T>
+static void qlinear(const int64_t* fns, const int64_t* dims, const T* x, const int64_t* desc, const void* bias, T* y,
+                    int64_t M, int64_t I, int64_t O, T* tmp) {
+  const int64_t n = desc[0];
+  if (n == 1) return part(fns, dims, desc + 1, x, bias, y, M, I);
+  int64_t col = 0;
+  for (int64_t p = 0; p < n; ++p) {
+    const int64_t* d = desc + 1 + p * PART_FIELDS;
+    part(fns, dims, d, x, (const void*)nullptr, tmp, M, I);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * O + col, tmp + m * d[ROWS], d[ROWS] * sizeof(T));
+    col += d[ROWS];
+  }
+  if (bias)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t o = 0; o < O; ++o) y[m * O + o] = T(float(y[m * O + o]) + float(((const T*)bias)[o]));
+}
+
 template <typename T>
 static int64_t run(const int64_t* fns, const int64_t* layers, const float* scales, int64_t L, const int64_t* dims,
                    float eps, float softcap, T* x, const void* cos, const void* sin, const int64_t* slots,
@@ -56,7 +106,10 @@ static int64_t run(const int64_t* fns, const int64_t* layers, const float* scale
   const act_fn act = (act_fn)fns[ACT];
   const int64_t hidden = dims[HIDDEN], H = dims[HEADS], KVH = dims[KV_HEADS], hd = dims[HEAD_DIM],
                 inter = dims[INTER], bs = dims[BLOCK_SIZE], kind = dims[CACHE_KIND], gemv_rows = dims[GEMV_ROWS];
+  const int64_t qkv_rows = (H + 2 * KVH) * hd;
+  T* tmp = scratch + M * (2 * hidden + qkv_rows + 2 * H * hd + 3 * inter);  // M * (qkv | 2 inter | hidden) more
   auto gemv = [&](const T* in, const void* w, const void* b, T* out, int64_t M, int64_t I, int64_t O) {
+    if (dims[QUANT]) return qlinear(fns, dims, in, (const int64_t*)w, b, out, M, I, O, tmp);
     linear(fns, gemv_rows, in, w, b, out, M, I, O);
   };
   const int64_t bf16 = sizeof(T) == 2;
@@ -96,7 +149,8 @@ static int64_t run(const int64_t* fns, const int64_t* layers, const float* scale
 }
 
 // fns [NUM_FNS], dims [NUM_DIMS], layers [L, LAYER_FIELDS], scales [L]. x [M, hidden] is the residual stream, updated
-// in place; scratch holds M * (2 hidden + qkv + 2 q + 3 intermediate) values of x's dtype.
+// in place; scratch holds M * (2 hidden + qkv + 2 q + 3 intermediate) values of x's dtype, and with dims[QUANT]
+// M * max(qkv, 2 intermediate, hidden) more.
 extern "C" int64_t fulcrum_decode_stack(int64_t bf16, const int64_t* fns, const int64_t* layers, const float* scales,
                                         int64_t L, const int64_t* dims, float eps, float softcap, void* x,
                                         const void* cos, const void* sin, const int64_t* slots, const int64_t* tables,
