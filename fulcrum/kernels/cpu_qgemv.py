@@ -92,7 +92,7 @@ def int4(
     """x [M, I] @ W^T + bias with W in the int4 format above (w [O, I/2] uint8, scale/offset [O, I/G] fp32)."""
     x = x.contiguous()
     y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-    _module()["int4"](x.dtype == torch.bfloat16, x.data_ptr(), w.data_ptr(), scale.data_ptr(), offset.data_ptr(),
+    _module()["int4"](x.dtype == torch.bfloat16, x.data_ptr(), w.data_ptr(), scale.data_ptr(), _ptr(offset),
                       _ptr(bias), y.data_ptr(), x.shape[0], x.shape[1], w.shape[0], group_size)  # fmt: skip
     return y
 
@@ -141,7 +141,7 @@ def dequantize_int4(
 ) -> torch.Tensor:
     """The int4 weight as [O, I] in `dtype`, in a reused buffer like dequantize_int8's."""
     out = _scratch((w.shape[0], w.shape[1] * 2), dtype)
-    _module()["dequant_int4"](dtype == torch.bfloat16, w.data_ptr(), scale.data_ptr(), offset.data_ptr(),
+    _module()["dequant_int4"](dtype == torch.bfloat16, w.data_ptr(), scale.data_ptr(), _ptr(offset),
                               out.data_ptr(), w.shape[0], w.shape[1] * 2, group_size)  # fmt: skip
     return out
 

@@ -69,7 +69,7 @@ def int8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
 def int4(x, w, scale, offset, group_size: int, bias=None) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-    _module()["int4"](x.data_ptr(), w.data_ptr(), scale.data_ptr(), offset.data_ptr(),
+    _module()["int4"](x.data_ptr(), w.data_ptr(), scale.data_ptr(), None if offset is None else offset.data_ptr(),
                       None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], w.shape[0],
                       group_size)  # fmt: skip
     return y

@@ -61,10 +61,13 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([b & 15, b >> 4], dim=2).reshape(out_f, half * 2)
 
 
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+    """offset None: the zero point 8 (GGUF's Q4_0), offset = -8 * scale."""
     q = unpack_int4(packed).float()
     out_f, in_f = q.shape
     g = q.reshape(out_f, scale.shape[1], -1)
+    if offset is None:
+        offset = -8 * scale
     return (g * scale[..., None] + offset[..., None]).reshape(out_f, in_f)
 
 

@@ -3,7 +3,8 @@ without loss, into the layout of a kernel that reads it, and each tensor of a fi
 file's Q6_K tensors stay 6-bit values beside its Q4_K ones).
 
     GGML type       values per group   fulcrum layout (fulcrum.kernels.cpu_qgemv)          bits/weight: file -> held
-    Q4_0 Q4_1 Q4_K  32                 int4, scale and offset per 32 (fp32)                4.5-5 -> 6
+    Q4_0            32                 int4, scale per 32 (fp32; zero point 8)             4.5 -> 5
+    Q4_1 Q4_K       32                 int4, scale and offset per 32 (fp32)                5 / 4.5 -> 6
     Q8_0 Q5_0       32                 int8 in groups of 32, a scale each                  8.5 / 5.5 -> 9
     Q5_1 Q5_K       32                 int8 in groups of 32, a scale and an offset each    6 / 5.5 -> 10
     Q6_K Q3_K       16                 int8 in groups of 16, a scale each                  6.6 / 3.4 -> 10
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 
 # type -> (layout, group size, offset): what each block type converts to
 LAYOUTS = {
-    "Q4_0": ("int4", 32, True),
+    "Q4_0": ("int4", 32, False),  # its offset is -8 x its scale: the kernels take it so, unstored
     "Q4_1": ("int4", 32, True),
     "Q4_K": ("int4", 32, True),
     "Q8_0": ("int8g", 32, False),
@@ -115,9 +116,8 @@ def group_scales(ggml_type: str, blocks: np.ndarray) -> tuple[np.ndarray, np.nda
     int8 holds as they are), as the type's dequantization forms them."""
     if ggml_type in ("Q8_0", "Q5_0"):
         return _f16(blocks, 0), None
-    if ggml_type in ("Q4_0",):
-        d = _f16(blocks, 0)
-        return d, -8 * d
+    if ggml_type == "Q4_0":  # W = (q - 8) d: the int4 kernels' zero point 8 when no offsets are given
+        return _f16(blocks, 0), None
     if ggml_type in ("Q4_1", "Q5_1"):
         return _f16(blocks, 0), _f16(blocks, 2)
     if ggml_type in ("Q4_K", "Q5_K"):
@@ -208,24 +208,24 @@ class Part(nn.Module):
         self.layout, self.group_size, self.types = layout, group, types
         for k, v in tensors.items():
             self.register_buffer(k, v)
+        if layout != "dense" and "offsets" not in tensors:
+            self.register_buffer("offsets", None)  # int4: the zero point 8 (Q4_0); int8g: symmetric
         self.rows = tensors["weight" if layout == "dense" else "qweight"].shape[0]
-
-    @property
-    def offsets_or_none(self):
-        return getattr(self, "offsets", None)
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (or its rows `rows`) as fp32 [O, I]: the reference the kernels are held to."""
-        pick = (lambda t: t) if rows is None else (lambda t: t[rows])
+
+        def pick(t):
+            return t if rows is None or t is None else t[rows]
+
         if self.layout == "dense":
             return pick(self.weight).float()
-        off = self.offsets_or_none
         if self.layout == "int4":
-            return formats.dequantize_int4(pick(self.qweight), pick(self.scales), pick(off))
-        return formats.dequantize_int8g(pick(self.qweight), pick(self.scales), None if off is None else pick(off))
+            return formats.dequantize_int4(pick(self.qweight), pick(self.scales), pick(self.offsets))
+        return formats.dequantize_int8g(pick(self.qweight), pick(self.scales), pick(self.offsets))
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, I] (2-D) @ W^T + bias."""
@@ -239,12 +239,12 @@ class Part(nn.Module):
             return INT4.apply(self, x, bias)
         few = cpu_qgemv.usable(x, bias)
         if cpu_qgemv_vnni.usable(x, bias):
-            return cpu_qgemv_vnni.int8g(x, self.qweight, self.scales, self.offsets_or_none, self.group_size, bias)
+            return cpu_qgemv_vnni.int8g(x, self.qweight, self.scales, self.offsets, self.group_size, bias)
         if few:
-            return cpu_qgemv.int8g(x, self.qweight, self.scales, self.offsets_or_none, self.group_size, bias)
+            return cpu_qgemv.int8g(x, self.qweight, self.scales, self.offsets, self.group_size, bias)
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and cpu_qgemv.available():
             dt = x.dtype if x.dtype == torch.float32 or cpu_gemv.native_bf16_matmul() else torch.float32
-            w = cpu_qgemv.dequantize_int8g(self.qweight, self.scales, self.offsets_or_none, self.group_size, dt)
+            w = cpu_qgemv.dequantize_int8g(self.qweight, self.scales, self.offsets, self.group_size, dt)
             return F.linear(x.to(dt), w, None if bias is None else bias.to(dt)).to(x.dtype)
         return F.linear(x, self.dequantize().to(x.dtype), bias)
 
@@ -327,7 +327,7 @@ class GGUFLinearMethod(LinearMethod):
         parts = [
             StackPart("DENSE", p.weight)
             if p.layout == "dense"
-            else StackPart(kinds[p.layout], p.qweight, p.scales, p.offsets_or_none, p.group_size)
+            else StackPart(kinds[p.layout], p.qweight, p.scales, p.offsets, p.group_size)
             for p in layer.gguf_parts
         ]
         return QuantWeight(parts, self.input_size, self.dtype)

@@ -140,7 +140,8 @@ class Int4Method(OnlineQuantMethod):
         return formats.dequantize_int4(layer.qweight, layer.scales, layer.offsets)
 
     def dequantize_rows(self, layer, rows):
-        return formats.dequantize_int4(layer.qweight[rows], layer.scales[rows], layer.offsets[rows])
+        offsets = None if layer.offsets is None else layer.offsets[rows]  # None: GGUF Q4_0's zero point 8
+        return formats.dequantize_int4(layer.qweight[rows], layer.scales[rows], offsets)
 
     def vnni_usable(self, layer, x, bias):
         return cpu_qgemv_vnni.usable(x, bias)

@@ -44,6 +44,21 @@ def test_int4_matches_the_dequantized_weight(dtype, tol, rows, group, shape):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_int4_without_offsets_has_the_zero_point_8(dtype, tol, rows):
+    """GGUF's Q4_0: W = (q - 8) * scale, its offsets unstored."""
+    g = torch.Generator().manual_seed(4)
+    packed = torch.randint(0, 256, (40, 448), generator=g, dtype=torch.uint8)
+    scale, x = torch.rand(40, 28, generator=g) * 0.01, torch.randn(rows, 896, generator=g).to(dtype)
+    deq = formats.dequantize_int4(packed, scale, None)
+    assert torch.equal(deq, formats.dequantize_int4(packed, scale, -8 * scale))
+    assert close(cpu_qgemv.int4(x, packed, scale, None, 32), F.linear(x.float(), deq), tol)
+    assert close(cpu_qgemv.dequantize_int4(packed, scale, None, 32, torch.float32), deq, 1e-6)
+    if cpu_qgemv_vnni.usable(x):
+        assert close(cpu_qgemv_vnni.int4(x, packed, scale, None, 32), F.linear(q8_blocks(x), deq), tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("rows", [1, 3, 5, 16])
 @pytest.mark.parametrize("group", [16, 32])
 @pytest.mark.parametrize("offset", [False, True])

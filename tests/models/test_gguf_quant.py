@@ -148,7 +148,7 @@ def held_bytes(model) -> int:
 
 
 # bits a weight holds after load per type (fulcrum.quant.gguf's table): the file's 4.5 / 8.5 / 6.5625
-HELD_BITS = {"Q4_0": 6, "Q8_0": 9, "Q6_K": 10}
+HELD_BITS = {"Q4_0": 5, "Q8_0": 9, "Q6_K": 10}
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q6_K"])

@@ -7,7 +7,8 @@
 // - int8 in groups (GGUF's Q8_0, Q5_*, Q6_K, Q3_K, Q2_K): w [O, I] int8, scale and offset (or none) [O, I / G] fp32,
 //   G 16 or 32: W[o, i] = w[o, i] * scale[o, i / G] + offset[o, i / G].
 // - int4: w [O, I / 2] uint8, scale and offset [O, I / G] fp32, G a multiple of 32:
-//   W[o, i] = q * scale[o, i / G] + offset[o, i / G], q the 4-bit value in 0..15. In each 32 values of a row
+//   W[o, i] = q * scale[o, i / G] + offset[o, i / G], q the 4-bit value in 0..15; offset null: -8 * scale (GGUF's
+//   Q4_0, whose zero point is 8: its offsets are not stored). In each 32 values of a row
 //   (16 bytes), byte j holds value j in its low nibble and value j + 16 in its high one, so one load of VW bytes
 //   yields two vectors of consecutive values on every vector width.
 #include <cmath>
@@ -84,7 +85,7 @@ static void rows_i4(const float* x, const uint8_t* w, const float* scale, const 
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* wr = w + o * (I / 2);
     const float* sr = scale + o * ng;
-    const float* mr = offset + o * ng;
+    const float* mr = offset ? offset + o * ng : nullptr;
     vf acc[M];
     float macc[M];
     for (int m = 0; m < M; ++m) acc[m] = vzero(), macc[m] = 0.f;
@@ -105,7 +106,7 @@ static void rows_i4(const float* x, const uint8_t* w, const float* scale, const 
       const vf s = vset1(sr[g]);
       for (int m = 0; m < M; ++m) {
         acc[m] = vfmadd(vadd(lo_acc[m], hi_acc[m]), s, acc[m]);
-        macc[m] += mr[g] * xsum[m * ng + g];
+        macc[m] += (mr ? mr[g] : -8.f * sr[g]) * xsum[m * ng + g];
       }
     }
     for (int m = 0; m < M; ++m) {
@@ -270,7 +271,8 @@ static void dequant_i4(const uint8_t* q, const float* s, const float* m, T* y, i
   at::parallel_for(0, O, std::max<int64_t>(1, 131072 / I), [&](int64_t b, int64_t e) {
     for (int64_t o = b; o < e; ++o)
       for (int64_t c = 0; c < I; c += 32) {
-        const vf sv = vset1(s[o * ng + c / G]), mv = vset1(m[o * ng + c / G]);
+        const float so = s[o * ng + c / G];
+        const vf sv = vset1(so), mv = vset1(m ? m[o * ng + c / G] : -8.f * so);
         for (int j = 0; j < 16; j += VW) {
           vf lo, hi;
           vload_u4(q + o * (I / 2) + c / 2 + j, lo, hi);

@@ -121,7 +121,10 @@ static void rows_i4(const QX& qx, int64_t m0, const uint8_t* w, const float* sca
     for (int m = 0; m < M; ++m) {
       float s = hsum256(acc[m]);
       const float* fs = qx.fsum.data() + (m0 + m) * ng;
-      for (int64_t g = 0; g < ng; ++g) s += offset[o * ng + g] * fs[g];
+      if (offset)
+        for (int64_t g = 0; g < ng; ++g) s += offset[o * ng + g] * fs[g];
+      else  // the zero point 8 of GGUF's Q4_0
+        for (int64_t g = 0; g < ng; ++g) s -= 8.f * sr[g] * fs[g];
       if (bias) s += float(bias[o]);
       y[(m0 + m) * O + o] = B(s);
     }
