@@ -19,7 +19,23 @@ log = logging.getLogger(__name__)
 
 # GGUF's name for an architecture -> the transformers class that fulcrum's registry runs it as. Mistral files say
 # "llama" too (llama.cpp converts them as Llama).
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",  # the text model (a vision model's tower is a file of its own, mmproj)
+}
+# llama.cpp's Gemma sizes whose attention scale is 1/sqrt(hidden / heads) rather than 1/sqrt(head_dim), known there
+# by their layer count (Gemma 2 27B, Gemma 3 27B): query_pre_attn_scalar, which the files do not state
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# llama.cpp's Gemma 3 (when the file states a window): five sliding layers then a global one, the sliding ones on
+# a rope base of their own
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # In a GGUF file's folder: the link to the file, which the weight loader reads, and the file's table of tensors
 # (name, GGML type, shape in torch's order, byte offset and length), which gguf.GGUFReader takes seconds to rebuild
 # for a vocabulary of 150k tokens, since it parses every metadata string
@@ -130,10 +146,12 @@ def _write_gguf_folder(file: Path, folder: Path) -> None:
     if arch == "llama":  # llama.cpp states biases by the tensors alone
         config.attention_bias = "blk.0.attn_q.bias" in names
         config.mlp_bias = "blk.0.ffn_gate.bias" in names
-    if hasattr(config, "sliding_window"):
-        # these files state no window, and llama.cpp attends to all positions; transformers reads a file named
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if hasattr(config, "sliding_window") or window is not None:
+        # a file that states no window attends to all positions in llama.cpp; transformers reads a file named
         # "mistral" as MistralConfig, whose default window (4096) would otherwise apply
-        config.sliding_window = None
+        config.sliding_window = None if window is None else int(window)
+    _arch_config(reader, arch, config, names, file)
     _rope_from_gguf(reader, arch, config, file)
     config.dtype = file_dtype({t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2})
     types = gguf_block_types(table)
@@ -158,6 +176,46 @@ def _write_gguf_folder(file: Path, folder: Path) -> None:
     saved = {k: v for k, v in saved.items() if k not in ("is_local", "local_files_only")}
     saved["tokenizer_class"] = "TokenizersBackend"
     (folder / "tokenizer_config.json").write_text(json.dumps(saved, indent=2) + "\n")
+
+
+def _arch_config(reader, arch: str, config, names: set[str], file: Path) -> None:
+    """What transformers' GGUF config leaves out or gets wrong for an architecture: the settings llama.cpp reads
+    from keys that transformers does not map, and those llama.cpp fixes in its own code rather than the file."""
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    if arch in ("qwen3", "qwen3moe", "gemma2", "gemma3"):  # transformers' defaults (Qwen3's 128) are no file's
+        config.head_dim = int(key_length) if key_length else config.hidden_size // config.num_attention_heads
+    if arch in ("qwen2moe", "qwen3moe"):
+        config.moe_intermediate_size = int(_field(reader, f"{arch}.expert_feed_forward_length"))
+        shared = _field(reader, f"{arch}.expert_shared_feed_forward_length")
+        if arch == "qwen2moe" and shared is not None:
+            config.shared_expert_intermediate_size = int(shared)
+        # every layer holds experts in llama.cpp's graph, which renormalises the top-k weights for Qwen3-MoE only
+        config.decoder_sparse_step, config.mlp_only_layers = 1, []
+        config.norm_topk_prob = arch == "qwen3moe"
+        dense = [i for i in range(config.num_hidden_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+        if dense:
+            raise ModelLoadError(f"GGUF file {file}: layers {dense} hold no experts, which {arch} files always do")
+    if arch in ("gemma2", "gemma3"):
+        heads = config.num_attention_heads
+        big = config.num_hidden_layers == GEMMA_27B_LAYERS[arch]
+        config.query_pre_attn_scalar = config.hidden_size // heads if big else config.head_dim
+        for k in ("attn_logit_softcapping", "final_logit_softcapping"):  # llama.cpp's Gemma 3 caps no scores
+            cap = None if arch == "gemma3" and k.startswith("attn") else _field(reader, f"{arch}.{k}")
+            setattr(config, k, None if cap is None else float(cap))
+        # llama.cpp's layers: Gemma 2's alternate sliding and global, Gemma 3's are five sliding then a global one
+        # (all global in a file that states no window)
+        period = {"gemma2": 2, "gemma3": GEMMA3_SLIDING_PATTERN}[arch] if config.sliding_window else 1
+        config.layer_types = [
+            "full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(config.num_hidden_layers)
+        ]
+    if arch == "gemma3":
+        theta = float(_field(reader, f"{arch}.rope.freq_base") or 1_000_000.0)
+        config.rope_parameters = {
+            "full_attention": {"rope_type": "default", "rope_theta": theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE},
+        }
+    if arch == "phi3" and {"rope_factors_long.weight", "rope_factors_short.weight"} & names:
+        raise ModelLoadError(f"GGUF file {file}: Phi-3's LongRoPE factors (rope_factors_long/short) are not supported")
 
 
 def gguf_block_types(table: list[dict]) -> dict[str, int]:
@@ -193,7 +251,11 @@ def _rope_from_gguf(reader, arch: str, config, file: Path) -> None:
         if kind != "linear":
             raise ModelLoadError(f"GGUF file {file}: RoPE scaling {kind!r} is not supported (supported: linear)")
         factor = float(_field(reader, f"{arch}.rope.scaling.factor"))
-        config.rope_parameters = {**config.rope_parameters, "rope_type": "linear", "factor": factor}
+        if arch == "gemma3":  # llama.cpp scales the global layers' rope only
+            full = config.rope_parameters["full_attention"]
+            config.rope_parameters["full_attention"] = {**full, "rope_type": "linear", "factor": factor}
+        else:
+            config.rope_parameters = {**config.rope_parameters, "rope_type": "linear", "factor": factor}
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:
         config.rope_parameters = llama3_rope(np.asarray(freqs.data, np.float64), config, file)
