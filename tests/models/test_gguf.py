@@ -315,5 +315,8 @@ def test_unsupported_architecture_lists_the_supported(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedArchitectureError, match=r"'phi2'.*supported: llama, qwen2"):
+    with pytest.raises(
+        UnsupportedArchitectureError,
+        match=r"'phi2'.*supported: gemma2, gemma3, llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe",
+    ):
         ModelConfig.from_path(file)
