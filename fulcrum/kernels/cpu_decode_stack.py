@@ -28,11 +28,11 @@ from fulcrum.kernels.cpu_ext import F32, I64, PTR
 
 # The int64 arrays the driver reads, by the names of its enums in decode_stack.cpp (checked at load): the kernels'
 # addresses, the model's dimensions, one row of LAYER_FIELDS per layer
-FNS = ("GEMV", "NORM", "ROPE", "ATTN", "ACT", "SGEMM", "Q4", "Q8G", "Q8", "Q4V", "Q8GV", "Q8V")
+FNS = ("GEMV", "NORM", "ROPE", "ATTN", "ACT", "SGEMM", "Q4", "Q8G", "Q8", "Q4V", "Q8GV", "Q8V", "Q5", "Q5V")
 DIMS = ("HIDDEN", "HEADS", "KV_HEADS", "HEAD_DIM", "INTER", "BLOCK_SIZE", "CACHE_KIND", "GEMV_ROWS", "QUANT",
         "VNNI_ROWS")  # fmt: skip
-PART_FIELDS = ("KIND", "ROWS", "W", "SCALE", "OFFSET", "GROUP")
-KINDS = ("DENSE", "INT4", "INT8G", "INT8", "FP8")
+PART_FIELDS = ("KIND", "ROWS", "W", "SCALE", "OFFSET", "GROUP", "HIGH")
+KINDS = ("DENSE", "INT4", "INT8G", "INT8", "FP8", "INT5")
 LAYER_FIELDS = ("IN_NORM", "QKV_W", "QKV_B", "O_W", "O_B", "POST_NORM", "GU_W", "GU_B", "DOWN_W", "DOWN_B", "K_CACHE",
                 "V_CACHE", "K_SCALES", "V_SCALES", "WINDOW")  # fmt: skip
 ENUMS = {"Fn": FNS, "Dim": DIMS, "LayerField": LAYER_FIELDS, "PartField": PART_FIELDS, "Kind": KINDS}
@@ -77,14 +77,16 @@ def blas_sgemm() -> int:
 
 @dataclass
 class Part:
-    """Rows of a linear's weight in one layout: DENSE (w in the activations' dtype), INT4 / INT8G (cpu_qgemv's
-    grouped formats: scale, offset or None, group), INT8 / FP8 (per-channel scale)."""
+    """Rows of a linear's weight in one layout: DENSE (w in the activations' dtype), INT4 / INT8G / INT5
+    (cpu_qgemv's grouped formats: scale, offset or None, group; INT5's fifth bits in `high`), INT8 / FP8
+    (per-channel scale)."""
 
     kind: str
     w: torch.Tensor
     scale: torch.Tensor | None = None
     offset: torch.Tensor | None = None
     group: int = 0
+    high: torch.Tensor | None = None
 
 
 class QuantWeight:
@@ -96,19 +98,22 @@ class QuantWeight:
         self.shape = (sum(rows), in_features)
         desc = [len(parts)]
         for p, r in zip(parts, rows):
-            desc += [KINDS.index(p.kind), r, p.w.data_ptr(), _ptr(p.scale), _ptr(p.offset), p.group]
+            desc += [KINDS.index(p.kind), r, p.w.data_ptr(), _ptr(p.scale), _ptr(p.offset), p.group, _ptr(p.high)]
         self.descriptor = torch.tensor(desc, dtype=torch.int64)
 
     def data_ptr(self) -> int:
         return self.descriptor.data_ptr()
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for p in self.parts for t in (p.w, p.scale, p.offset) if t is not None]
+        return [t for p in self.parts for t in (p.w, p.scale, p.offset, p.high) if t is not None]
 
     def fits(self, dtype: torch.dtype) -> bool:
         """CPU, contiguous, dense parts in the activations' dtype, I a multiple of the kernels' 32 (int4's nibbles)."""
         return all(t.device.type == "cpu" and t.is_contiguous() for t in self.tensors()) and all(
-            p.w.dtype == dtype if p.kind == "DENSE" else p.kind != "INT4" or self.shape[1] % 32 == 0 for p in self.parts
+            p.w.dtype == dtype
+            if p.kind == "DENSE"
+            else (p.kind != "INT4" or self.shape[1] % 32 == 0) and (p.kind != "INT5" or self.shape[1] % 64 == 0)
+            for p in self.parts
         )
 
 
@@ -165,7 +170,9 @@ class DecodeStack:
         vnni_rows = 0
         widths = (self.hidden, num_heads * head_dim, self.inter)
         if quant and self.dtype == torch.bfloat16 and cpu_qgemv_vnni.available() and all(w % 64 == 0 for w in widths):
-            vnni_rows = cpu_qgemv_vnni.MAX_ROWS
+            kinds = {p.kind for x in layers for w in x.weights() for p in w.parts} - {"DENSE", "FP8"}
+            names = {"INT8": "int8", "INT4": "int4", "INT5": "int5", "INT8G": "int8g"}
+            vnni_rows = min(cpu_qgemv_vnni.FORMAT_ROWS[names[k]] for k in kinds) if kinds else 0
         if quant:
             self.max_rows = max(vnni_rows, cpu_qgemv.max_rows(self.dtype))
             if any(p.kind == "DENSE" for x in layers for w in x.weights() for p in w.parts):
@@ -195,7 +202,8 @@ class DecodeStack:
                "ACT": _address(cpu_act._module()), "SGEMM": blas_sgemm()}  # fmt: skip
         q, qv = (cpu_qgemv._module() or {}) if quant else {}, (cpu_qgemv_vnni._module() or {}) if vnni_rows else {}
         for name, lib, key in (("Q4", q, "int4"), ("Q8G", q, "int8g"), ("Q8", q, "int8"), ("Q4V", qv, "int4"),
-                               ("Q8GV", qv, "int8g"), ("Q8V", qv, "int8")):  # fmt: skip
+                               ("Q8GV", qv, "int8g"), ("Q8V", qv, "int8"), ("Q5", q, "int5"),
+                               ("Q5V", qv, "int5")):  # fmt: skip
             fns[name] = _address(lib[key]) if key in lib else 0
         self.fns = torch.tensor([fns[f] for f in FNS], dtype=torch.int64)
         qkv = (num_heads + 2 * num_kv_heads) * head_dim

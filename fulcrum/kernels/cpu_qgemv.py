@@ -31,6 +31,8 @@ BINDINGS = {
         "fulcrum_qgemv_int4": (None, I64, *[PTR] * 6, I64, I64, I64, I64),
         "fulcrum_qgemv_int8g": (None, I64, *[PTR] * 6, I64, I64, I64, I64),
         "fulcrum_dequant_int8g": (None, I64, PTR, PTR, PTR, PTR, I64, I64, I64),
+        "fulcrum_qgemv_int5": (None, I64, *[PTR] * 7, I64, I64, I64),
+        "fulcrum_dequant_int5": (None, I64, *[PTR] * 5, I64, I64),
         "fulcrum_dequant_int8": (None, I64, I64, PTR, PTR, PTR, I64, I64),
         "fulcrum_dequant_int4": (None, I64, PTR, PTR, PTR, PTR, I64, I64, I64),
     }
@@ -44,7 +46,8 @@ def _module():
         return None
     return {"int8": lib.fulcrum_qgemv_int8, "int4": lib.fulcrum_qgemv_int4, "int8g": lib.fulcrum_qgemv_int8g,
             "dequant_int8": lib.fulcrum_dequant_int8, "dequant_int4": lib.fulcrum_dequant_int4,
-            "dequant_int8g": lib.fulcrum_dequant_int8g}  # fmt: skip
+            "dequant_int8g": lib.fulcrum_dequant_int8g, "int5": lib.fulcrum_qgemv_int5,
+            "dequant_int5": lib.fulcrum_dequant_int5}  # fmt: skip
 
 
 def available() -> bool:
@@ -114,6 +117,23 @@ def int8g(
     return y
 
 
+def int5(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    high: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, I] @ W^T + bias with W in the int5 format (formats.pack_int5: w [O, I/2], high [O, I/8] uint8; scale and
+    offset or None [O, I/32] fp32; I a multiple of 64)."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    _module()["int5"](x.dtype == torch.bfloat16, x.data_ptr(), w.data_ptr(), high.data_ptr(), scale.data_ptr(),
+                      _ptr(offset), _ptr(bias), y.data_ptr(), x.shape[0], x.shape[1], w.shape[0])  # fmt: skip
+    return y
+
+
 # One buffer per dtype, grown to the largest weight and reused by every layer's dequantized copy: a fresh tensor of
 # tens of MB per call costs its page faults each time (10 ms for a 9728 x 896 weight here, against 2-3 ms reused).
 _SCRATCH: dict[torch.dtype, torch.Tensor] = {}
@@ -157,4 +177,14 @@ def dequantize_int8g(
     out = _scratch(tuple(w.shape), dtype)
     _module()["dequant_int8g"](dtype == torch.bfloat16, w.data_ptr(), scale.data_ptr(), _ptr(offset), out.data_ptr(),
                                w.shape[0], w.shape[1], group_size)  # fmt: skip
+    return out
+
+
+def dequantize_int5(
+    w: torch.Tensor, high: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, dtype=torch.float32
+) -> torch.Tensor:
+    """The int5 weight as [O, I] in `dtype`, in a reused buffer like dequantize_int8's."""
+    out = _scratch((w.shape[0], w.shape[1] * 2), dtype)
+    _module()["dequant_int5"](dtype == torch.bfloat16, w.data_ptr(), high.data_ptr(), scale.data_ptr(), _ptr(offset),
+                              out.data_ptr(), w.shape[0], w.shape[1] * 2)  # fmt: skip
     return out

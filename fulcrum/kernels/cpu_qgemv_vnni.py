@@ -17,6 +17,7 @@ BINDINGS = {
         "fulcrum_qgemv_int8_vnni": (None, *[PTR] * 5, I64, I64, I64),
         "fulcrum_qgemv_int4_vnni": (None, *[PTR] * 6, I64, I64, I64, I64),
         "fulcrum_qgemv_int8g_vnni": (None, *[PTR] * 6, I64, I64, I64, I64),
+        "fulcrum_qgemv_int5_vnni": (None, *[PTR] * 7, I64, I64, I64),
     }
 }
 
@@ -32,6 +33,7 @@ def _module():
         "int8": lib.fulcrum_qgemv_int8_vnni,
         "int4": lib.fulcrum_qgemv_int4_vnni,
         "int8g": lib.fulcrum_qgemv_int8g_vnni,
+        "int5": lib.fulcrum_qgemv_int5_vnni,
     }
 
 
@@ -43,15 +45,20 @@ def available() -> bool:
 # int8/int4 weight, behind at 64 rows; benchmarks/results/cpu-kernel-figures-from-comments.log): more rows go to the
 # dense matmul.
 MAX_ROWS = 32
+# The grouped formats' own limits, measured against dequantizing for oneDNN's bf16 matmul on 9728 x 896 and
+# 896 x 4864 weights (2-core AMD EPYC, AVX-512 BF16; benchmarks/results/gguf/vnni-rows.log): int4 and int5 ahead
+# through 16 rows and behind at 32 on both shapes; int8 in groups even at 8 rows on the 4864-wide one, behind at 16.
+FORMAT_ROWS = {"int8": MAX_ROWS, "int4": 16, "int5": 16, "int8g": 8}
 
 
-def usable(x: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """CPU bf16 rows (up to MAX_ROWS of them) whose length is a multiple of 64, on a CPU with AVX-512 VNNI."""
+def usable(x: torch.Tensor, bias: torch.Tensor | None = None, fmt: str = "int8") -> bool:
+    """CPU bf16 rows (up to FORMAT_ROWS[fmt] of them) whose length is a multiple of 64, on a CPU with AVX-512
+    VNNI."""
     return (
         x.device.type == "cpu"
         and x.dtype == torch.bfloat16
         and x.dim() == 2
-        and 1 <= x.shape[0] <= MAX_ROWS
+        and 1 <= x.shape[0] <= FORMAT_ROWS[fmt]
         and x.shape[-1] % 64 == 0
         and (bias is None or bias.dtype == x.dtype)
         and available()
@@ -82,4 +89,14 @@ def int8g(x, w, scale, offset, group_size: int, bias=None) -> torch.Tensor:
     _module()["int8g"](x.data_ptr(), w.data_ptr(), scale.data_ptr(), None if offset is None else offset.data_ptr(),
                        None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], w.shape[0],
                        group_size)  # fmt: skip
+    return y
+
+
+def int5(x, w, high, scale, offset, bias=None) -> torch.Tensor:
+    """The int5 format of cpu_qgemv.int5."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    _module()["int5"](x.data_ptr(), w.data_ptr(), high.data_ptr(), scale.data_ptr(),
+                      None if offset is None else offset.data_ptr(), None if bias is None else bias.data_ptr(),
+                      y.data_ptr(), x.shape[0], x.shape[1], w.shape[0])  # fmt: skip
     return y

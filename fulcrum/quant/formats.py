@@ -93,3 +93,39 @@ def dequantize_int8g(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor 
     if offset is not None:
         g = g + offset[..., None]
     return g.reshape(out_f, in_f)
+
+
+# int5's fifth bits: per 64 values two uint32 words, bit k of word 0 for the value in byte k's low nibble of the
+# 64 values' int4 packing (values 0-15, then 32-47), bit k of word 1 for byte k's high nibble (16-31, 48-63)
+_INT5_LO = list(range(0, 16)) + list(range(32, 48))
+_INT5_HI = list(range(16, 32)) + list(range(48, 64))
+
+
+def pack_int5(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[O, I] values 0..31 (I a multiple of 64) -> (int4 packing of the low 4 bits [O, I/2], fifth bits [O, I/8])."""
+    out_f, in_f = q.shape
+    q = q.to(torch.int64)
+    bits = ((q >> 4) & 1).reshape(out_f, in_f // 64, 64)
+    weights = 1 << torch.arange(32, dtype=torch.int64)
+    words = torch.stack([(bits[..., _INT5_LO] * weights).sum(-1), (bits[..., _INT5_HI] * weights).sum(-1)], -1)
+    high = words.numpy().astype("<u4").view("u1").reshape(out_f, in_f // 8)
+    return pack_int4(q & 15), torch.from_numpy(high.copy())
+
+
+def unpack_int5(packed: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    out_f, half = packed.shape
+    words = torch.from_numpy(high.contiguous().numpy().view("<u4").astype("int64")).reshape(out_f, half // 32, 2)
+    k = torch.arange(32, dtype=torch.int64)
+    bits = torch.empty(out_f, half // 32, 64, dtype=torch.int64)
+    bits[..., _INT5_LO] = (words[..., 0:1] >> k) & 1
+    bits[..., _INT5_HI] = (words[..., 1:2] >> k) & 1
+    return unpack_int4(packed).to(torch.int64) | (bits.reshape(out_f, half * 2) << 4)
+
+
+def dequantize_int5(packed, high, scale, offset=None) -> torch.Tensor:
+    """offset None: the zero point 16 (GGUF's Q5_0), offset = -16 * scale."""
+    q = unpack_int5(packed, high).float()
+    out_f, in_f = q.shape
+    if offset is None:
+        offset = -16 * scale
+    return (q.reshape(out_f, scale.shape[1], -1) * scale[..., None] + offset[..., None]).reshape(out_f, in_f)

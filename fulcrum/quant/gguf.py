@@ -5,11 +5,15 @@ file's Q6_K tensors stay 6-bit values beside its Q4_K ones).
     GGML type       values per group   fulcrum layout (fulcrum.kernels.cpu_qgemv)          bits/weight: file -> held
     Q4_0            32                 int4, scale per 32 (fp32; zero point 8)             4.5 -> 5
     Q4_1 Q4_K       32                 int4, scale and offset per 32 (fp32)                5 / 4.5 -> 6
-    Q8_0 Q5_0       32                 int8 in groups of 32, a scale each                  8.5 / 5.5 -> 9
-    Q5_1 Q5_K       32                 int8 in groups of 32, a scale and an offset each    6 / 5.5 -> 10
+    Q5_0            32                 int5 (int4's nibbles and a bit plane), a scale per  5.5 -> 6
+                                       32 (zero point 16)
+    Q5_1 Q5_K       32                 int5, a scale and an offset per 32                  6 / 5.5 -> 7
+    Q8_0            32                 int8 in groups of 32, a scale each                  8.5 -> 9
     Q6_K Q3_K       16                 int8 in groups of 16, a scale each                  6.6 / 3.4 -> 10
     Q2_K            16                 int8 in groups of 16, a scale and an offset each    2.6 -> 12
     F32 F16 BF16    -                  dense, in the model's dtype
+
+(int5 takes rows of whole 64s: other Q5 rows are held as int8 groups, 9-10 bits.)
 
 Exact: every weight the kernels compute with is q * scale + offset with q the file's integer and scale / offset the
 fp32 products the file's dequantization forms (d * sub-block scale, -dmin * sub-block min), so the weights equal
@@ -46,13 +50,24 @@ LAYOUTS = {
     "Q4_1": ("int4", 32, True),
     "Q4_K": ("int4", 32, True),
     "Q8_0": ("int8g", 32, False),
-    "Q5_0": ("int8g", 32, False),
-    "Q5_1": ("int8g", 32, True),
-    "Q5_K": ("int8g", 32, True),
+    "Q5_0": ("int5", 32, False),  # zero point 16, unstored
+    "Q5_1": ("int5", 32, True),
+    "Q5_K": ("int5", 32, True),
     "Q6_K": ("int8g", 16, False),
     "Q3_K": ("int8g", 16, False),
     "Q2_K": ("int8g", 16, True),
 }
+
+
+def layout_of(ggml_type: str, inputs: int) -> tuple[str, int, bool]:
+    """(layout, group, offsets stored) for a tensor of this type with `inputs` values a row: int5's bit planes take
+    rows of whole 64s, other 5-bit rows go to int8 groups (their integers as they are, Q5_0's signed)."""
+    layout, group, has_offset = LAYOUTS[ggml_type]
+    if layout == "int5" and inputs % 64:
+        return "int8g", group, has_offset
+    return layout, group, has_offset
+
+
 # Rows converted at a time: the values of one chunk are dequantized by gguf to recover the integers, so this bounds
 # the float32 copy a large tensor (a 150k-row vocabulary) needs at load
 CHUNK_VALUES = 1 << 22
@@ -158,15 +173,15 @@ def convert(raw: GGUFRaw) -> dict[str, torch.Tensor]:
     uint8 of q in 0..15; int8g: [O, I] int8) with fp32 scales/offsets [O, I/G], rows in `raw.rows` order."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    layout, group, has_offset = LAYOUTS[raw.ggml_type]
     rows, inputs = raw.shape
+    layout, group, has_offset = layout_of(raw.ggml_type, inputs)
     per_block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[raw.ggml_type]]
     if inputs % per_block:
         raise WeightLoadError(f"GGUF tensor {raw.name}: {inputs} inputs are not whole {raw.ggml_type} blocks")
     blocks = raw.data.reshape(rows * (inputs // per_block), block_bytes)
-    q_out = torch.empty(
-        rows, inputs // 2 if layout == "int4" else inputs, dtype=torch.uint8 if layout == "int4" else torch.int8
-    )
+    nibbles = layout in ("int4", "int5")
+    q_out = torch.empty(rows, inputs // 2 if nibbles else inputs, dtype=torch.uint8 if nibbles else torch.int8)
+    high = torch.empty(rows, inputs // 8, dtype=torch.uint8) if layout == "int5" else None
     scales = torch.empty(rows, inputs // group, dtype=torch.float32)
     offsets = torch.empty(rows, inputs // group, dtype=torch.float32) if has_offset else None
     step = max(1, CHUNK_VALUES // inputs)
@@ -186,12 +201,16 @@ def convert(raw: GGUFRaw) -> dict[str, torch.Tensor]:
         q = torch.from_numpy(q).reshape(r1 - r0, inputs)
         if layout == "int4":
             q_out[r0:r1] = formats.pack_int4(q.to(torch.uint8))
+        elif layout == "int5":
+            q_out[r0:r1], high[r0:r1] = formats.pack_int5(q + 16 if offset is None else q)  # Q5_0: -16..15 held
         else:
             q_out[r0:r1] = q.to(torch.int8)
         scales[r0:r1] = torch.from_numpy(scale).reshape(r1 - r0, -1)
         if offsets is not None:
             offsets[r0:r1] = torch.from_numpy(offset).reshape(r1 - r0, -1)
     out = {"qweight": q_out, "scales": scales}
+    if high is not None:
+        out["qhigh"] = high
     if offsets is not None:
         out["offsets"] = offsets
     if raw.rows is not None:
@@ -225,6 +244,8 @@ class Part(nn.Module):
             return pick(self.weight).float()
         if self.layout == "int4":
             return formats.dequantize_int4(pick(self.qweight), pick(self.scales), pick(self.offsets))
+        if self.layout == "int5":
+            return formats.dequantize_int5(pick(self.qweight), pick(self.qhigh), pick(self.scales), pick(self.offsets))
         return formats.dequantize_int8g(pick(self.qweight), pick(self.scales), pick(self.offsets))
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -237,14 +258,22 @@ class Part(nn.Module):
             )
         if self.layout == "int4":
             return INT4.apply(self, x, bias)
-        few = cpu_qgemv.usable(x, bias)
-        if cpu_qgemv_vnni.usable(x, bias):
+        int5 = self.layout == "int5"
+        if cpu_qgemv_vnni.usable(x, bias, self.layout):  # bf16 rows, few: integer dot products
+            if int5:
+                return cpu_qgemv_vnni.int5(x, self.qweight, self.qhigh, self.scales, self.offsets, bias)
             return cpu_qgemv_vnni.int8g(x, self.qweight, self.scales, self.offsets, self.group_size, bias)
-        if few:
+        if cpu_qgemv.usable(x, bias):  # few rows: the widening GEMV
+            if int5:
+                return cpu_qgemv.int5(x, self.qweight, self.qhigh, self.scales, self.offsets, bias)
             return cpu_qgemv.int8g(x, self.qweight, self.scales, self.offsets, self.group_size, bias)
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and cpu_qgemv.available():
+            # many rows: the weight dequantized for this call, then a dense matmul
             dt = x.dtype if x.dtype == torch.float32 or cpu_gemv.native_bf16_matmul() else torch.float32
-            w = cpu_qgemv.dequantize_int8g(self.qweight, self.scales, self.offsets, self.group_size, dt)
+            if int5:
+                w = cpu_qgemv.dequantize_int5(self.qweight, self.qhigh, self.scales, self.offsets, dt)
+            else:
+                w = cpu_qgemv.dequantize_int8g(self.qweight, self.scales, self.offsets, self.group_size, dt)
             return F.linear(x.to(dt), w, None if bias is None else bias.to(dt)).to(x.dtype)
         return F.linear(x, self.dequantize().to(x.dtype), bias)
 
@@ -258,7 +287,7 @@ def part_of(loaded, dtype: torch.dtype) -> tuple[str, int, dict[str, torch.Tenso
     """One loaded tensor (a GGUFRaw, or float values) as (layout, group, tensors, type name)."""
     if isinstance(loaded, GGUFRaw):
         if loaded.ggml_type in LAYOUTS:
-            layout, group, _ = LAYOUTS[loaded.ggml_type]
+            layout, group, _ = layout_of(loaded.ggml_type, loaded.shape[1])
             return layout, group, convert(loaded), loaded.ggml_type
         w = tensor_values(loaded.data, loaded.ggml_type, list(loaded.shape))
         if loaded.rows is not None:
@@ -323,11 +352,11 @@ class GGUFLinearMethod(LinearMethod):
         from fulcrum.kernels.cpu_decode_stack import Part as StackPart
         from fulcrum.kernels.cpu_decode_stack import QuantWeight
 
-        kinds = {"dense": "DENSE", "int4": "INT4", "int8g": "INT8G"}
+        kinds = {"dense": "DENSE", "int4": "INT4", "int8g": "INT8G", "int5": "INT5"}
         parts = [
             StackPart("DENSE", p.weight)
             if p.layout == "dense"
-            else StackPart(kinds[p.layout], p.qweight, p.scales, p.offsets, p.group_size)
+            else StackPart(kinds[p.layout], p.qweight, p.scales, p.offsets, p.group_size, getattr(p, "qhigh", None))
             for p in layer.gguf_parts
         ]
         return QuantWeight(parts, self.input_size, self.dtype)

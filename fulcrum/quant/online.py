@@ -144,7 +144,7 @@ class Int4Method(OnlineQuantMethod):
         return formats.dequantize_int4(layer.qweight[rows], layer.scales[rows], offsets)
 
     def vnni_usable(self, layer, x, bias):
-        return cpu_qgemv_vnni.usable(x, bias)
+        return cpu_qgemv_vnni.usable(x, bias, "int4")
 
     def gemv(self, layer, x, bias):
         if self.vnni_usable(layer, x, bias):

@@ -58,6 +58,30 @@ def test_int4_without_offsets_has_the_zero_point_8(dtype, tol, rows):
         assert close(cpu_qgemv_vnni.int4(x, packed, scale, None, 32), F.linear(q8_blocks(x), deq), tol)
 
 
+def test_int5_packs_and_unpacks_every_value():
+    q = torch.randint(0, 32, (5, 192), generator=torch.Generator().manual_seed(5))
+    packed, high = formats.pack_int5(q)
+    assert packed.shape == (5, 96) and high.shape == (5, 24)
+    assert torch.equal(formats.unpack_int5(packed, high), q)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 3, 5, 16])
+@pytest.mark.parametrize("offset", [False, True])
+def test_int5_matches_the_dequantized_weight(dtype, tol, rows, offset):
+    """GGUF's Q5_0 (zero point 16, no offsets) and Q5_1/Q5_K (an offset per 32) as int4 nibbles and a bit plane."""
+    g = torch.Generator().manual_seed(6)
+    packed, high = formats.pack_int5(torch.randint(0, 32, (40, 896), generator=g))
+    scale = torch.rand(40, 28, generator=g) * 0.01
+    off = torch.randn(40, 28, generator=g) * 0.1 if offset else None
+    x = torch.randn(rows, 896, generator=g).to(dtype)
+    deq = formats.dequantize_int5(packed, high, scale, off)
+    assert close(cpu_qgemv.int5(x, packed, high, scale, off), F.linear(x.float(), deq), tol)
+    assert close(cpu_qgemv.dequantize_int5(packed, high, scale, off, torch.float32), deq, 1e-6)
+    if cpu_qgemv_vnni.usable(x):
+        assert close(cpu_qgemv_vnni.int5(x, packed, high, scale, off), F.linear(q8_blocks(x), deq), tol)
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("rows", [1, 3, 5, 16])
 @pytest.mark.parametrize("group", [16, 32])

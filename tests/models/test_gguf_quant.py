@@ -148,10 +148,10 @@ def held_bytes(model) -> int:
 
 
 # bits a weight holds after load per type (fulcrum.quant.gguf's table): the file's 4.5 / 8.5 / 6.5625
-HELD_BITS = {"Q4_0": 5, "Q8_0": 9, "Q6_K": 10}
+HELD_BITS = {"Q4_0": 5, "Q8_0": 9, "Q6_K": 10, "Q5_0": 6, "Q5_K": 7}
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("qtype", list(HELD_BITS))
 def test_memory_held_is_the_quantized_size_not_bf16s(qtype, tmp_path):
     folder = tiny("qwen2", tmp_path)
     file, _ = quantized_files(folder, tmp_path, "qwen2", lambda name: qtype)

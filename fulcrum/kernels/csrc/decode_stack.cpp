@@ -19,19 +19,21 @@ typedef decltype(&fulcrum_qgemv_int4) qgemv_g_fn;        // fulcrum_qgemv_int8g'
 typedef decltype(&fulcrum_qgemv_int4_vnni) qgemv_gv_fn;  // fulcrum_qgemv_int8g_vnni's too
 typedef decltype(&fulcrum_qgemv_int8) qgemv_c_fn;        // per-channel int8 / fp8
 typedef decltype(&fulcrum_qgemv_int8_vnni) qgemv_cv_fn;
+typedef decltype(&fulcrum_qgemv_int5) qgemv_5_fn;
+typedef decltype(&fulcrum_qgemv_int5_vnni) qgemv_5v_fn;
 // BLAS's sgemm (Fortran calling convention), the one torch's fp32 F.linear calls: for more rows than the GEMV takes
 typedef void (*sgemm_fn)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
                          const int*, const float*, const int*, const float*, float*, const int*);
 
 // The three int64 arrays the Python side fills (cpu_decode_stack.py reads these enums from this file and fills each
 // array by these names): the kernels' addresses, the model's dimensions, and one row of LAYER_FIELDS per layer.
-enum Fn { GEMV, NORM, ROPE, ATTN, ACT, SGEMM, Q4, Q8G, Q8, Q4V, Q8GV, Q8V, NUM_FNS };
+enum Fn { GEMV, NORM, ROPE, ATTN, ACT, SGEMM, Q4, Q8G, Q8, Q4V, Q8GV, Q8V, Q5, Q5V, NUM_FNS };
 enum Dim { HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, CACHE_KIND, GEMV_ROWS, QUANT, VNNI_ROWS, NUM_DIMS };
 // With dims[QUANT] set, each layer's weight fields (QKV_W, O_W, GU_W, DOWN_W) point to a descriptor of the linear's
 // parts (a GGUF layer stacks tensors of several formats): {n, then per part PART_FIELDS values}, each part's rows
 // following the previous part's in the output.
-enum PartField { KIND, ROWS, W, SCALE, OFFSET, GROUP, PART_FIELDS };
-enum Kind { DENSE, INT4, INT8G, INT8, FP8, NUM_KINDS };
+enum PartField { KIND, ROWS, W, SCALE, OFFSET, GROUP, HIGH, PART_FIELDS };
+enum Kind { DENSE, INT4, INT8G, INT8, FP8, INT5, NUM_KINDS };
 enum LayerField { IN_NORM, QKV_W, QKV_B, O_W, O_B, POST_NORM, GU_W, GU_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE, K_SCALES,
                   V_SCALES, WINDOW, LAYER_FIELDS };
 
@@ -71,6 +73,11 @@ static void part(const int64_t* fns, const int64_t* dims, const int64_t* d, cons
     case INT8G:
       if (vnni && fns[Q8GV]) return ((qgemv_gv_fn)fns[Q8GV])(x, w, s, off, bias, y, M, I, rows, G);
       return ((qgemv_g_fn)fns[Q8G])(bf16, x, w, s, off, bias, y, M, I, rows, G);
+    case INT5: {
+      const void* high = (const void*)d[HIGH];
+      if (vnni && fns[Q5V]) return ((qgemv_5v_fn)fns[Q5V])(x, w, high, s, off, bias, y, M, I, rows);
+      return ((qgemv_5_fn)fns[Q5])(bf16, x, w, high, s, off, bias, y, M, I, rows);
+    }
     default:
       if (d[KIND] == INT8 && vnni && fns[Q8V]) return ((qgemv_cv_fn)fns[Q8V])(x, w, s, bias, y, M, I, rows);
       return ((qgemv_c_fn)fns[Q8])(bf16, d[KIND] == FP8, x, w, s, bias, y, M, I, rows);

@@ -52,6 +52,10 @@ void fulcrum_qgemv_int8g(int64_t bf16, const void* x, const void* w, const void*
                          const void* bias, void* y, int64_t M, int64_t I, int64_t O, int64_t G);
 void fulcrum_dequant_int8g(int64_t bf16, const void* w, const void* scale, const void* offset, void* out, int64_t O,
                            int64_t I, int64_t G);
+void fulcrum_qgemv_int5(int64_t bf16, const void* x, const void* w, const void* high, const void* scale,
+                        const void* offset, const void* bias, void* y, int64_t M, int64_t I, int64_t O);
+void fulcrum_dequant_int5(int64_t bf16, const void* w, const void* high, const void* scale, const void* offset,
+                          void* out, int64_t O, int64_t I);
 
 // qgemv_vnni.cpp
 void fulcrum_qgemv_int8_vnni(const void* x, const void* w, const void* scale, const void* bias, void* y, int64_t M,
@@ -60,6 +64,8 @@ void fulcrum_qgemv_int4_vnni(const void* x, const void* w, const void* scale, co
                              void* y, int64_t M, int64_t I, int64_t O, int64_t G);
 void fulcrum_qgemv_int8g_vnni(const void* x, const void* w, const void* scale, const void* offset, const void* bias,
                               void* y, int64_t M, int64_t I, int64_t O, int64_t G);
+void fulcrum_qgemv_int5_vnni(const void* x, const void* w, const void* high, const void* scale, const void* offset,
+                             const void* bias, void* y, int64_t M, int64_t I, int64_t O);
 
 // decode_stack.cpp
 int64_t fulcrum_decode_stack(int64_t bf16, const int64_t* fns, const int64_t* layers, const float* scales, int64_t L,

@@ -6,6 +6,10 @@
 // - fp8: the same with w in float8_e4m3fn, widened through fp16 (F16C), since x86 CPUs have no fp8 arithmetic.
 // - int8 in groups (GGUF's Q8_0, Q5_*, Q6_K, Q3_K, Q2_K): w [O, I] int8, scale and offset (or none) [O, I / G] fp32,
 //   G 16 or 32: W[o, i] = w[o, i] * scale[o, i / G] + offset[o, i / G].
+// - int5 (GGUF's Q5_0, Q5_1, Q5_K): int4's nibbles (w [O, I / 2]) and their fifth bits, high [O, I / 8], 8 bytes per
+//   64 values: two uint32 words, word 0's bit k the fifth bit of the value in the low nibble of byte k of the 64
+//   values' 32 bytes (values 0-15, 32-47), word 1's of the high nibble's (values 16-31, 48-63); scale and offset
+//   per 32 values (offset null: the zero point 16, -16 * scale, as Q5_0's). I a multiple of 64.
 // - int4: w [O, I / 2] uint8, scale and offset [O, I / G] fp32, G a multiple of 32:
 //   W[o, i] = q * scale[o, i / G] + offset[o, i / G], q the 4-bit value in 0..15; offset null: -8 * scale (GGUF's
 //   Q4_0, whose zero point is 8: its offsets are not stored). In each 32 values of a row
@@ -33,6 +37,25 @@ static inline void vload_u4(const uint8_t* p, vf& lo, vf& hi) {
 }
 #endif
 template <typename T> static inline float scalar(T v) { return float(v); }
+
+// v + 16 in the lanes whose bit of `bits` is set (lane k: bit k; int5's fifth bits)
+#ifdef __AVX512F__
+static inline vf vadd16_bits(vf v, uint32_t bits) {
+  return _mm512_mask_add_ps(v, __mmask16(bits & 0xFFFF), v, _mm512_set1_ps(16.f));
+}
+#else
+static inline vf vadd16_bits(vf v, uint32_t bits) {
+  const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(bits)), lanes), lanes);
+  return _mm256_add_ps(v, _mm256_and_ps(_mm256_castsi256_ps(set), _mm256_set1_ps(16.f)));
+}
+#endif
+// the fifth bits of 32-value group g's low-nibble values (lo) and high-nibble values (hi), bit k: value k of 16
+static inline void int5_bits(const uint32_t* hb, int64_t g, uint32_t& lo, uint32_t& hi) {
+  const int shift = int(g & 1) * 16;
+  lo = (hb[2 * (g / 2)] >> shift) & 0xFFFF;
+  hi = (hb[2 * (g / 2) + 1] >> shift) & 0xFFFF;
+}
 
 // One byte per weight, per-channel scale: int8, or fp8 e4m3 (FP8 true: read as 2^-8 times its value)
 static inline float fp8_to_f32(uint8_t b) {
@@ -149,6 +172,49 @@ static void rows_i8g(const float* x, const int8_t* w, const float* scale, const 
   }
 }
 
+// int5 in groups of 32: int4's loop with each value's fifth bit added (+16), the zero point 16 where no offsets
+template <int M, typename T>
+static void rows_i5(const float* x, const uint8_t* w, const uint8_t* high, const float* scale, const float* offset,
+                    const float* xsum, const T* bias, T* y, int64_t I, int64_t O, int64_t begin, int64_t end) {
+  const int64_t ng = I / 32;
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* wr = w + o * (I / 2);
+    const uint32_t* hb = (const uint32_t*)(high + o * (I / 8));
+    const float* sr = scale + o * ng;
+    const float* mr = offset ? offset + o * ng : nullptr;
+    vf acc[M];
+    float macc[M];
+    for (int m = 0; m < M; ++m) acc[m] = vzero(), macc[m] = 0.f;
+    for (int64_t g = 0; g < ng; ++g) {
+      vf lo_acc[M], hi_acc[M];
+      for (int m = 0; m < M; ++m) lo_acc[m] = hi_acc[m] = vzero();
+      uint32_t bl, bh;
+      int5_bits(hb, g, bl, bh);
+      prefetch_span<16>(wr + g * 16, g * 16);
+      for (int j = 0; j < 16; j += VW) {
+        vf lo, hi;
+        vload_u4(wr + g * 16 + j, lo, hi);
+        lo = vadd16_bits(lo, bl >> j);
+        hi = vadd16_bits(hi, bh >> j);
+        for (int m = 0; m < M; ++m) {
+          lo_acc[m] = vfmadd(lo, vload(x + m * I + g * 32 + j), lo_acc[m]);
+          hi_acc[m] = vfmadd(hi, vload(x + m * I + g * 32 + 16 + j), hi_acc[m]);
+        }
+      }
+      const vf s = vset1(sr[g]);
+      for (int m = 0; m < M; ++m) {
+        acc[m] = vfmadd(vadd(lo_acc[m], hi_acc[m]), s, acc[m]);
+        macc[m] += (mr ? mr[g] : -16.f * sr[g]) * xsum[m * ng + g];
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      float s = vsum(acc[m]) + macc[m];
+      if (bias) s += scalar(bias[o]);
+      store(y + m * O + o, s);
+    }
+  }
+}
+
 // The input rows as fp32, widened once per call rather than once per weight row
 template <typename T> static std::vector<float> widen(const T* x, int64_t n) {
   std::vector<float> out(n);
@@ -218,6 +284,28 @@ static void qgemv_i8g(const T* x_in, const int8_t* w, const float* scale, const 
   });
 }
 
+template <typename T>
+static void qgemv_i5(const T* x_in, const uint8_t* w, const uint8_t* high, const float* scale, const float* offset,
+                     const T* bias, T* y, int64_t M, int64_t I, int64_t O) {
+  const int64_t ng = I / 32;
+  const std::vector<float> xf = widen(x_in, M * I);
+  const float* x = xf.data();
+  std::vector<float> xsum(M * ng, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < I; ++i) xsum[m * ng + i / 32] += x[m * I + i];
+  split_rows(M, O, I / 2 + I / 8, [&](int64_t m0, int64_t n, int64_t o, int64_t oe) {
+    const float* xm = x + m0 * I;
+    const float* xs = xsum.data() + m0 * ng;
+    T* ym = y + m0 * O;
+    switch (n) {
+      case 1: rows_i5<1>(xm, w, high, scale, offset, xs, bias, ym, I, O, o, oe); break;
+      case 2: rows_i5<2>(xm, w, high, scale, offset, xs, bias, ym, I, O, o, oe); break;
+      case 3: rows_i5<3>(xm, w, high, scale, offset, xs, bias, ym, I, O, o, oe); break;
+      default: rows_i5<4>(xm, w, high, scale, offset, xs, bias, ym, I, O, o, oe); break;
+    }
+  });
+}
+
 // x [M, I] and y [M, O] in one dtype (bf16 when `bf16`, else fp32), bias [O] in it too or null; w int8, or fp8
 // e4m3 bytes when `fp8`
 extern "C" void fulcrum_qgemv_int8(int64_t bf16, int64_t fp8, const void* x, const void* w, const void* scale,
@@ -229,6 +317,16 @@ extern "C" void fulcrum_qgemv_int8(int64_t bf16, int64_t fp8, const void* x, con
   else if (bf16) qgemv_i8<false>((const B*)x, q, s, (const B*)bias, (B*)y, M, I, O);
   else if (fp8) qgemv_i8<true>((const float*)x, q, s, (const float*)bias, (float*)y, M, I, O);
   else qgemv_i8<false>((const float*)x, q, s, (const float*)bias, (float*)y, M, I, O);
+}
+
+// the int5 format above (offset may be null: the zero point 16); I a multiple of 64
+extern "C" void fulcrum_qgemv_int5(int64_t bf16, const void* x, const void* w, const void* high, const void* scale,
+                                   const void* offset, const void* bias, void* y, int64_t M, int64_t I, int64_t O) {
+  using B = c10::BFloat16;
+  const uint8_t *q = (const uint8_t*)w, *h = (const uint8_t*)high;
+  const float *s = (const float*)scale, *m = (const float*)offset;
+  if (bf16) qgemv_i5((const B*)x, q, h, s, m, (const B*)bias, (B*)y, M, I, O);
+  else qgemv_i5((const float*)x, q, h, s, m, (const float*)bias, (float*)y, M, I, O);
 }
 
 // the grouped int8 format above (offset may be null)
@@ -320,4 +418,35 @@ extern "C" void fulcrum_dequant_int8g(int64_t bf16, const void* w, const void* s
   const float *s = (const float*)scale, *m = (const float*)offset;
   if (bf16) dequant_i8g(q, s, m, (c10::BFloat16*)out, O, I, G);
   else dequant_i8g(q, s, m, (float*)out, O, I, G);
+}
+
+template <typename T>
+static void dequant_i5(const uint8_t* q, const uint8_t* high, const float* s, const float* m, T* y, int64_t O,
+                       int64_t I) {
+  const int64_t ng = I / 32;
+  at::parallel_for(0, O, std::max<int64_t>(1, 131072 / I), [&](int64_t b, int64_t e) {
+    for (int64_t o = b; o < e; ++o) {
+      const uint32_t* hb = (const uint32_t*)(high + o * (I / 8));
+      for (int64_t g = 0; g < ng; ++g) {
+        const float so = s[o * ng + g];
+        const vf sv = vset1(so), mv = vset1(m ? m[o * ng + g] : -16.f * so);
+        uint32_t bl, bh;
+        int5_bits(hb, g, bl, bh);
+        for (int j = 0; j < 16; j += VW) {
+          vf lo, hi;
+          vload_u4(q + o * (I / 2) + g * 16 + j, lo, hi);
+          vstore_as(y + o * I + g * 32 + j, vfmadd(vadd16_bits(lo, bl >> j), sv, mv));
+          vstore_as(y + o * I + g * 32 + 16 + j, vfmadd(vadd16_bits(hi, bh >> j), sv, mv));
+        }
+      }
+    }
+  });
+}
+
+extern "C" void fulcrum_dequant_int5(int64_t bf16, const void* w, const void* high, const void* scale,
+                                     const void* offset, void* out, int64_t O, int64_t I) {
+  const uint8_t *q = (const uint8_t*)w, *h = (const uint8_t*)high;
+  const float *s = (const float*)scale, *m = (const float*)offset;
+  if (bf16) dequant_i5(q, h, s, m, (c10::BFloat16*)out, O, I);
+  else dequant_i5(q, h, s, m, (float*)out, O, I);
 }

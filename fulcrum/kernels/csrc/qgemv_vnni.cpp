@@ -93,38 +93,78 @@ static void rows_i8(const QX& qx, int64_t m0, const int8_t* w, const float* scal
   }
 }
 
-template <int M>
-static void rows_i4(const QX& qx, int64_t m0, const uint8_t* w, const float* scale, const float* offset,
-                    const B* bias, B* y, int64_t O, int64_t begin, int64_t end) {
+// int4 and int5 (FIVE: each value's fifth bit added as 16 by a masked byte add, the bits stored as the lanes'
+// masks), groups of G (int5: 32): 128 values per step in 512-bit registers (64 weight bytes: chunks c and c + 1 of
+// qx's 64-value layout, whose lo/hi bytes and block scales lie side by side), a last odd chunk in 256 bits. The
+// zero points where no offsets are stored: 8 (Q4_0), 16 (Q5_0).
+template <int M, bool FIVE>
+static void rows_i45(const QX& qx, int64_t m0, const uint8_t* w, const uint8_t* high, const float* scale,
+                     const float* offset, const B* bias, B* y, int64_t O, int64_t begin, int64_t end) {
   const int64_t I = qx.I, G = qx.G, nc = I / 64, ng = I / G;
   const int gshift = __builtin_ctzll(G);  // G is 32, 64 or 128: a shift, never a division in the loop
-  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m512i mask = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* wr = w + o * (I / 2);
+    const uint32_t* hb = FIVE ? (const uint32_t*)(high + o * (I / 8)) : nullptr;
     const float* sr = scale + o * ng;
-    __m256 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < nc; ++c) {
-      prefetch_span<32>(wr + c * 32, c * 32);
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 2 <= nc; c += 2) {
+      prefetch_span<64>(wr + c * 32, c * 32);
+      const __m512i b = _mm512_loadu_si512((const void*)(wr + c * 32));
+      __m512i lo = _mm512_and_si512(b, mask), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), mask);
+      if constexpr (FIVE) {
+        lo = _mm512_mask_add_epi8(lo, __mmask64(hb[2 * c] | uint64_t(hb[2 * c + 2]) << 32), lo, sixteen);
+        hi = _mm512_mask_add_epi8(hi, __mmask64(hb[2 * c + 1] | uint64_t(hb[2 * c + 3]) << 32), hi, sixteen);
+      }
+      // lanes 4k..4k+3 hold 32-value block 2c + k
+      const int64_t b0 = 2 * c;
+      const __m128 s4 = G == 32 ? _mm_loadu_ps(sr + b0)
+                                : _mm_set_ps(sr[((b0 + 3) * 32) >> gshift], sr[((b0 + 2) * 32) >> gshift],
+                                             sr[((b0 + 1) * 32) >> gshift], sr[(b0 * 32) >> gshift]);
+      const __m512 ws = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
+      for (int m = 0; m < M; ++m) {
+        const int64_t mm = m0 + m;
+        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                        _mm512_loadu_si512((const void*)(qx.lo.data() + mm * (I / 2) + c * 32)));
+        d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512((const void*)(qx.hi.data() + mm * (I / 2) + c * 32)));
+        const __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(qx.s8.data() + (mm * nc + c) * 8), ws);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, acc[m]);
+      }
+    }
+    float tail[M];
+    for (int m = 0; m < M; ++m) tail[m] = 0.f;
+    if (c < nc) {  // one chunk of 64 values left
+      const __m256i m4 = _mm256_set1_epi8(0x0F);
       const __m256i b = _mm256_loadu_si256((const __m256i*)(wr + c * 32));
-      const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+      __m256i lo = _mm256_and_si256(b, m4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+      if constexpr (FIVE) {
+        lo = _mm256_mask_add_epi8(lo, __mmask32(hb[2 * c]), lo, _mm256_set1_epi8(16));
+        hi = _mm256_mask_add_epi8(hi, __mmask32(hb[2 * c + 1]), hi, _mm256_set1_epi8(16));
+      }
       const __m256 ws = _mm256_set_m128(_mm_set1_ps(sr[(c * 64 + 32) >> gshift]), _mm_set1_ps(sr[(c * 64) >> gshift]));
       for (int m = 0; m < M; ++m) {
         const int64_t mm = m0 + m;
         __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i*)(qx.lo.data() + mm * (I / 2) + c * 32)));
         d = _mm256_dpbusd_epi32(d, hi, _mm256_loadu_si256((const __m256i*)(qx.hi.data() + mm * (I / 2) + c * 32)));
-        // lanes 0-3: block 2c (values 0-31), lanes 4-7: block 2c+1
         const __m256 sv = _mm256_mul_ps(_mm256_loadu_ps(qx.s8.data() + (mm * nc + c) * 8), ws);
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sv, acc[m]);
+        tail[m] = hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(d), sv));
       }
     }
+    // the offsets (or the zero point of Q4_0, 8, or Q5_0, 16, times the scale) against each group's sum of x
+    const __m512 zero = _mm512_set1_ps(FIVE ? -16.f : -8.f);
+    const float* mr = offset ? offset + o * ng : nullptr;
     for (int m = 0; m < M; ++m) {
-      float s = hsum256(acc[m]);
       const float* fs = qx.fsum.data() + (m0 + m) * ng;
-      if (offset)
-        for (int64_t g = 0; g < ng; ++g) s += offset[o * ng + g] * fs[g];
-      else  // the zero point 8 of GGUF's Q4_0
-        for (int64_t g = 0; g < ng; ++g) s -= 8.f * sr[g] * fs[g];
+      __m512 corr = _mm512_setzero_ps();
+      for (int64_t g = 0; g < ng; g += 16) {
+        const __mmask16 k = ng - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (ng - g)) - 1);
+        const __m512 coef = mr ? _mm512_maskz_loadu_ps(k, mr + g) : _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sr + g), zero);
+        corr = _mm512_fmadd_ps(coef, _mm512_maskz_loadu_ps(k, fs + g), corr);
+      }
+      float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], corr)) + tail[m];
       if (bias) s += float(bias[o]);
       y[(m0 + m) * O + o] = B(s);
     }
@@ -178,6 +218,7 @@ static void rows_i8g(const QX& qx, int64_t m0, const int8_t* w, const float* sca
   }
 }
 
+
 // x [M, I] bf16 (I a multiple of 64), w int8 [O, I], scale [O]; y [M, O] bf16
 extern "C" void fulcrum_qgemv_int8_vnni(const void* x, const void* w, const void* scale, const void* bias, void* y,
                                         int64_t M, int64_t I, int64_t O) {
@@ -202,10 +243,10 @@ extern "C" void fulcrum_qgemv_int4_vnni(const void* x, const void* w, const void
     const uint8_t* wq = (const uint8_t*)w;
     const float *s = (const float*)scale, *mo = (const float*)offset;
     switch (n) {
-      case 1: rows_i4<1>(qx, m0, wq, s, mo, (const B*)bias, (B*)y, O, o, oe); break;
-      case 2: rows_i4<2>(qx, m0, wq, s, mo, (const B*)bias, (B*)y, O, o, oe); break;
-      case 3: rows_i4<3>(qx, m0, wq, s, mo, (const B*)bias, (B*)y, O, o, oe); break;
-      default: rows_i4<4>(qx, m0, wq, s, mo, (const B*)bias, (B*)y, O, o, oe); break;
+      case 1: rows_i45<1, false>(qx, m0, wq, nullptr, s, mo, (const B*)bias, (B*)y, O, o, oe); break;
+      case 2: rows_i45<2, false>(qx, m0, wq, nullptr, s, mo, (const B*)bias, (B*)y, O, o, oe); break;
+      case 3: rows_i45<3, false>(qx, m0, wq, nullptr, s, mo, (const B*)bias, (B*)y, O, o, oe); break;
+      default: rows_i45<4, false>(qx, m0, wq, nullptr, s, mo, (const B*)bias, (B*)y, O, o, oe); break;
     }
   });
 }
@@ -233,6 +274,23 @@ extern "C" void fulcrum_qgemv_int8g_vnni(const void* x, const void* w, const voi
         case 3: rows_i8g<3, 32>(qx, m0, wq, s, mo, b, yb, O, o, oe); break;
         default: rows_i8g<4, 32>(qx, m0, wq, s, mo, b, yb, O, o, oe); break;
       }
+    }
+  });
+}
+
+// the int5 format of qgemv.cpp (groups of 32; offset null: the zero point 16); I a multiple of 64
+extern "C" void fulcrum_qgemv_int5_vnni(const void* x, const void* w, const void* high, const void* scale,
+                                        const void* offset, const void* bias, void* y, int64_t M, int64_t I,
+                                        int64_t O) {
+  const QX qx = quantize_x((const B*)x, M, I, 32);
+  split_rows(M, O, I / 2 + I / 8, [&](int64_t m0, int64_t n, int64_t o, int64_t oe) {
+    const uint8_t *wq = (const uint8_t*)w, *h = (const uint8_t*)high;
+    const float *s = (const float*)scale, *mo = (const float*)offset;
+    switch (n) {
+      case 1: rows_i45<1, true>(qx, m0, wq, h, s, mo, (const B*)bias, (B*)y, O, o, oe); break;
+      case 2: rows_i45<2, true>(qx, m0, wq, h, s, mo, (const B*)bias, (B*)y, O, o, oe); break;
+      case 3: rows_i45<3, true>(qx, m0, wq, h, s, mo, (const B*)bias, (B*)y, O, o, oe); break;
+      default: rows_i45<4, true>(qx, m0, wq, h, s, mo, (const B*)bias, (B*)y, O, o, oe); break;
     }
   });
 }
