@@ -334,6 +334,10 @@ class GGUFLinearMethod(LinearMethod):
     def load(self, param, loaded, shard_id=None) -> None:
         from fulcrum.quant.checkpoint import shard_index
 
+        whole = (sum(self.output_sizes), self.input_size)
+        if shard_id is None and len(self.output_sizes) > 1 and tuple(loaded.shape) == whole:
+            self.shards = [part_of(loaded, self.dtype)]  # a checkpoint that stores the stack fused (Phi-3's)
+            return
         index = shard_index(shard_id)
         expected = (self.output_sizes[index], self.input_size)
         if tuple(loaded.shape) != expected:

@@ -150,9 +150,10 @@ def permute(w, n_head, n_head_kv):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_arch_gguf(folder, out, arch: str, skip=(), extra=None):
+def write_arch_gguf(folder, out, arch: str, skip=(), extra=None, qtype=None, rounded=False):
     """An F32 GGUF of the model in `folder`, as convert_hf_to_gguf.py writes one for `arch`; `skip` leaves GGUF
-    tensors out, `extra` ({GGUF name: array}) adds tensors."""
+    tensors out, `extra` ({GGUF name: array}) adds tensors. `qtype`: every tensor of 2 or more dimensions (experts
+    too) in that block type, or with `rounded` in F32 as that type rounds it (the reference)."""
     cfg = json.loads((folder / "config.json").read_text())
     w = gguf.GGUFWriter(out, arch)
     w.add_name(folder.name)
@@ -160,8 +161,17 @@ def write_arch_gguf(folder, out, arch: str, skip=(), extra=None):
     _vocab(w, folder, cfg)
     tensors = _tensors(arch, cfg, load_file(folder / "model.safetensors")) | (extra or {})
     for name, data in tensors.items():
-        if name not in skip:
-            w.add_tensor(name, np.ascontiguousarray(data))
+        if name in skip:
+            continue
+        data = np.ascontiguousarray(data, np.float32)
+        if qtype is not None and data.ndim >= 2 and data.shape[-1] % 32 == 0:
+            blocks = gguf.quants.quantize(data, qtype)
+            if rounded:
+                w.add_tensor(name, np.ascontiguousarray(gguf.quants.dequantize(blocks, qtype), np.float32))
+            else:
+                w.add_tensor(name, blocks, raw_dtype=qtype)
+            continue
+        w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -206,6 +216,22 @@ def test_transformers_reads_the_written_file_back(model, model_and_gguf):
     assert read.keys() == original.keys() - tied
     for k in read:  # Gemma's norms went through + 1 - 1 in float32
         assert torch.allclose(read[k].reshape(original[k].shape), original[k], rtol=0, atol=1e-6), k
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_quantized_file_gives_the_logits_of_its_rounded_weights(model, tmp_path):
+    """Every architecture from a Q8_0 file: its linear layers kept in their blocks (MoE experts dequantized at load),
+    the logits those of the same model with its weights rounded as the file rounds them."""
+    family, arch, overrides = MODELS[model]
+    folder = save_tiny_model(family, tmp_path / model, **overrides)
+    file = write_arch_gguf(folder, tmp_path / "q8.gguf", arch, qtype=gguf.GGMLQuantizationType.Q8_0)
+    rounded = write_arch_gguf(folder, tmp_path / "rounded.gguf", arch, qtype=gguf.GGMLQuantizationType.Q8_0,
+                              rounded=True)  # fmt: skip
+    ours = load_model(ModelConfig.from_path(file, dtype="float32"))
+    assert any(hasattr(m, "gguf_parts") for m in ours.modules())
+    batch = prompts(2048)
+    want = our_logits(load_model(ModelConfig.from_path(rounded, dtype="float32")), batch)
+    assert max_diff(our_logits(ours, batch), want) <= 1e-4 * max(x.abs().max().item() for x in want)
 
 
 def test_moe_file_with_a_dense_layer_is_refused(model_and_gguf):
