@@ -17,6 +17,7 @@ from fulcrum.config import ModelConfig
 from fulcrum.errors import ModelLoadError, UnsupportedArchitectureError
 from fulcrum.model_folder import from_gguf
 from fulcrum.models.loader import load_model
+from tests.models.test_gguf import permute, write_gpt2_vocab
 from tests.models.test_parity import max_diff, our_logits, prompts
 from tests.tiny_models import save_tiny_model
 
@@ -90,30 +91,6 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
 
 
-def _vocab(w: gguf.GGUFWriter, folder, cfg: dict) -> None:
-    """_set_vocab_gpt2, as tests/models/test_gguf.py writes it."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(folder)
-    by_id = {i: t for t, i in tok.vocab.items()}
-    added = tok.get_added_vocab()
-    types = []
-    for i in range(cfg["vocab_size"]):
-        if i not in by_id:
-            by_id[i] = f"[PAD{i}]"
-            types.append(gguf.TokenType.UNUSED)
-        elif by_id[i] not in added:
-            types.append(gguf.TokenType.NORMAL)
-        else:
-            special = tok.added_tokens_decoder[i].special
-            types.append(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list([by_id[i] for i in range(cfg["vocab_size"])])
-    w.add_token_types(types)
-    gguf.SpecialVocab(folder, load_merges=True).add_to_gguf(w, quiet=True)
-
-
 def _tensors(arch: str, cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     """The checkpoint's tensors under gguf's names, changed as the converter's modify_tensors changes them."""
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
@@ -143,13 +120,6 @@ def _tensors(arch: str, cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str
     return out
 
 
-def permute(w, n_head, n_head_kv):
-    """convert_hf_to_gguf.py's LlamaModel.permute, as it is there."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def write_arch_gguf(folder, out, arch: str, skip=(), extra=None, qtype=None, rounded=False):
     """An F32 GGUF of the model in `folder`, as convert_hf_to_gguf.py writes one for `arch`; `skip` leaves GGUF
     tensors out, `extra` ({GGUF name: array}) adds tensors. `qtype`: every tensor of 2 or more dimensions (experts
@@ -158,7 +128,7 @@ def write_arch_gguf(folder, out, arch: str, skip=(), extra=None, qtype=None, rou
     w = gguf.GGUFWriter(out, arch)
     w.add_name(folder.name)
     _metadata(w, arch, cfg)
-    _vocab(w, folder, cfg)
+    write_gpt2_vocab(w, folder, cfg)
     tensors = _tensors(arch, cfg, load_file(folder / "model.safetensors")) | (extra or {})
     for name, data in tensors.items():
         if name in skip:

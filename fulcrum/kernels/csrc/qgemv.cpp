@@ -99,14 +99,18 @@ static void rows_i8(const float* x, const int8_t* w, const float* scale, const T
   }
 }
 
-// int4, group-wise scale and offset: sum over a group of (q * s + m) * x = s * sum(q * x) + m * sum(x), the
-// second term from xsum [M, I / G], computed once per call
-template <int M, typename T>
-static void rows_i4(const float* x, const uint8_t* w, const float* scale, const float* offset, const float* xsum,
-                    const T* bias, T* y, int64_t I, int64_t O, int64_t G, int64_t begin, int64_t end) {
+// int4 and int5 (FIVE: each value's fifth bit added as 16), group-wise scale and offset: sum over a group of
+// (q * s + m) * x = s * sum(q * x) + m * sum(x), the second term from xsum [M, I / G], computed once per call; no
+// offsets: the zero point (8: Q4_0, 16: Q5_0) times the scale
+template <int M, bool FIVE, typename T>
+static void rows_i45(const float* x, const uint8_t* w, const uint8_t* high, const float* scale, const float* offset,
+                     const float* xsum, const T* bias, T* y, int64_t I, int64_t O, int64_t G, int64_t begin,
+                     int64_t end) {
   const int64_t ng = I / G;
+  const float zero = FIVE ? -16.f : -8.f;
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* wr = w + o * (I / 2);
+    const uint32_t* hb = FIVE ? (const uint32_t*)(high + o * (I / 8)) : nullptr;
     const float* sr = scale + o * ng;
     const float* mr = offset ? offset + o * ng : nullptr;
     vf acc[M];
@@ -116,10 +120,16 @@ static void rows_i4(const float* x, const uint8_t* w, const float* scale, const 
       vf lo_acc[M], hi_acc[M];
       for (int m = 0; m < M; ++m) lo_acc[m] = hi_acc[m] = vzero();
       for (int64_t c = g * G; c < (g + 1) * G; c += 32) {
+        uint32_t bl = 0, bh = 0;
+        if constexpr (FIVE) int5_bits(hb, c / 32, bl, bh);
         prefetch_span<16>(wr + c / 2, c / 2);
         for (int j = 0; j < 16; j += VW) {
           vf lo, hi;
           vload_u4(wr + c / 2 + j, lo, hi);
+          if constexpr (FIVE) {
+            lo = vadd16_bits(lo, bl >> j);
+            hi = vadd16_bits(hi, bh >> j);
+          }
           for (int m = 0; m < M; ++m) {
             lo_acc[m] = vfmadd(lo, vload(x + m * I + c + j), lo_acc[m]);
             hi_acc[m] = vfmadd(hi, vload(x + m * I + c + 16 + j), hi_acc[m]);
@@ -129,7 +139,7 @@ static void rows_i4(const float* x, const uint8_t* w, const float* scale, const 
       const vf s = vset1(sr[g]);
       for (int m = 0; m < M; ++m) {
         acc[m] = vfmadd(vadd(lo_acc[m], hi_acc[m]), s, acc[m]);
-        macc[m] += (mr ? mr[g] : -8.f * sr[g]) * xsum[m * ng + g];
+        macc[m] += (mr ? mr[g] : zero * sr[g]) * xsum[m * ng + g];
       }
     }
     for (int m = 0; m < M; ++m) {
@@ -172,48 +182,6 @@ static void rows_i8g(const float* x, const int8_t* w, const float* scale, const 
   }
 }
 
-// int5 in groups of 32: int4's loop with each value's fifth bit added (+16), the zero point 16 where no offsets
-template <int M, typename T>
-static void rows_i5(const float* x, const uint8_t* w, const uint8_t* high, const float* scale, const float* offset,
-                    const float* xsum, const T* bias, T* y, int64_t I, int64_t O, int64_t begin, int64_t end) {
-  const int64_t ng = I / 32;
-  for (int64_t o = begin; o < end; ++o) {
-    const uint8_t* wr = w + o * (I / 2);
-    const uint32_t* hb = (const uint32_t*)(high + o * (I / 8));
-    const float* sr = scale + o * ng;
-    const float* mr = offset ? offset + o * ng : nullptr;
-    vf acc[M];
-    float macc[M];
-    for (int m = 0; m < M; ++m) acc[m] = vzero(), macc[m] = 0.f;
-    for (int64_t g = 0; g < ng; ++g) {
-      vf lo_acc[M], hi_acc[M];
-      for (int m = 0; m < M; ++m) lo_acc[m] = hi_acc[m] = vzero();
-      uint32_t bl, bh;
-      int5_bits(hb, g, bl, bh);
-      prefetch_span<16>(wr + g * 16, g * 16);
-      for (int j = 0; j < 16; j += VW) {
-        vf lo, hi;
-        vload_u4(wr + g * 16 + j, lo, hi);
-        lo = vadd16_bits(lo, bl >> j);
-        hi = vadd16_bits(hi, bh >> j);
-        for (int m = 0; m < M; ++m) {
-          lo_acc[m] = vfmadd(lo, vload(x + m * I + g * 32 + j), lo_acc[m]);
-          hi_acc[m] = vfmadd(hi, vload(x + m * I + g * 32 + 16 + j), hi_acc[m]);
-        }
-      }
-      const vf s = vset1(sr[g]);
-      for (int m = 0; m < M; ++m) {
-        acc[m] = vfmadd(vadd(lo_acc[m], hi_acc[m]), s, acc[m]);
-        macc[m] += (mr ? mr[g] : -16.f * sr[g]) * xsum[m * ng + g];
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      float s = vsum(acc[m]) + macc[m];
-      if (bias) s += scalar(bias[o]);
-      store(y + m * O + o, s);
-    }
-  }
-}
 
 // The input rows as fp32, widened once per call rather than once per weight row
 template <typename T> static std::vector<float> widen(const T* x, int64_t n) {
@@ -239,24 +207,24 @@ static void qgemv_i8(const T* x_in, const int8_t* w, const float* scale, const T
   });
 }
 
-template <typename T>
-static void qgemv_i4(const T* x_in, const uint8_t* w, const float* scale, const float* offset, const T* bias, T* y,
-                     int64_t M, int64_t I, int64_t O, int64_t G) {
+template <bool FIVE, typename T>
+static void qgemv_i45(const T* x_in, const uint8_t* w, const uint8_t* high, const float* scale, const float* offset,
+                      const T* bias, T* y, int64_t M, int64_t I, int64_t O, int64_t G) {
   const int64_t ng = I / G;
   const std::vector<float> xf = widen(x_in, M * I);
   const float* x = xf.data();
   std::vector<float> xsum(M * ng, 0.f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t i = 0; i < I; ++i) xsum[m * ng + i / G] += x[m * I + i];
-  split_rows(M, O, I / 2, [&](int64_t m0, int64_t n, int64_t o, int64_t oe) {
+  split_rows(M, O, I / 2 + (FIVE ? I / 8 : 0), [&](int64_t m0, int64_t n, int64_t o, int64_t oe) {
     const float* xm = x + m0 * I;
     const float* xs = xsum.data() + m0 * ng;
     T* ym = y + m0 * O;
     switch (n) {
-      case 1: rows_i4<1>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
-      case 2: rows_i4<2>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
-      case 3: rows_i4<3>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
-      default: rows_i4<4>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
+      case 1: rows_i45<1, FIVE>(xm, w, high, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
+      case 2: rows_i45<2, FIVE>(xm, w, high, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
+      case 3: rows_i45<3, FIVE>(xm, w, high, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
+      default: rows_i45<4, FIVE>(xm, w, high, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
     }
   });
 }
@@ -284,27 +252,6 @@ static void qgemv_i8g(const T* x_in, const int8_t* w, const float* scale, const 
   });
 }
 
-template <typename T>
-static void qgemv_i5(const T* x_in, const uint8_t* w, const uint8_t* high, const float* scale, const float* offset,
-                     const T* bias, T* y, int64_t M, int64_t I, int64_t O) {
-  const int64_t ng = I / 32;
-  const std::vector<float> xf = widen(x_in, M * I);
-  const float* x = xf.data();
-  std::vector<float> xsum(M * ng, 0.f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t i = 0; i < I; ++i) xsum[m * ng + i / 32] += x[m * I + i];
-  split_rows(M, O, I / 2 + I / 8, [&](int64_t m0, int64_t n, int64_t o, int64_t oe) {
-    const float* xm = x + m0 * I;
-    const float* xs = xsum.data() + m0 * ng;
-    T* ym = y + m0 * O;
-    switch (n) {
-      case 1: rows_i5<1>(xm, w, high, scale, offset, xs, bias, ym, I, O, o, oe); break;
-      case 2: rows_i5<2>(xm, w, high, scale, offset, xs, bias, ym, I, O, o, oe); break;
-      case 3: rows_i5<3>(xm, w, high, scale, offset, xs, bias, ym, I, O, o, oe); break;
-      default: rows_i5<4>(xm, w, high, scale, offset, xs, bias, ym, I, O, o, oe); break;
-    }
-  });
-}
 
 // x [M, I] and y [M, O] in one dtype (bf16 when `bf16`, else fp32), bias [O] in it too or null; w int8, or fp8
 // e4m3 bytes when `fp8`
@@ -325,8 +272,8 @@ extern "C" void fulcrum_qgemv_int5(int64_t bf16, const void* x, const void* w, c
   using B = c10::BFloat16;
   const uint8_t *q = (const uint8_t*)w, *h = (const uint8_t*)high;
   const float *s = (const float*)scale, *m = (const float*)offset;
-  if (bf16) qgemv_i5((const B*)x, q, h, s, m, (const B*)bias, (B*)y, M, I, O);
-  else qgemv_i5((const float*)x, q, h, s, m, (const float*)bias, (float*)y, M, I, O);
+  if (bf16) qgemv_i45<true>((const B*)x, q, h, s, m, (const B*)bias, (B*)y, M, I, O, 32);
+  else qgemv_i45<true>((const float*)x, q, h, s, m, (const float*)bias, (float*)y, M, I, O, 32);
 }
 
 // the grouped int8 format above (offset may be null)
@@ -345,8 +292,8 @@ extern "C" void fulcrum_qgemv_int4(int64_t bf16, const void* x, const void* w, c
                                    int64_t G) {
   using B = c10::BFloat16;
   const float *s = (const float*)scale, *m = (const float*)offset;
-  if (bf16) qgemv_i4((const B*)x, (const uint8_t*)w, s, m, (const B*)bias, (B*)y, M, I, O, G);
-  else qgemv_i4((const float*)x, (const uint8_t*)w, s, m, (const float*)bias, (float*)y, M, I, O, G);
+  if (bf16) qgemv_i45<false>((const B*)x, (const uint8_t*)w, nullptr, s, m, (const B*)bias, (B*)y, M, I, O, G);
+  else qgemv_i45<false>((const float*)x, (const uint8_t*)w, nullptr, s, m, (const float*)bias, (float*)y, M, I, O, G);
 }
 
 // The whole weight [O, I] in the input's dtype, for many input rows (prefill), where a dense matmul beats the GEMV
@@ -363,21 +310,31 @@ static void dequant_i8(const int8_t* q, const float* s, T* y, int64_t O, int64_t
   });
 }
 
-template <typename T>
-static void dequant_i4(const uint8_t* q, const float* s, const float* m, T* y, int64_t O, int64_t I, int64_t G) {
+template <bool FIVE, typename T>
+static void dequant_i45(const uint8_t* q, const uint8_t* high, const float* s, const float* m, T* y, int64_t O,
+                        int64_t I, int64_t G) {
   const int64_t ng = I / G;
+  const float zero = FIVE ? -16.f : -8.f;
   at::parallel_for(0, O, std::max<int64_t>(1, 131072 / I), [&](int64_t b, int64_t e) {
-    for (int64_t o = b; o < e; ++o)
+    for (int64_t o = b; o < e; ++o) {
+      const uint32_t* hb = FIVE ? (const uint32_t*)(high + o * (I / 8)) : nullptr;
       for (int64_t c = 0; c < I; c += 32) {
         const float so = s[o * ng + c / G];
-        const vf sv = vset1(so), mv = vset1(m ? m[o * ng + c / G] : -8.f * so);
+        const vf sv = vset1(so), mv = vset1(m ? m[o * ng + c / G] : zero * so);
+        uint32_t bl = 0, bh = 0;
+        if constexpr (FIVE) int5_bits(hb, c / 32, bl, bh);
         for (int j = 0; j < 16; j += VW) {
           vf lo, hi;
           vload_u4(q + o * (I / 2) + c / 2 + j, lo, hi);
+          if constexpr (FIVE) {
+            lo = vadd16_bits(lo, bl >> j);
+            hi = vadd16_bits(hi, bh >> j);
+          }
           vstore_as(y + o * I + c + j, vfmadd(lo, sv, mv));
           vstore_as(y + o * I + c + 16 + j, vfmadd(hi, sv, mv));
         }
       }
+    }
   });
 }
 
@@ -395,8 +352,8 @@ extern "C" void fulcrum_dequant_int4(int64_t bf16, const void* w, const void* sc
                                      int64_t O, int64_t I, int64_t G) {
   const uint8_t* q = (const uint8_t*)w;
   const float *s = (const float*)scale, *m = (const float*)offset;
-  if (bf16) dequant_i4(q, s, m, (c10::BFloat16*)out, O, I, G);
-  else dequant_i4(q, s, m, (float*)out, O, I, G);
+  if (bf16) dequant_i45<false>(q, nullptr, s, m, (c10::BFloat16*)out, O, I, G);
+  else dequant_i45<false>(q, nullptr, s, m, (float*)out, O, I, G);
 }
 
 template <typename T>
@@ -420,33 +377,11 @@ extern "C" void fulcrum_dequant_int8g(int64_t bf16, const void* w, const void* s
   else dequant_i8g(q, s, m, (float*)out, O, I, G);
 }
 
-template <typename T>
-static void dequant_i5(const uint8_t* q, const uint8_t* high, const float* s, const float* m, T* y, int64_t O,
-                       int64_t I) {
-  const int64_t ng = I / 32;
-  at::parallel_for(0, O, std::max<int64_t>(1, 131072 / I), [&](int64_t b, int64_t e) {
-    for (int64_t o = b; o < e; ++o) {
-      const uint32_t* hb = (const uint32_t*)(high + o * (I / 8));
-      for (int64_t g = 0; g < ng; ++g) {
-        const float so = s[o * ng + g];
-        const vf sv = vset1(so), mv = vset1(m ? m[o * ng + g] : -16.f * so);
-        uint32_t bl, bh;
-        int5_bits(hb, g, bl, bh);
-        for (int j = 0; j < 16; j += VW) {
-          vf lo, hi;
-          vload_u4(q + o * (I / 2) + g * 16 + j, lo, hi);
-          vstore_as(y + o * I + g * 32 + j, vfmadd(vadd16_bits(lo, bl >> j), sv, mv));
-          vstore_as(y + o * I + g * 32 + 16 + j, vfmadd(vadd16_bits(hi, bh >> j), sv, mv));
-        }
-      }
-    }
-  });
-}
 
 extern "C" void fulcrum_dequant_int5(int64_t bf16, const void* w, const void* high, const void* scale,
                                      const void* offset, void* out, int64_t O, int64_t I) {
   const uint8_t *q = (const uint8_t*)w, *h = (const uint8_t*)high;
   const float *s = (const float*)scale, *m = (const float*)offset;
-  if (bf16) dequant_i5(q, h, s, m, (c10::BFloat16*)out, O, I);
-  else dequant_i5(q, h, s, m, (float*)out, O, I);
+  if (bf16) dequant_i45<true>(q, h, s, m, (c10::BFloat16*)out, O, I, 32);
+  else dequant_i45<true>(q, h, s, m, (float*)out, O, I, 32);
 }
