@@ -292,8 +292,11 @@ def part_of(loaded, dtype: torch.dtype) -> tuple[str, int, dict[str, torch.Tenso
         w = tensor_values(loaded.data, loaded.ggml_type, list(loaded.shape))
         if loaded.rows is not None:
             w = w[loaded.rows]
-        log.info("GGUF tensor %s: %s has no kernel here, dequantized to %s", loaded.name, loaded.ggml_type, dtype)
-        return "dense", 0, {"weight": w.to(dtype).contiguous()}, f"{loaded.ggml_type} (dequantized)"
+        held = w.to(dtype).contiguous()
+        err = ((held.float() - w).abs().max() / w.abs().max().clamp(min=1e-30)).item()
+        log.info("GGUF tensor %s: %s has no kernel here, dequantized to %s (largest error %.2g of its largest value)",
+                 loaded.name, loaded.ggml_type, str(dtype).removeprefix("torch."), err)  # fmt: skip
+        return "dense", 0, {"weight": held}, f"{loaded.ggml_type} (dequantized)"
     return "dense", 0, {"weight": loaded.to(dtype).contiguous()}, str(loaded.dtype).removeprefix("torch.")
 
 

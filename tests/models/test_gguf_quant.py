@@ -234,3 +234,28 @@ def test_fused_decode_runs_a_mixed_file_as_the_modules_do(dtype, tmp_path):
         fused = run(llm, prompts, True)
         assert fused[2], "the fused stack was not used"
         assert_same(fused, run(llm, prompts, False), 1e-4 if dtype == "float32" else 0.05)
+
+
+def test_served_file_names_its_types_on_the_startup_line_and_in_metrics(tmp_path):
+    """`fulcrum serve FILE.gguf`: the startup line and /metrics name the block types and the bytes held; a
+    --quantization on such a file is a one-line error."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    from fulcrum.utils.serve_process import start
+
+    file, _ = quantized_files(tiny("qwen2", tmp_path), tmp_path, "qwen2", q4_k_m)
+    env = {"FULCRUM_CACHE": str(tmp_path / "cache")}
+    with start(file, "--kv-cache-memory", "0.05", log_path=tmp_path / "server.log", timeout=120, env=env) as s:
+        text = httpx.get(f"{s.url}/metrics").text
+        assert 'fulcrum:model_weights_bytes{model_name="model",quantization="gguf (Q4_K x ' in text
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": "model", "prompt": "ROMEO:", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert "| weights: gguf (Q4_K x " in (tmp_path / "server.log").read_text()
+    res = subprocess.run([sys.executable, "-m", "fulcrum.cli", "serve", str(file), "--quantization", "int8"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, **env})  # fmt: skip
+    assert res.returncode == 2 and "already quantized (gguf)" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
