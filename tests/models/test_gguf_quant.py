@@ -61,7 +61,7 @@ def quantized_files(folder, tmp_path, arch, type_of, seed=0):
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             kv = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             rows_perm = permute(torch.arange(t.shape[0])[:, None], cfg.num_attention_heads, kv)[:, 0]
-        if qtype in QUANTIZERS:
+        if qtype in QUANTIZERS or qtype == "MXFP4":
             src = t if rows_perm is None else t[rows_perm]
             b = quantize(src.float().numpy(), Q[qtype])
         else:
@@ -259,3 +259,17 @@ def test_served_file_names_its_types_on_the_startup_line_and_in_metrics(tmp_path
                          capture_output=True, text=True, timeout=120, env={**os.environ, **env})  # fmt: skip
     assert res.returncode == 2 and "already quantized (gguf)" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_a_type_without_a_kernel_is_dequantized_and_named(tmp_path, caplog):
+    """MXFP4 (gpt-oss's experts' format) has no kernel here: its tensors load dense, the log names them and the
+    error of the copy, and the logits stay those of the file's values."""
+    file, reference = quantized_files(tiny("qwen2", tmp_path), tmp_path, "qwen2",
+                                      lambda n: "MXFP4" if "o_proj" in n else "Q8_0")  # fmt: skip
+    with caplog.at_level("INFO"):
+        ours = load_model(ModelConfig.from_path(file, dtype="float32"))
+    assert parts_of(ours)["model.layers.0.self_attn.o_proj"] == [("dense", ["MXFP4 (dequantized)"])]
+    assert "MXFP4 has no kernel here, dequantized to float32 (largest error 0 " in caplog.text
+    batch = prompts(2048)
+    want = our_logits(load_model(ModelConfig.from_path(reference, dtype="float32")), batch)
+    assert max_diff(our_logits(ours, batch), want) <= 1e-4 * max(x.abs().max().item() for x in want)
