@@ -42,13 +42,16 @@ class RunSpec:
 
     def label(self) -> str:
         kv = "" if self.kv_cache_dtype == "auto" else f" kv-cache={self.kv_cache_dtype}"
-        return (
-            f"{Path(self.model).name} {self.dtype} quantization={describe(self.quantization, self.quantization_group_size)}"
-            + kv
-        )
+        quant = getattr(self, "_loaded_quantization", None) or describe(self.quantization, self.quantization_group_size)
+        return f"{Path(self.model).name} {self.dtype} quantization={quant}" + kv
 
     def load(self):
         mc = ModelConfig.from_path(self.model, self.dtype, None, self.quantization, self.quantization_group_size)
+        # what the checkpoint itself is quantized as (a GGUF file's types, GPTQ ...), for the label
+        checkpoint = getattr(mc.hf_config, "quantization_config", None)
+        object.__setattr__(
+            self, "_loaded_quantization", describe(mc.quantization, mc.quantization_group_size, checkpoint)
+        )
         return load_model(mc).eval(), mc
 
 
