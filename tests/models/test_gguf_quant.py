@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from fulcrum import LLM, SamplingParams
 from fulcrum.config import ModelConfig
 from fulcrum.errors import ModelLoadError, WeightLoadError
+from fulcrum.kernels import cpu_decode_stack
 from fulcrum.models.loader import load_model
 from fulcrum.quant.gguf import LAYOUTS
 from tests.models.test_gguf import gguf_cache, permute, write_gguf  # noqa: F401  (the fixture)
@@ -221,6 +222,7 @@ def test_truncated_quantized_file_names_the_tensor_it_cuts(tmp_path):
         ModelConfig.from_path(file)
 
 
+@pytest.mark.skipif(not cpu_decode_stack.available(), reason="the decode stack needs AVX2 and a compiler")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decode_runs_a_mixed_file_as_the_modules_do(dtype, tmp_path):
     """The decode stack takes each layer's parts (Q4_K rows and Q6_K rows of one qkv) through their own kernels."""
