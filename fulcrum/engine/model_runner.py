@@ -73,13 +73,15 @@ class ModelRunner:
         self.model = load_model(model_config, self.device)
         self.weight_bytes = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
         # "gguf (Q4_K x 96, Q6_K x 25)", "int4 (group 128)"; unquantized weights say their dtype
-        self.weights_format = describe(
-            model_config.quantization,
-            model_config.quantization_group_size,
-            getattr(model_config.hf_config, "quantization_config", None),
+        self.weights_format = (
+            describe(
+                model_config.quantization,
+                model_config.quantization_group_size,
+                getattr(model_config.hf_config, "quantization_config", None),
+            )
+            if model_config.quantization
+            else str(model_config.dtype).removeprefix("torch.")
         )
-        if model_config.quantization is None:
-            self.weights_format = str(model_config.dtype).removeprefix("torch.")
         log.info("weights: %.1f MiB (%s, quantization %s)", self.weight_bytes / 2**20, model_config.dtype,
                  self.weights_format)  # fmt: skip
         stack = getattr(self.model, "model", None)

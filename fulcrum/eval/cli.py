@@ -81,11 +81,12 @@ def run_eval(args: argparse.Namespace) -> int:
     )
     reference = None
     if args.quantization and _prequantized(model):  # the loader's own refusal, before any reference is asked for
-        try:
-            from fulcrum.config import ModelConfig
+        from fulcrum.config import ModelConfig
+        from fulcrum.errors import FulcrumError
 
+        try:
             ModelConfig.from_path(model, quantization=args.quantization)
-        except Exception as e:  # noqa: BLE001 (a one-line error, as any bad flag)
+        except (FulcrumError, ValueError, OSError) as e:  # a one-line error, as any bad flag
             print(f"fulcrum eval: {e}", file=sys.stderr)
             return 2
     if want_ref and not args.reference_model and _prequantized(model):

@@ -168,15 +168,16 @@ class DecodeStack:
         # quantized parts: up to the rows their kernels take (the integer-dot kernel's for bf16 where every input
         # width suits it, else the widening GEMV's), and the dense parts' GEMV rows
         vnni_rows = 0
-        widths = (self.hidden, num_heads * head_dim, self.inter)
-        if quant and self.dtype == torch.bfloat16 and cpu_qgemv_vnni.available() and all(w % 64 == 0 for w in widths):
+        if quant:
+            kinds = {p.kind for x in layers for w in x.weights() for p in w.parts}
+            widths = (self.hidden, num_heads * head_dim, self.inter)
             # all formats up to MAX_ROWS here, past the modules' FORMAT_ROWS: a step the stack leaves runs every
             # layer's modules and dequantizes every weight (measured: Q4_0/Q8_0 0.5B decode at 16-32 rows)
-            kinds = {p.kind for x in layers for w in x.weights() for p in w.parts} - {"DENSE", "FP8"}
-            vnni_rows = cpu_qgemv_vnni.MAX_ROWS if kinds else 0
-        if quant:
+            if (self.dtype == torch.bfloat16 and cpu_qgemv_vnni.available() and all(w % 64 == 0 for w in widths)
+                    and kinds - {"DENSE", "FP8"}):  # fmt: skip
+                vnni_rows = cpu_qgemv_vnni.MAX_ROWS
             self.max_rows = max(vnni_rows, cpu_qgemv.max_rows(self.dtype))
-            if any(p.kind == "DENSE" for x in layers for w in x.weights() for p in w.parts):
+            if "DENSE" in kinds:
                 self.max_rows = min(self.max_rows, self.gemv_rows)
         self._layers = layers  # keeps every pointer below alive
         self.cache_ptr = first.k_cache.data_ptr()

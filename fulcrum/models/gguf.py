@@ -41,7 +41,7 @@ def gguf_weights(
     cfg = model.config
     dequantized: set[str] = set()
 
-    def values(t, name):
+    def values(t):
         try:
             w = tensor_values(data[t["offset"] : t["offset"] + t["nbytes"]], t["type"], t["shape"])
         except NotImplementedError:
@@ -74,7 +74,7 @@ def gguf_weights(
             if end > len(data):
                 raise WeightLoadError(f"GGUF file {file} is truncated: tensor {t['name']} ends at byte {end}")
             if isinstance(name, list):  # experts stacked along the first dimension
-                w = values(t, name)
+                w = values(t)
                 if w.shape[0] != len(name):
                     raise WeightLoadError(
                         f"GGUF tensor {t['name']} stacks {w.shape[0]} experts, the model has {len(name)}"
@@ -87,7 +87,7 @@ def gguf_weights(
                     rows = row_order(arch, n, t["shape"][0], cfg)
                     yield n, GGUFRaw(data[t["offset"] : end], t["type"], tuple(t["shape"]), t["name"], rows)
                 else:
-                    yield n, fix_values(arch, n, ordered(values(t, n), n), cfg)
+                    yield n, fix_values(arch, n, ordered(values(t), n), cfg)
         if dequantized:
             log.info("GGUF %s: %s dequantized at load where no layer keeps them quantized", file,
                      ", ".join(sorted(dequantized)))  # fmt: skip

@@ -27,7 +27,7 @@ def method_factory(
     if quantization == "gguf":  # a GGUF file's blocks, each tensor in its own type
         from fulcrum.quant.gguf import gguf_factory
 
-        return gguf_factory(tie_word_embeddings)
+        return gguf_factory()
     if quantization in CHECKPOINT_QUANTIZATIONS:
         from fulcrum.quant.checkpoint import checkpoint_factory
 

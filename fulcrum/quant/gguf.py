@@ -33,14 +33,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fulcrum.errors import ModelLoadError, WeightLoadError, WeightShapeError
-from fulcrum.kernels import cpu_gemv, cpu_qgemv, cpu_qgemv_vnni
+from fulcrum.kernels import cpu_qgemv, cpu_qgemv_vnni
 from fulcrum.quant import formats
-from fulcrum.quant.base import LinearMethod
-from fulcrum.quant.online import Int4Method
+from fulcrum.quant.base import LinearMethod, UnquantizedLinearMethod
+from fulcrum.quant.online import Int4Method, OnlineQuantMethod
 
 log = logging.getLogger(__name__)
 
@@ -218,69 +217,101 @@ def convert(raw: GGUFRaw) -> dict[str, torch.Tensor]:
     return out
 
 
+class Int8GroupMethod(OnlineQuantMethod):
+    """Dispatch for int8 in groups of `group_size` (scale and offset or none each): the online methods' choice of the
+    widening GEMV, the integer-dot one, or a dequantized matmul, over cpu_qgemv's grouped int8 kernels."""
+
+    name = "int8g"
+
+    def __init__(self, group_size: int):
+        self.group_size = group_size
+
+    def dequantize(self, layer):
+        return formats.dequantize_int8g(layer.qweight, layer.scales, layer.offsets)
+
+    def dequantize_rows(self, layer, rows):
+        offsets = None if layer.offsets is None else layer.offsets[rows]
+        return formats.dequantize_int8g(layer.qweight[rows], layer.scales[rows], offsets)
+
+    def vnni_usable(self, layer, x, bias):
+        return cpu_qgemv_vnni.usable(x, bias, self.name)
+
+    def gemv(self, layer, x, bias):
+        if self.vnni_usable(layer, x, bias):
+            return cpu_qgemv_vnni.int8g(x, layer.qweight, layer.scales, layer.offsets, self.group_size, bias)
+        return cpu_qgemv.int8g(x, layer.qweight, layer.scales, layer.offsets, self.group_size, bias)
+
+    def dequantize_fast(self, layer, dtype):
+        return cpu_qgemv.dequantize_int8g(layer.qweight, layer.scales, layer.offsets, self.group_size, dtype)
+
+
+class Int5Method(OnlineQuantMethod):
+    """Dispatch for int5 (groups of 32; the fifth bits in `qhigh`), as Int8GroupMethod's."""
+
+    name = "int5"
+    group_size = 32
+
+    def dequantize(self, layer):
+        return formats.dequantize_int5(layer.qweight, layer.qhigh, layer.scales, layer.offsets)
+
+    def dequantize_rows(self, layer, rows):
+        offsets = None if layer.offsets is None else layer.offsets[rows]
+        return formats.dequantize_int5(layer.qweight[rows], layer.qhigh[rows], layer.scales[rows], offsets)
+
+    def vnni_usable(self, layer, x, bias):
+        return cpu_qgemv_vnni.usable(x, bias, self.name)
+
+    def gemv(self, layer, x, bias):
+        if self.vnni_usable(layer, x, bias):
+            return cpu_qgemv_vnni.int5(x, layer.qweight, layer.qhigh, layer.scales, layer.offsets, bias)
+        return cpu_qgemv.int5(x, layer.qweight, layer.qhigh, layer.scales, layer.offsets, bias)
+
+    def dequantize_fast(self, layer, dtype):
+        return cpu_qgemv.dequantize_int5(layer.qweight, layer.qhigh, layer.scales, layer.offsets, dtype)
+
+
+class DenseRows(UnquantizedLinearMethod):
+    """A Part's float rows: the unquantized GEMV (a Part has no packed copy); dequantize for the references."""
+
+    def dequantize(self, layer):
+        return layer.weight.float()
+
+    def dequantize_rows(self, layer, rows):
+        return layer.weight[rows].float()
+
+
+# Each layout's method (stateless: a Part holds the buffers, under the names the methods read); the int4 parts run
+# through the online int4 method
+METHODS = {
+    ("dense", 0): DenseRows(),
+    ("int4", 32): Int4Method(32),
+    ("int5", 32): Int5Method(),
+    ("int8g", 16): Int8GroupMethod(16),
+    ("int8g", 32): Int8GroupMethod(32),
+}
+
+
 class Part(nn.Module):
-    """Some rows of a layer's weight in one layout: `layout` int4 / int8g (buffers qweight, scales[, offsets]) or
-    dense (buffer weight), computed by that layout's kernels."""
+    """Some rows of a layer's weight in one layout: `layout` int4 / int5 / int8g (buffers qweight[, qhigh], scales,
+    offsets or None) or dense (buffer weight), computed by that layout's method (METHODS)."""
 
     def __init__(self, layout: str, group: int, tensors: dict[str, torch.Tensor], types: list[str]):
         super().__init__()
         self.layout, self.group_size, self.types = layout, group, types
+        self.method = METHODS[layout, group]
         for k, v in tensors.items():
             self.register_buffer(k, v)
         if layout != "dense" and "offsets" not in tensors:
-            self.register_buffer("offsets", None)  # int4: the zero point 8 (Q4_0); int8g: symmetric
+            self.register_buffer("offsets", None)  # int4: the zero point 8 (Q4_0); int5: 16 (Q5_0); int8g: symmetric
         self.rows = tensors["weight" if layout == "dense" else "qweight"].shape[0]
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (or its rows `rows`) as fp32 [O, I]: the reference the kernels are held to."""
-
-        def pick(t):
-            return t if rows is None or t is None else t[rows]
-
-        if self.layout == "dense":
-            return pick(self.weight).float()
-        if self.layout == "int4":
-            return formats.dequantize_int4(pick(self.qweight), pick(self.scales), pick(self.offsets))
-        if self.layout == "int5":
-            return formats.dequantize_int5(pick(self.qweight), pick(self.qhigh), pick(self.scales), pick(self.offsets))
-        return formats.dequantize_int8g(pick(self.qweight), pick(self.scales), pick(self.offsets))
+        return self.method.dequantize(self) if rows is None else self.method.dequantize_rows(self, rows)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, I] (2-D) @ W^T + bias."""
-        if self.layout == "dense":
-            return (
-                cpu_gemv.linear(x, self.weight, bias)
-                if x.dtype == self.weight.dtype
-                else F.linear(x, self.weight.to(x.dtype), bias)
-            )
-        if self.layout == "int4":
-            return INT4.apply(self, x, bias)
-        int5 = self.layout == "int5"
-        if cpu_qgemv_vnni.usable(x, bias, self.layout):  # bf16 rows, few: integer dot products
-            if int5:
-                return cpu_qgemv_vnni.int5(x, self.qweight, self.qhigh, self.scales, self.offsets, bias)
-            return cpu_qgemv_vnni.int8g(x, self.qweight, self.scales, self.offsets, self.group_size, bias)
-        if cpu_qgemv.usable(x, bias):  # few rows: the widening GEMV
-            if int5:
-                return cpu_qgemv.int5(x, self.qweight, self.qhigh, self.scales, self.offsets, bias)
-            return cpu_qgemv.int8g(x, self.qweight, self.scales, self.offsets, self.group_size, bias)
-        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and cpu_qgemv.available():
-            # many rows: the weight dequantized for this call, then a dense matmul
-            dt = x.dtype if x.dtype == torch.float32 or cpu_gemv.native_bf16_matmul() else torch.float32
-            if int5:
-                w = cpu_qgemv.dequantize_int5(self.qweight, self.qhigh, self.scales, self.offsets, dt)
-            else:
-                w = cpu_qgemv.dequantize_int8g(self.qweight, self.scales, self.offsets, self.group_size, dt)
-            return F.linear(x.to(dt), w, None if bias is None else bias.to(dt)).to(x.dtype)
-        return F.linear(x, self.dequantize().to(x.dtype), bias)
-
-
-# The int4 parts run through the online int4 method's dispatch (GEMV, integer dot products, dequantized matmul),
-# whose buffers (qweight, scales, offsets) and group size a Part holds under the same names
-INT4 = Int4Method(32)
+        return self.method.apply(self, x, bias)
 
 
 def part_of(loaded, dtype: torch.dtype) -> tuple[str, int, dict[str, torch.Tensor], str]:
@@ -368,9 +399,6 @@ class GGUFLinearMethod(LinearMethod):
         ]
         return QuantWeight(parts, self.input_size, self.dtype)
 
-    def formats(self, layer) -> list[str]:
-        return [t for p in layer.gguf_parts for t in p.types]
-
     def apply(self, layer, x, bias):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
@@ -392,7 +420,7 @@ class GGUFLinearMethod(LinearMethod):
         return part.dequantize(rows)
 
 
-def gguf_factory(tie_word_embeddings: bool):
+def gguf_factory():
     """Every linear layer and the LM head (tied or not: a tied head reads the embedding's tensor, the embedding
     then looks its rows up in the head's table) loads from the file as it stores them."""
     return lambda prefix: GGUFLinearMethod()

@@ -15,9 +15,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from fulcrum.config import ModelConfig
 from fulcrum.errors import ModelLoadError, UnsupportedArchitectureError
-from fulcrum.model_folder import from_gguf
 from fulcrum.models.loader import load_model
-from tests.models.test_gguf import permute, write_gpt2_vocab
+from tests.models.test_gguf import gguf_cache, permute, write_gpt2_vocab  # noqa: F401  (the fixture)
 from tests.models.test_parity import max_diff, our_logits, prompts
 from tests.tiny_models import save_tiny_model
 
@@ -45,12 +44,6 @@ MODELS = {
     "mistral": ("mistral-sliding", "llama", dict(sliding_window=None)),
 }
 EXPERT_KINDS = ("gate", "up", "down")
-
-
-@pytest.fixture(autouse=True)
-def gguf_cache(tmp_path, monkeypatch):
-    """The folders fulcrum builds for GGUF files go to the test's own folder, not ~/.cache/fulcrum."""
-    monkeypatch.setattr(from_gguf, "gguf_cache_root", lambda: tmp_path / "gguf-cache")
 
 
 def _metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
