@@ -18,6 +18,16 @@ def test_windows_score_every_token_after_the_first_once(n, context, stride):
     assert all(end - start <= context for start, end, _ in spans)
 
 
+def test_a_bad_model_file_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(b"GGUF" + bytes(60))
+    assert main(["eval", str(bad), "--chunks"]) == 2
+    err = capsys.readouterr().err
+    assert "is not a readable GGUF file" in err and len(err.strip().splitlines()) == 1
+    assert main(["eval", "--chunks", "--context", "1"]) == 2
+    assert "at least 2 tokens" in capsys.readouterr().err
+
+
 def test_chunks_are_llama_perplexitys_second_halves(capsys):
     """--chunks scores as llama-perplexity does: whole chunks of --context tokens, the tail dropped, each scoring the
     tokens after its middle (so figures compare with llama.cpp's on the same file)."""

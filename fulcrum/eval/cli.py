@@ -68,6 +68,7 @@ def _prequantized(model: str) -> bool:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    from fulcrum.errors import FulcrumError
     from fulcrum.eval.perplexity import DEFAULT_DATA, RunSpec, evaluate, format_result, held_out_text
 
     model = args.model_pos or args.model
@@ -82,7 +83,6 @@ def run_eval(args: argparse.Namespace) -> int:
     reference = None
     if args.quantization and _prequantized(model):  # the loader's own refusal, before any reference is asked for
         from fulcrum.config import ModelConfig
-        from fulcrum.errors import FulcrumError
 
         try:
             ModelConfig.from_path(model, quantization=args.quantization)
@@ -108,7 +108,7 @@ def run_eval(args: argparse.Namespace) -> int:
         result = evaluate(
             run, text, reference, args.context, args.stride, args.max_windows, args.decode, chunks=args.chunks
         )
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, FulcrumError) as e:  # a bad file or model: one line, as a bad flag
         print(f"fulcrum eval: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result.as_dict(), indent=2) if args.json else format_result(result))

@@ -103,6 +103,8 @@ def chunk_windows(n: int, context: int) -> list[tuple[int, int, int]]:
     """llama.cpp's `llama-perplexity` windows: whole chunks of `context` tokens side by side (a tail shorter than
     one is dropped), each scoring its second half (the tokens after position context / 2), so that figures compare
     with llama.cpp's on the same tokens."""
+    if context < 2:
+        raise ValueError(f"a chunk must hold at least 2 tokens (--context), got {context}")
     return [(s, s + context, s + context // 2 + 1) for s in range(0, n - context + 1, context)]
 
 
