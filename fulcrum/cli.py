@@ -116,6 +116,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         '"zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv-events"} '
         "(for fulcrum router --policy kv-events; data-parallel ranks add their rank to both ports: leave room)",
     )
+    g.add_argument(
+        "--kv-offloading-size", type=float, default=None, metavar="GiB",
+        help="offload tier in host memory: prefix blocks the KV pool lets go are kept here (this many GiB, least "
+        "recently used evicted) and come back as prefix hits instead of being recomputed",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-offload-dir", default=None, metavar="DIR",
+        help="offload tier on disk: prefix blocks kept as files here, checked by checksum, found again after a "
+        "restart with the same model and settings, and shared by replicas that point at the same directory",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-offload-dir-size", type=float, default=16.0, metavar="GiB",
+        help="cap of --kv-offload-dir; least recently used blocks are deleted above it (default 16)",
+    )  # fmt: skip
     g.add_argument("--cpu-threads", type=int, default=None, help="CPU compute threads (default: one per core)")
     g.add_argument(
         "--enforce-eager",
@@ -222,6 +236,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         distributed_executor_backend=args.distributed_executor_backend,
         kv_transfer_config=kv_transfer_config(args),
         kv_events_config=args.kv_events_config,
+        kv_offloading_size=args.kv_offloading_size,
+        kv_offload_dir=args.kv_offload_dir,
+        kv_offload_dir_size=args.kv_offload_dir_size,
     )
 
 

@@ -220,6 +220,13 @@ class EngineConfig:
     # "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": ..., "topic": ...}, or its JSON text;
     # checked in full by fulcrum.engine.kv_event_publisher.KVEventsConfig
     kv_events_config: dict | None = None
+    # offload tiers below the KV pool (engine/kv_offload): blocks the pool lets go are kept in host memory (this
+    # many GiB, as vLLM's kv_offloading_size) and as files under kv_offload_dir (up to kv_offload_dir_size GiB,
+    # least recently used deleted first), and come back as prefix hits; the directory survives restarts and may be
+    # shared by the replicas of one host
+    kv_offloading_size: float | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_dir_size: float = 16.0
 
     def __post_init__(self) -> None:
         for name in ("speculative_config", "kv_transfer_config", "kv_events_config"):
@@ -247,6 +254,8 @@ class EngineConfig:
             "pp_layer_partition": _is_partition(self.pp_layer_partition),
             "kv_transfer_config": self.kv_transfer_config is None or isinstance(self.kv_transfer_config, dict),
             "kv_events_config": self.kv_events_config is None or isinstance(self.kv_events_config, dict),
+            "kv_offloading_size": self.kv_offloading_size is None or self.kv_offloading_size >= 0,
+            "kv_offload_dir_size": self.kv_offload_dir_size > 0,
         }
         for name, ok in checks.items():
             if not ok:
@@ -269,6 +278,16 @@ class EngineConfig:
             raise InvalidRequestError(
                 "kv_transfer_config (P/D disaggregation) does not work with tensor or pipeline parallelism yet",
                 "kv_transfer_config",
+            )
+        if (self.kv_offloading_size or self.kv_offload_dir) and self.world_size > 1:
+            raise InvalidRequestError(
+                "KV offload (kv_offloading_size, kv_offload_dir) does not work with tensor or pipeline parallelism "
+                "yet: each rank holds a share of every block",
+                "kv_offload_dir",
+            )
+        if (self.kv_offloading_size or self.kv_offload_dir) and not self.enable_prefix_caching:
+            raise InvalidRequestError(
+                "KV offload needs prefix caching: offloaded blocks come back as prefix hits", "kv_offload_dir"
             )
 
     @property

@@ -15,6 +15,7 @@ import torch
 from fulcrum.config import EngineConfig, ModelConfig
 from fulcrum.engine.kv_cache import KVCacheManager
 from fulcrum.engine.kv_event_publisher import EventPublisher, KVEventsConfig, medium_of
+from fulcrum.engine.kv_offload import KVOffload
 from fulcrum.engine.kv_transfer import KVTransfer, KVTransferConfig
 from fulcrum.engine.messages import SchedulerStats
 from fulcrum.engine.model_runner import ModelRunner, ModelRunnerOutput, PendingStep
@@ -26,7 +27,7 @@ from fulcrum.engine.spec.speculator import Speculator
 from fulcrum.engine.structured import StructuredOutputs
 from fulcrum.engine.structured.pending import PendingGrammars
 from fulcrum.engine.workers import Workers
-from fulcrum.errors import WorkerDiedError, is_fatal
+from fulcrum.errors import InvalidRequestError, WorkerDiedError, is_fatal
 from fulcrum.model_folder.hf_config import layer_sliding_windows
 from fulcrum.sampling_params import SamplingParams
 
@@ -80,8 +81,22 @@ class EngineCore:
         # P/D disaggregation: this engine offers finished prefills' blocks and/or pulls others' (engine/kv_transfer)
         transfer = KVTransferConfig.parse(config.kv_transfer_config)
         self.kv_transfer = KVTransfer(transfer, self.kv, self.runner, self.model_config.path) if transfer else None
+        # offload tiers: blocks the pool lets go are kept in host memory and on disk, and come back as prefix hits
+        self.kv_offload = None
+        if config.kv_offloading_size or config.kv_offload_dir:
+            if draft is not None:
+                self.shutdown()
+                raise InvalidRequestError(
+                    "KV offload does not keep a draft model's cache: use ngram speculation or no offload",
+                    "kv_offload_dir",
+                )
+            self.kv_offload = KVOffload(self.kv, self.runner, config, self.model_config)
+            if self.kv_transfer is not None:  # a consumer that finds the blocks in its tiers pulls nothing
+                self.kv_transfer.local_tiers = self.kv_offload.found_below
         on_finish = self.kv_transfer.on_finish if self.kv_transfer is not None else None
         self.scheduler = Scheduler(config, self.model_config.max_model_len, self.kv, on_finish=on_finish)
+        if self.kv_offload is not None:
+            self.scheduler.load_below = self.kv_offload.load_below
         self.compiling = PendingGrammars(self.structured)  # requests whose grammar compiles, out of the scheduler
         # async scheduling (config.async_scheduling): the launched step not yet read back, with its sampling requests
         self.in_flight: tuple[SchedulerOutput, list[str], PendingStep] | None = None
@@ -105,6 +120,9 @@ class EngineCore:
             self.structured.shutdown()
         if getattr(self, "kv_transfer", None) is not None:
             self.kv_transfer.close()
+        if getattr(self, "kv_offload", None) is not None:
+            self.kv_offload.close()
+            self.kv_offload = None
         if getattr(self, "kv_events", None) is not None:
             self.kv_events.close()
             self.kv_events = None
@@ -134,13 +152,26 @@ class EngineCore:
             req.arrival_time = arrival_time
         if params.structured_outputs is not None:
             self.compiling.add(req)
-        elif self.kv_transfer is None or not self.kv_transfer.add(req):
-            self.scheduler.add_request(req)
+        else:
+            self._route(req)
+
+    def _route(self, req: Request) -> None:
+        """A request ready to run: it pulls a remote prefill's blocks, or loads its prefix from the offload tiers,
+        or goes to the scheduler."""
+        if self.kv_offload is not None:
+            self.kv_offload.flush()  # a pull or a load writes blocks that may be freed ones not yet copied out
+        if self.kv_transfer is not None and self.kv_transfer.add(req):
+            return
+        if self.kv_offload is not None and self.kv_offload.add(req):
+            return
+        self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         done = self.compiling.drop(request_ids, RequestStatus.FINISHED_ABORTED)
         if self.kv_transfer is not None:
             done += self.kv_transfer.abort(request_ids, RequestStatus.FINISHED_ABORTED)
+        if self.kv_offload is not None:
+            done += self.kv_offload.abort(request_ids, RequestStatus.FINISHED_ABORTED)
         done += self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self._release_drafts()
         return [self._output(r, []) for r in done]
@@ -154,6 +185,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         busy = self.kv_transfer is not None and self.kv_transfer.busy()
+        busy = busy or (self.kv_offload is not None and self.kv_offload.busy())
         return self.scheduler.has_unfinished() or bool(self.compiling) or busy or self.in_flight is not None
 
     def housekeeping(self) -> None:
@@ -161,14 +193,16 @@ class EngineCore:
         if self.kv_transfer is not None:
             for req in self.kv_transfer.poll():
                 self.scheduler.add_request(req)
+        if self.kv_offload is not None:
+            for req in self.kv_offload.poll():
+                self.scheduler.add_request(req)
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Requests whose grammar is ready join the scheduler (or first pull a remote prefill's blocks); those whose
         grammar failed end with the compiler's message."""
         ready, failed = self.compiling.take()
         for req in ready:
-            if self.kv_transfer is None or not self.kv_transfer.add(req):
-                self.scheduler.add_request(req)
+            self._route(req)
         return [self._output(req, []) for req in failed]
 
     def step(self) -> list[EngineCoreOutput]:
@@ -179,19 +213,28 @@ class EngineCore:
         return failed + self._step_sync()
 
     def _step_sync(self) -> list[EngineCoreOutput]:
-        sched = self.scheduler.schedule()
-        if self.kv_transfer is not None:
-            self.kv_transfer.after_schedule(self.scheduler.requests)
+        sched = self._schedule()
         if not sched.scheduled:
             self._wait_idle()
             return []
         return self._execute(sched)
+
+    def _schedule(self) -> SchedulerOutput:
+        sched = self.scheduler.schedule()
+        if self.kv_transfer is not None:
+            self.kv_transfer.after_schedule(self.scheduler.requests)
+        if self.kv_offload is not None:
+            self.kv_offload.after_schedule(self.scheduler.requests)
+            self.kv_offload.flush()  # the step may overwrite freed blocks: copy out those no tier holds yet
+        return sched
 
     def _wait_idle(self) -> None:
         if self.compiling:  # nothing to run until a compile ends: wait for it, do not spin
             self.compiling.wait(0.05)
         elif self.kv_transfer is not None and self.kv_transfer.busy():  # the same for KV pulls
             self.kv_transfer.wait(0.05)
+        elif self.kv_offload is not None and self.kv_offload.busy():  # and for reads from the disk tier
+            self.kv_offload.wait(0.05)
 
     def _execute(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
         """Run a scheduled step and take its tokens, synchronously; a step that fails is retried request by request
@@ -252,7 +295,7 @@ class EngineCore:
         in flight and run synchronously."""
         if not self._can_overlap():
             return self._drain() + self._step_sync()
-        sched = self.scheduler.schedule()
+        sched = self._schedule()
         if not sched.scheduled:
             outputs = self._drain()
             if not outputs:
@@ -383,4 +426,9 @@ class EngineCore:
             draft_num_blocks=draft.num_blocks if draft else 0,
             draft_num_free_blocks=draft.num_blocks - draft.num_used_blocks if draft else 0,
             **(self.kv_transfer.stats() if self.kv_transfer is not None else {}),
+            **(self._offload_stats() if self.kv_offload is not None else {}),
         )
+
+    def _offload_stats(self) -> dict:
+        counts, latency = self.kv_offload.stats()
+        return dict(kv_offload=counts, kv_offload_latency=latency)

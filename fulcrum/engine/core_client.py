@@ -322,8 +322,18 @@ def total_stats(stats: list[SchedulerStats]) -> SchedulerStats:
         if all(isinstance(v, int) for v in values):
             setattr(out, f.name, sum(values))
         elif all(isinstance(v, list) for v in values):  # per-position counts: added position by position
-            setattr(out, f.name, [sum(col) for col in itertools.zip_longest(*values, fillvalue=0)])
+            setattr(out, f.name, _add_lists(values))
+        elif all(isinstance(v, dict) for v in values):  # named counts (or lists of them): added name by name
+            keys = dict.fromkeys(k for v in values for k in v)
+            merged = {k: [v[k] for v in values if k in v] for k in keys}
+            setattr(
+                out, f.name, {k: _add_lists(vs) if isinstance(vs[0], list) else sum(vs) for k, vs in merged.items()}
+            )
     return out
+
+
+def _add_lists(values: list[list]) -> list:
+    return [sum(col) for col in itertools.zip_longest(*values, fillvalue=0)]
 
 
 def data_parallel_configs(config: EngineConfig) -> list[EngineConfig]:

@@ -19,6 +19,7 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None
+    stored: bool = False  # an offload tier holds its data (engine/kv_offload)
 
 
 @dataclass
@@ -54,6 +55,9 @@ class KVCacheManager:
         # KV-cache events since the engine core last took them, kept when `events_medium` names where the cache lives
         self.events: list | None = [] if events_medium is not None else None
         self.medium = events_medium
+        # with offload tiers (engine/kv_offload): registered blocks freed since the offload last copied them out,
+        # block id -> hash; an evicted block stays listed (its data is intact until the next step writes it)
+        self.unstored: dict[int, int] | None = None
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -79,12 +83,16 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
+    def prompt_hashes(self, req: Request) -> list[int]:
+        """The hashes of the full blocks a prefix lookup covers (all but the last token)."""
+        return self._full_block_hashes(req, req.num_tokens - 1)
+
     def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
         """Longest cached prefix of a request that has none yet: (blocks, number of tokens).
         The last token is always recomputed: its logits are needed to sample."""
         if not self.enable_prefix_caching:
             return [], 0
-        hashes = self._full_block_hashes(req, req.num_tokens - 1)
+        hashes = self.prompt_hashes(req)
         hit: list[Block] = []
         for h in hashes:
             block = self.cached.get(h)
@@ -128,7 +136,7 @@ class KVCacheManager:
                 if self.cached.get(b.block_hash) is b:
                     del self.cached[b.block_hash]
                     removed.append(b.block_hash)
-                b.block_hash = None
+                b.block_hash, b.stored = None, False
             b.ref_cnt = 1
             blocks.append(b)
         if removed and self.events is not None:
@@ -137,10 +145,19 @@ class KVCacheManager:
             self._cache_full_blocks(req, blocks, total)
         return True
 
-    def cache_blocks(self, req: Request) -> None:
-        """Register a request's full blocks in the prefix cache now (after `allocate_slots(register=False)`)."""
+    def cache_blocks(self, req: Request, num_tokens: int | None = None) -> None:
+        """Register a request's full blocks (those of its first `num_tokens` tokens) in the prefix cache now (after
+        `allocate_slots(register=False)`)."""
         if self.enable_prefix_caching:
-            self._cache_full_blocks(req, self.req_blocks.get(req.request_id, []), req.num_tokens)
+            n = req.num_tokens if num_tokens is None else num_tokens
+            self._cache_full_blocks(req, self.req_blocks.get(req.request_id, []), n)
+
+    def truncate(self, request_id: str, num_blocks: int) -> None:
+        """Free a request's blocks after its first `num_blocks` (blocks reserved for data that did not come)."""
+        blocks = self.req_blocks.get(request_id)
+        if blocks is not None and len(blocks) > num_blocks:
+            self._drop(blocks[num_blocks:])
+            del blocks[num_blocks:]
 
     def hand_over(self, request_id: str, holder_id: str, num_blocks: int) -> list[int]:
         """Move a request's first `num_blocks` blocks to `holder_id` (a KV transfer's lease, freed later with
@@ -172,7 +189,7 @@ class KVCacheManager:
                 blocks[i] = None
                 b.ref_cnt -= 1
                 if b.ref_cnt == 0:
-                    self.free_queue[b.block_id] = b
+                    self._freed(b)
 
     def _cache_full_blocks(self, req: Request, blocks: list[Block | None], num_tokens: int) -> None:
         """Register the blocks that `num_tokens` known tokens fill completely."""
@@ -235,7 +252,17 @@ class KVCacheManager:
                 continue
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                self.free_queue[b.block_id] = b
+                self._freed(b)
+
+    def _freed(self, b: Block) -> None:
+        self.free_queue[b.block_id] = b
+        if self.unstored is not None and b.block_hash is not None and not b.stored:
+            self.unstored[b.block_id] = b.block_hash
+
+    def take_unstored(self) -> dict[int, int]:
+        """The registered blocks freed since the last call that no offload tier holds yet (block id -> hash)."""
+        out, self.unstored = self.unstored or {}, {} if self.unstored is not None else None
+        return out
 
     def stats(self) -> KVCacheStats:
         return KVCacheStats(self.num_blocks, self.num_blocks - len(self.free_queue), self.queries, self.hits)

@@ -50,6 +50,10 @@ class SchedulerStats(msgspec.Struct):
     kv_transfer_leases_expired: int = 0
     kv_transfer_held_blocks: int = 0  # blocks a producer holds for pulls not yet made
     kv_transfer_pending: int = 0  # requests waiting for their pull
+    # offload tiers (engine/kv_offload): per tier (ram, disk) cumulative hits, stores and errors in blocks and bytes,
+    # occupancy and capacity (gauges); latency histograms "load:ram" ... as bucket counts, then the sum in microseconds
+    kv_offload: dict[str, int] = msgspec.field(default_factory=dict)
+    kv_offload_latency: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
 
 class CoreReady(msgspec.Struct):

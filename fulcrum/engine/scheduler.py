@@ -90,6 +90,8 @@ class Scheduler:
         # called with (request, status) as a request finishes, before its blocks are freed: a KV producer hands
         # the prompt's blocks over to a lease there (engine/kv_transfer)
         self.on_finish = on_finish
+        # (request, its pool hits) -> its hits extended from the KV offload tiers, copied in (engine/kv_offload)
+        self.load_below = None
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -142,6 +144,9 @@ class Scheduler:
             # prompt logprobs need the logits of every prompt position: such a prompt is computed, not looked up
             skip_cache = req.num_computed_tokens or req.wants_prompt_logprobs
             computed, num_cached = ([], 0) if skip_cache else self.kv.get_computed_blocks(req)
+            if self.load_below is not None and not skip_cache:
+                computed = self.load_below(req, computed)
+                num_cached = len(computed) * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self.config.enable_chunked_prefill and n < req.num_tokens - num_cached:
                 break  # the whole prompt waits for a step with room for it

@@ -4,7 +4,9 @@ also under vLLM's own names so that dashboards and autoscalers written for vLLM 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from fulcrum.engine.kv_offload.offload import LATENCY_BUCKETS
 from fulcrum.engine.messages import CoreOutputs, CoreReady
 from fulcrum.engine.spec.stats import acceptance_rate, mean_accepted_length
 
@@ -59,6 +61,61 @@ class _Family:
     def observe(self, v, **labels):
         for m in self._each(**labels):
             m.observe(v)
+
+
+class OffloadCollector:
+    """The offload tiers' series (engine/kv_offload), read from the core's cumulative counts at scrape time: per
+    tier (ram, disk) hits, stores, errors, occupancy and capacity, and load/store latency histograms. Nothing is
+    shown until an engine with tiers reports."""
+
+    # count name (after the tier) -> metric suffix, help, gauge?
+    SERIES = {
+        "hit_blocks": ("kv_offload_hit_blocks", "KV blocks found in an offload tier and loaded", False),
+        "hit_bytes": ("kv_offload_hit_bytes", "KV bytes loaded from an offload tier", False),
+        "hit_tokens": ("kv_offload_hit_tokens", "Prompt tokens found in an offload tier (in prefix_cache_hits too)",
+                       False),
+        "stored_blocks": ("kv_offload_stored_blocks", "KV blocks stored in an offload tier", False),
+        "stored_bytes": ("kv_offload_stored_bytes", "KV bytes stored in an offload tier", False),
+        "errors": ("kv_offload_errors", "Offload reads or writes that failed (recomputed instead)", False),
+        "dropped_blocks": ("kv_offload_dropped_blocks", "KV blocks not stored: the writer was behind", False),
+        "corrupt_blocks": ("kv_offload_corrupt_blocks", "Block files dropped: truncated, corrupt or foreign", False),
+        "used_bytes": ("kv_offload_used_bytes", "Bytes an offload tier holds", True),
+        "capacity_bytes": ("kv_offload_capacity_bytes", "Bytes an offload tier may hold", True),
+    }  # fmt: skip
+
+    def __init__(self, model: str, buckets: tuple[float, ...]):
+        self.model, self.buckets = model, buckets
+        self.counts: dict[str, int] = {}
+        self.latency: dict[str, list[int]] = {}
+
+    def collect(self):
+        if not self.counts:
+            return
+        for key, (suffix, doc, gauge) in self.SERIES.items():
+            family = (GaugeMetricFamily if gauge else CounterMetricFamily)(f"fulcrum:{suffix}", doc,
+                                                                           labels=["model_name", "tier"])  # fmt: skip
+            for tier in ("ram", "disk"):
+                if f"{tier}_{key}" in self.counts:
+                    family.add_metric([self.model, tier], self.counts[f"{tier}_{key}"])
+            yield family
+        yield GaugeMetricFamily(
+            "fulcrum:kv_offload_loading_requests", "Requests waiting for disk-tier reads", labels=["model_name"]
+        ).add_metric([self.model], self.counts.get("loading_requests", 0))
+        for op in ("load", "store"):
+            family = HistogramMetricFamily(f"fulcrum:kv_offload_{op}_seconds", f"Offload tier {op}s, per operation "
+                                           "(a request's load, a step's copy-out, a block file's write)",
+                                           labels=["model_name", "tier"])  # fmt: skip
+            for tier in ("ram", "disk"):
+                enc = self.latency.get(f"{op}:{tier}")
+                if not enc:
+                    continue
+                *counts, sum_us = enc
+                cum, running = [], 0
+                for bound, n in zip((*map(str, self.buckets), "+Inf"), counts):
+                    running += n
+                    cum.append((bound, running))
+                family.add_metric([self.model, tier], cum, sum_us / 1e6)
+            yield family
 
 
 class ServerMetrics:
@@ -149,6 +206,8 @@ class ServerMetrics:
         for counter in self.kv_transfer_counters.values():
             counter.labels(model_name=m)  # shown at 0 from the start, so a dashboard sees the series
         self._last_kv: dict[str, float] = {}
+        self.offload = OffloadCollector(m, LATENCY_BUCKETS)
+        r.register(self.offload)
         self._last = {"q": 0, "h": 0, "p": 0, "sd": 0, "st": 0, "sa": 0}
         self._last_per_pos: list[int] = []
         self._last_token_time: dict[str, float] = {}
@@ -185,6 +244,7 @@ class ServerMetrics:
                 counter.labels(model_name=self.kv_capacity.model).inc(v - self._last_kv.get(field, 0))
             self._last_kv[field] = v
         self.gpu_usage.set(s.kv_cache_usage)
+        self.offload.counts, self.offload.latency = s.kv_offload, s.kv_offload_latency
         # the core reports cumulative counts; prometheus counters take increments
         self.prefix_queries.inc(s.prefix_cache_queries - self._last["q"])
         self.prefix_hits.inc(s.prefix_cache_hits - self._last["h"])

@@ -12,9 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import xxhash
-
 from fulcrum.engine.kv_cache import KVCacheManager
+from fulcrum.engine.kv_layout import cache_layout, model_fingerprint
 from fulcrum.engine.kv_transfer.base import KVConnector, PullJob
 from fulcrum.engine.kv_transfer.config import KVTransferConfig, block_hashes
 from fulcrum.engine.kv_transfer.p2p_connector import TorchDistConnector
@@ -24,32 +23,6 @@ from fulcrum.engine.request import Request, RequestStatus
 from fulcrum.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
-
-
-def model_fingerprint(path: Path) -> str:
-    """The model a cache belongs to: its folder's name and a hash of config.json and the weight files' names and
-    sizes (cheap, and two checkpoints of one config with other weights differ)."""
-    h = xxhash.xxh3_64()
-    cfg = path / "config.json"
-    if cfg.exists():
-        h.update(cfg.read_bytes())
-    for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.gguf")) + sorted(path.glob("*.bin")):
-        h.update(f"{f.name}:{f.stat().st_size};".encode())
-    return f"{path.name}@{h.hexdigest()[:12]}"
-
-
-def cache_layout(runner) -> tuple[list, dict]:
-    """The runner's paged cache tensors with their block axis, and how the handshake describes them."""
-    axis = 1 if runner.kv_cache.dim() == 4 else 2  # MLA: [layers, blocks, ...]; k/v: [2, layers, blocks, ...]
-    caches = [(runner.kv_cache, axis)]
-    if runner.kv_scales is not None:
-        caches.append((runner.kv_scales, axis))
-    layout = {
-        "attention": type(runner.attn_layers[0]).__name__,
-        "block_shapes": [list(c.select(a, 0).shape) for c, a in caches],
-        "cache_dtypes": [str(c.dtype).removeprefix("torch.") for c, _ in caches],
-    }
-    return caches, layout
 
 
 # config.CONNECTORS' data paths
@@ -95,6 +68,8 @@ class KVTransfer:
         self.pending: dict[str, Pending] = {}
         self.holds: dict[str, Request] = {}  # pulled, waiting in the scheduler: request id -> its stand-in
         self.fallbacks = self.leases_expired = self.local_hits = 0
+        # (request, first block) -> how many blocks from there the offload tiers hold (engine/kv_offload), if any
+        self.local_tiers = None
 
     def describe(self) -> dict:
         """For the frontend's handshake check (messages.CoreReady.kv_transfer)."""
@@ -195,7 +170,8 @@ class KVTransfer:
             return False
         computed, _ = self.kv.get_computed_blocks(req)
         have = len(computed)
-        if have >= num_full:  # all here already: tell the producer it may free its copy now
+        below = self.local_tiers(req, have) if self.local_tiers is not None else 0
+        if have + below >= num_full:  # all here already (the tiers load the rest): the producer may free its copy now
             self.local_hits += 1
             self._release_remote(job)
             return False
