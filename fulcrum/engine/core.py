@@ -189,13 +189,15 @@ class EngineCore:
         return self.scheduler.has_unfinished() or bool(self.compiling) or busy or self.in_flight is not None
 
     def housekeeping(self) -> None:
-        """What goes on between steps, idle ones too: KV pulls that ended join the scheduler, leases end."""
+        """What goes on between steps, idle ones too: KV pulls and disk reads that ended join the scheduler, leases
+        end, freed blocks are copied out to the offload tiers."""
         if self.kv_transfer is not None:
             for req in self.kv_transfer.poll():
                 self.scheduler.add_request(req)
         if self.kv_offload is not None:
             for req in self.kv_offload.poll():
                 self.scheduler.add_request(req)
+            self.kv_offload.flush()  # on idle ticks too: what the last requests freed reaches disk now
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Requests whose grammar is ready join the scheduler (or first pull a remote prefill's blocks); those whose

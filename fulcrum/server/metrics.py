@@ -98,9 +98,11 @@ class OffloadCollector:
                 if f"{tier}_{key}" in self.counts:
                     family.add_metric([self.model, tier], self.counts[f"{tier}_{key}"])
             yield family
-        yield GaugeMetricFamily(
+        loading = GaugeMetricFamily(
             "fulcrum:kv_offload_loading_requests", "Requests waiting for disk-tier reads", labels=["model_name"]
-        ).add_metric([self.model], self.counts.get("loading_requests", 0))
+        )
+        loading.add_metric([self.model], self.counts.get("loading_requests", 0))
+        yield loading
         for op in ("load", "store"):
             family = HistogramMetricFamily(f"fulcrum:kv_offload_{op}_seconds", f"Offload tier {op}s, per operation "
                                            "(a request's load, a step's copy-out, a block file's write)",

@@ -8,11 +8,13 @@ writes blocks), so a freed block that the next step reuses is copied before it i
 ordered after the steps already queued. Storing at release rather than at eviction costs one copy per block either
 way, and keeps a block that is still in the pool when the server stops on disk for the next start.
 
-Load: a new request's prefix is looked up in the pool, then block by block in host memory and on disk. Blocks it
-finds below the pool are copied into blocks reserved under a stand-in id; then they join the prefix cache and the
-request reaches the scheduler as an ordinary prefix hit. Host-memory hits are copied at once; disk hits are read and
-checked on the loader thread while other requests' steps run, and copied in when the reads are done (`poll`). A file
-that is missing or fails its checksum ends the hit there: the rest is recomputed."""
+Load: a new request's prefix is looked up in the pool, then block by block in host memory and on disk. When part of it
+is on disk, those blocks are read and checked on the loader thread while other requests' steps run, and the request
+waits here until they are in host memory (`add`, `poll`). At its admission the scheduler asks for what lies below its
+pool hits (`load_below`): the blocks are copied into free blocks of the pool, registered, and counted as prefix hits,
+so the request computes only the rest. Nothing is reserved for a request before its admission, so a burst of hits
+never fills the pool with blocks nobody runs yet. A file that is missing or fails its checksum ends the hit there:
+the rest is recomputed."""
 
 from __future__ import annotations
 
@@ -93,7 +95,7 @@ class KVOffload:
             dtypes = [c.dtype for c, _ in self.caches]
             cap = int(config.kv_offload_dir_size * 2**30)
             self.disk = DiskTier(config.kv_offload_dir, cap, layout, shapes, dtypes)
-            room = free_bytes(self.disk.root)
+            room = free_bytes(self.disk.root) if self.disk.writable else cap
             if room < cap - self.disk.used:
                 log.warning("KV offload: %s has %.1f GiB free, under the disk tier's cap of %.1f GiB; writes that "
                             "do not fit are skipped", self.disk.root, room / 2**30, cap / 2**30)  # fmt: skip
