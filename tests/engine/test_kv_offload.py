@@ -271,11 +271,11 @@ def test_block_files_are_evicted_least_recently_used_first(tmp_path):
                           dtypes=dtypes)  # fmt: skip
     blocks = {h: (torch.full((2, 4), float(h)),) for h in range(1, 7)}
     for h in range(1, 6):
-        assert disk.write(h, blocks[h])
+        assert disk.put(h, blocks[h])
         time.sleep(0.01)
-    assert torch.equal(disk.read(1)[0], blocks[1][0])  # touched: now the most recent
-    assert not disk.write(1, blocks[1])  # there already
-    disk.write(6, blocks[6])  # over the cap: the oldest go until under 90%
+    assert torch.equal(disk.get(1)[0], blocks[1][0])  # touched: now the most recent
+    assert not disk.put(1, blocks[1])  # there already
+    disk.put(6, blocks[6])  # over the cap: the oldest go until under 90%
     assert 1 in disk and 6 in disk and 2 not in disk
     assert disk.used <= disk.capacity
     # another replica's temporary file is never a block; a stale one is cleared at the next start
@@ -326,3 +326,43 @@ def test_a_decode_engine_finds_the_prefix_in_its_tiers_and_pulls_nothing(cold, t
     finally:
         for core in (producer, consumer):
             core.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["batched_copies", "async_scheduling"])
+def test_gpu_style_copies_and_async_scheduling_give_the_same_tokens(cold, mode):
+    """The gather/scatter copies a GPU engine makes (run here on the host's tensors), and an engine that schedules
+    each step before the last is read back: a host-memory hit still gives a cold run's tokens."""
+    core = make_core(kv_offloading_size=0.05, async_scheduling=mode == "async_scheduling")
+    try:
+        core.kv_offload.batched_copies = mode == "batched_copies"
+        got = run_all(core, "a")
+        toks, out = run(core, "again", PROMPTS[0])
+        assert [t for t, _ in got] == cold and toks == cold[0] and out.num_cached_tokens == 7 * BS
+        assert counts(core)["ram_hit_blocks"] == 7
+    finally:
+        core.shutdown()
+
+
+def test_a_preempted_request_resumes_from_host_memory(cold):
+    """Preemption frees a running request's blocks, output blocks too; they go to host memory, and its readmission
+    copies them back instead of recomputing them."""
+    core = make_core(kv_offloading_size=0.05, max_num_seqs=4)
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    try:
+        ids = {f"p{i}": p for i, p in enumerate(PROMPTS)}
+        for rid, p in ids.items():
+            core.add_request(rid, list(p), sp)
+        toks = {rid: [] for rid in ids}
+        while core.has_unfinished_requests():
+            for o in core.step():
+                toks[o.request_id] += o.new_token_ids
+        assert core.scheduler.num_preemptions > 0
+        assert counts(core)["ram_hit_blocks"] > 0
+        ref = make_core(enable_prefix_caching=False, max_num_seqs=1)
+        try:
+            for rid, p in ids.items():
+                assert toks[rid] == run(ref, rid, p, sp)[0], rid
+        finally:
+            ref.shutdown()
+    finally:
+        core.shutdown()

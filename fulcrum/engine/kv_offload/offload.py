@@ -78,6 +78,8 @@ class KVOffload:
         kv.unstored = {}  # the cache manager notes the registered blocks it frees, for `flush`
         self.caches, layout = cache_layout(runner)
         self.device = runner.kv_cache.device
+        # a GPU's copies go as one gather/scatter per cache tensor (and one transfer); the host's block by block
+        self.batched_copies = self.device.type != "cpu"
         self.ram = None
         if config.kv_offloading_size:
             self.ram = HostTier(int(config.kv_offloading_size * 2**30), pin=self.device.type == "cuda")
@@ -172,20 +174,20 @@ class KVOffload:
         """Copies of pool blocks on the host, one contiguous tensor per cache tensor each."""
         per_cache = []
         for cache, axis in self.caches:
-            if self.device.type == "cpu":
-                per_cache.append([torch.empty_like(cache.select(axis, b)).copy_(cache.select(axis, b))
-                                  for b in block_ids])  # fmt: skip
+            if not self.batched_copies:
+                views = [cache.select(axis, b) for b in block_ids]
+                per_cache.append([torch.empty(v.shape, dtype=v.dtype).copy_(v) for v in views])
             else:
                 idx = torch.tensor(block_ids, device=self.device)
                 rows = cache.index_select(axis, idx).movedim(axis, 0).contiguous().cpu()
-                per_cache.append(list(rows.unbind(0)))
+                per_cache.append([r.clone() for r in rows.unbind(0)])  # each its own storage: tiers count bytes
         return [tuple(c[i] for c in per_cache) for i in range(len(block_ids))]
 
     def _write_blocks(self, block_ids: list[int], data: list[BlockData]) -> None:
         """Copy blocks into the pool (core thread)."""
         self.flush()
         for k, (cache, axis) in enumerate(self.caches):
-            if self.device.type == "cpu":
+            if not self.batched_copies:
                 for b, d in zip(block_ids, data):
                     cache.select(axis, b).copy_(d[k])
             else:
@@ -198,7 +200,7 @@ class KVOffload:
             nbytes = data_nbytes(d)
             t0 = time.perf_counter()
             try:
-                wrote = self.disk.write(h, d)
+                wrote = self.disk.put(h, d)
             except OSError as e:
                 wrote = False
                 self._write_failed(e)
@@ -267,7 +269,7 @@ class KVOffload:
                 if job.cancelled:
                     break
                 try:
-                    job.data.append(self.disk.read(h))
+                    job.data.append(self.disk.get(h))
                 except BlockFileError as e:
                     job.error = str(e)
                     break
@@ -322,7 +324,8 @@ class KVOffload:
             return computed
         t0 = time.perf_counter()
         bs, have, n = self.kv.block_size, len(computed), len(computed) + len(found)
-        stand_in = Request(f"{req.request_id}#tier", req.prompt_token_ids[: n * bs], req.sampling_params)
+        # a resumed (preempted) request's prefix runs into its output: the stand-in holds all its known tokens
+        stand_in = Request(f"{req.request_id}#tier", list(req.all_token_ids[: n * bs]), req.sampling_params)
         if not self.kv.allocate_slots(stand_in, len(found) * bs, computed, register=False):
             return computed
         blocks = list(self.kv.req_blocks[stand_in.request_id])

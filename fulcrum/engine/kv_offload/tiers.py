@@ -27,6 +27,7 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import xxhash
@@ -49,6 +50,22 @@ def data_nbytes(data: BlockData) -> int:
     return sum(t.numel() * t.element_size() for t in data)
 
 
+class Tier(Protocol):
+    """What the offload asks of a tier below the pool (the pool itself, tier 1, is the KV cache manager's)."""
+
+    name: str  # in metrics: "ram", "disk"
+    capacity: int  # bytes
+    used: int  # bytes held now
+
+    def __contains__(self, block_hash: int) -> bool: ...
+
+    def get(self, block_hash: int) -> BlockData | None:
+        """The block's data; None when the tier lacks it (a disk tier raises BlockFileError for a bad file)."""
+
+    def put(self, block_hash: int, data: BlockData) -> bool:
+        """Keep a block (evicting the least recently used past the cap); False when it was not kept."""
+
+
 class HostTier:
     """Blocks held in host memory, least recently used evicted first once `capacity` bytes are used. Called from
     the engine core's thread only."""
@@ -69,10 +86,10 @@ class HostTier:
             self.blocks.move_to_end(block_hash)
         return data
 
-    def put(self, block_hash: int, data: BlockData) -> None:
+    def put(self, block_hash: int, data: BlockData) -> bool:
         size = data_nbytes(data)
         if block_hash in self.blocks or size > self.capacity:
-            return
+            return False
         while self.used + size > self.capacity:
             _, old = self.blocks.popitem(last=False)
             self.used -= data_nbytes(old)
@@ -80,6 +97,7 @@ class HostTier:
             data = tuple(t.pin_memory() for t in data)
         self.blocks[block_hash] = data
         self.used += size
+        return True
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -91,7 +109,8 @@ class BlockFileError(Exception):
 
 class DiskTier:
     """Block files under `root/<layout id>/`. `contains` and `read` may run on any thread; writes and evictions run
-    on the offload writer's thread. Errors are the caller's to log: `write` raises OSError, `read` BlockFileError."""
+    on the offload writer's thread. Errors are the caller's to log: `put` raises OSError, `get` BlockFileError (and
+never returns None: the offload asks for blocks it found)."""
 
     name = "disk"
 
@@ -184,7 +203,7 @@ class DiskTier:
     def __contains__(self, block_hash: int) -> bool:
         return self.path(block_hash).exists()
 
-    def read(self, block_hash: int) -> BlockData:
+    def get(self, block_hash: int) -> BlockData:
         """The block's tensors, checked against its header and checksum; a bad file is deleted first."""
         path = self.path(block_hash)
         try:
@@ -222,7 +241,7 @@ class DiskTier:
             path.unlink()
         return BlockFileError(f"{path.name}: {why}; dropped")
 
-    def write(self, block_hash: int, data: BlockData) -> bool:
+    def put(self, block_hash: int, data: BlockData) -> bool:
         """Write a block unless its file exists (another replica's, or ours); False when it did. Raises OSError."""
         path = self.path(block_hash)
         if path.exists():
