@@ -366,3 +366,30 @@ def test_a_preempted_request_resumes_from_host_memory(cold):
             ref.shutdown()
     finally:
         core.shutdown()
+
+
+def test_tier_stats_add_up_across_data_parallel_cores_and_reach_prometheus():
+    from prometheus_client import generate_latest
+
+    from fulcrum.engine.core_client import total_stats
+    from fulcrum.engine.kv_offload.offload import LATENCY_BUCKETS
+    from fulcrum.engine.messages import CoreOutputs, SchedulerStats
+    from fulcrum.server.metrics import ServerMetrics
+
+    n = len(LATENCY_BUCKETS) + 1
+    a = SchedulerStats(num_blocks=4, kv_offload={"ram_hit_tokens": 32, "disk_used_bytes": 100},
+                       kv_offload_latency={"load:ram": [1] + [0] * (n - 1) + [300]})  # fmt: skip
+    b = SchedulerStats(num_blocks=4, kv_offload={"ram_hit_tokens": 16},
+                       kv_offload_latency={"load:ram": [0, 2] + [0] * (n - 2) + [2000]})  # fmt: skip
+    total = total_stats([a, b])
+    assert total.kv_offload == {"ram_hit_tokens": 48, "disk_used_bytes": 100}
+    assert total.kv_offload_latency["load:ram"][:2] == [1, 2] and total.kv_offload_latency["load:ram"][-1] == 2300
+    metrics = ServerMetrics("m")
+    metrics.record(CoreOutputs([], total), 0.0)
+    text = generate_latest(metrics.registry).decode()
+    assert 'fulcrum:kv_offload_hit_tokens_total{model_name="m",tier="ram"} 48.0' in text
+    assert 'fulcrum:kv_offload_used_bytes{model_name="m",tier="disk"} 100.0' in text
+    assert f'fulcrum:kv_offload_load_seconds_bucket{{le="{LATENCY_BUCKETS[1]}",model_name="m",tier="ram"}} 3.0' in text
+    assert 'fulcrum:kv_offload_load_seconds_count{model_name="m",tier="ram"} 3.0' in text
+    assert 'fulcrum:kv_offload_load_seconds_sum{model_name="m",tier="ram"} 0.0023' in text
+    assert "kv_offload" not in generate_latest(ServerMetrics("idle").registry).decode()  # no tiers, no series
