@@ -16,8 +16,9 @@
 2. Warm restart: a server with --kv-offload-dir (a fresh directory) answers one long prompt (cold), stops; a new
    server on the same directory answers it again (warm: its prefix is read from disk), and once more (hot: a pool
    hit). Reported: TTFT cold/warm/hot, the warm answer's usage.prompt_tokens_details.cached_tokens, and whether the
-   outputs match; --repeats pairs (each its own directory and prompt), min/median/max. The block files were just
-   written, so the warm reads come from the OS page cache, not the device.
+   outputs match; --repeats pairs (each its own directory and prompt), min/median/max. Before the restart the block
+   files are dropped from the OS page cache (posix_fadvise DONTNEED after fsync), so the warm reads come from the
+   device (--keep-page-cache: from memory). Part 1's disk reads are of files just written: page-cache reads.
 
     python benchmarks/bench_kv_tiers.py [--model qwen05|bundled|PATH] [--configs off,on,disk] [--concurrency 2,4]
         [--num-docs 24 --doc-len 1024 --visits 4 --working-set-ratio 4] [--restart-len 4096 --repeats 3]
@@ -199,6 +200,10 @@ def reuse(order: list[int], pool_docs: float) -> dict:
 # -- part 1: shared documents -----------------------------------------------------------------------------------------
 
 
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+
+
 def run_config(name, folder, flags, prompts, args, concurrency, warmup, log_dir) -> dict:
     log_path = log_dir / f"docs-{name}-c{concurrency}.log"
     with fulcrum_server(folder, *flags, log_path=log_path) as url:
@@ -212,6 +217,12 @@ def run_config(name, folder, flags, prompts, args, concurrency, warmup, log_dir)
     if not ok:
         raise RuntimeError(f"{name}: every request failed ({failed[0]}); see {log_path}")
     ttft = [r["ttft"] for r in ok]
+    cached = [((r["usage"] or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in ok]
+    # requests whose document came from a cache (any tier) against those that computed it: the p90 of a run is
+    # mostly its misses' queueing, the p50 its hits'
+    half = args.doc_len // 2
+    hit_ttft = [t for t, c in zip(ttft, cached) if c >= half]
+    miss_ttft = [t for t, c in zip(ttft, cached) if c < half]
     out_tokens = sum((r["usage"] or {}).get("completion_tokens", 0) for r in ok)
     return {
         "config": name,
@@ -225,6 +236,12 @@ def run_config(name, folder, flags, prompts, args, concurrency, warmup, log_dir)
         "ttft_p50_s": pct(ttft, 50) if ttft else None,
         "ttft_p90_s": pct(ttft, 90) if ttft else None,
         "ttft_mean_s": statistics.mean(ttft) if ttft else None,
+        "hits": len(hit_ttft),
+        "ttft_p50_hits_s": pct(hit_ttft, 50) if hit_ttft else None,
+        "ttft_p50_misses_s": pct(miss_ttft, 50) if miss_ttft else None,
+        "ttft_p90_misses_s": pct(miss_ttft, 90) if miss_ttft else None,
+        "ttft_each_s": ttft,
+        "cached_each": cached,
         "output_tok_s": out_tokens / wall,
         "requests_s": len(ok) / wall,
         "cached_tokens": sum(
@@ -326,6 +343,7 @@ def shared_docs(args, folder, base_flags, per_token, vocab, log_dir) -> dict:
         p = r["prefix"]
         rows.append((
             r["config"], r["concurrency"], f"{r['ttft_p50_s'] * 1000:.0f}", f"{r['ttft_p90_s'] * 1000:.0f}",
+            f"{r['hits']}: {ms(r['ttft_p50_hits_s'])}", f"{r['requests'] - r['hits']}: {ms(r['ttft_p50_misses_s'])}",
             f"{r['output_tok_s']:.1f}", f"{r['requests_s']:.2f}", f"{p['hits_rate']:.1%}", f"{p['pool_rate']:.1%}",
             f"{p['ram_rate']:.1%}", f"{p['disk_rate']:.1%}",
             f"{r['mismatches']}/{r['requests']}" + (f" vs {r['compared_with']}" if r["compared_with"] != r["config"]
@@ -335,7 +353,7 @@ def shared_docs(args, folder, base_flags, per_token, vocab, log_dir) -> dict:
     print_table(
         f"shared documents, {folder.name} {args.dtype} (working set {ratio:.1f}x the pool; ideal hit rate {ideal:.0%})",
         rows,
-        ("config", "conc", "TTFT p50 ms", "TTFT p90 ms", "out tok/s", "req/s", "hit", "pool", "ram", "disk",
+        ("config", "conc", "TTFT p50 ms", "TTFT p90 ms", "hits: p50 ms", "misses: p50 ms", "out tok/s", "req/s", "hit", "pool", "ram", "disk",
          "output mismatches", "failed"),
     )  # fmt: skip
     ratios = {}
@@ -364,6 +382,24 @@ def dir_bytes(d: Path) -> tuple[int, int]:
     return len(files), sum(f.stat().st_size for f in files)
 
 
+def drop_page_cache(d: Path) -> int:
+    """Write the directory's files back and drop them from the OS page cache (posix_fadvise DONTNEED, which needs
+    no privileges), so that the next reads come from the device; returns how many files."""
+    import os
+
+    n = 0
+    for f in d.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                n += 1
+            finally:
+                os.close(fd)
+    return n
+
+
 def warm_restart(args, folder, base_flags, per_token, context, vocab, log_dir) -> dict:
     plen = min(args.restart_len, context - args.max_tokens)
     flags = [*base_flags, "--max-model-len", str(plen + args.max_tokens), "--kv-cache-memory", str(args.kv_cache_gb)]
@@ -382,6 +418,8 @@ def warm_restart(args, folder, base_flags, per_token, context, vocab, log_dir) -
             cold_metrics = scrape(url)
         stop_s = time.perf_counter() - t0 - cold["e2e"]  # the answer's end to the server's exit (its last writes)
         files, nbytes = dir_bytes(tier_dir)
+        if not args.keep_page_cache:
+            drop_page_cache(tier_dir)
         with fulcrum_server(folder, *flags, *tier, log_path=log_dir / f"restart-{rep}-warm.log") as url:
             one(url, [rng.randrange(10, vocab) for _ in range(256)], 4)
             before = scrape(url)
@@ -452,6 +490,11 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--restart-len", type=int, default=4096, help="warm restart prompt (capped by the context)")
     p.add_argument("--repeats", type=int, default=3, help="warm restart pairs")
+    p.add_argument(
+        "--keep-page-cache",
+        action="store_true",
+        help="warm restart: leave the block files in the OS page cache (default: dropped, read from disk)",
+    )
     p.add_argument("--skip", choices=("docs", "restart"), default=None, help="leave out one part")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()

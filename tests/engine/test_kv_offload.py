@@ -150,16 +150,18 @@ def _block_file(tmp_path, core, position: int) -> Path:
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
-def test_a_damaged_block_file_is_dropped_and_recomputed(cold, tmp_path, caplog, damage):
+def test_a_damaged_block_file_is_dropped_and_recomputed(cold, tmp_path, caplog, damage, monkeypatch):
     """A byte changed on disk, a file cut short or one deleted between lookup and read: the prefix before it
     loads, the rest is recomputed, the tokens are a cold run's, and the request succeeds."""
     _warm_dir(tmp_path)
     core = make_core(kv_offload_dir=str(tmp_path))
     try:
         path = _block_file(tmp_path, core, 4)
-        if damage == "delete":
-            core.kv_offload.known_on_disk.add(int(path.stem, 16))  # the lookup believes it is there
+        if damage == "delete":  # after the lookup found it: the lookup is made to believe it is still there
             path.unlink()
+            gone = int(path.stem, 16)
+            found = tiers.DiskTier.__contains__
+            monkeypatch.setattr(tiers.DiskTier, "__contains__", lambda self, h: h == gone or found(self, h))
         else:
             data = bytearray(path.read_bytes())
             if damage == "flip":
@@ -393,3 +395,16 @@ def test_tier_stats_add_up_across_data_parallel_cores_and_reach_prometheus():
     assert 'fulcrum:kv_offload_load_seconds_count{model_name="m",tier="ram"} 3.0' in text
     assert 'fulcrum:kv_offload_load_seconds_sum{model_name="m",tier="ram"} 0.0023' in text
     assert "kv_offload" not in generate_latest(ServerMetrics("idle").registry).decode()  # no tiers, no series
+
+
+def test_a_cap_over_the_free_space_shrinks_to_it(tmp_path, caplog, monkeypatch):
+    from fulcrum.engine.kv_offload import offload
+
+    monkeypatch.setattr(offload, "free_bytes", lambda path: 10 << 20)
+    with caplog.at_level(logging.WARNING, logger="fulcrum.engine.kv_offload"):
+        core = make_core(kv_offload_dir=str(tmp_path), kv_offload_dir_size=4.0)
+    try:
+        assert "has 0.0 GiB free, under the disk tier's cap of 4.0 GiB" in caplog.text
+        assert core.kv_offload.disk.capacity == int(0.9 * (10 << 20))
+    finally:
+        core.shutdown()

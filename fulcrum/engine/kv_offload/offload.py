@@ -98,10 +98,11 @@ class KVOffload:
             cap = int(config.kv_offload_dir_size * 2**30)
             self.disk = DiskTier(config.kv_offload_dir, cap, layout, shapes, dtypes)
             room = free_bytes(self.disk.root) if self.disk.writable else cap
-            if room < cap - self.disk.used:
-                log.warning("KV offload: %s has %.1f GiB free, under the disk tier's cap of %.1f GiB; writes that "
-                            "do not fit are skipped", self.disk.root, room / 2**30, cap / 2**30)  # fmt: skip
-        self.known_on_disk: set[int] = set()  # hashes this process wrote or read there (others' still found by stat)
+            if room < cap - self.disk.used:  # the least recently used make room before the filesystem fills
+                self.disk.capacity = self.disk.used + int(0.9 * room)
+                log.warning("KV offload: %s has %.1f GiB free, under the disk tier's cap of %.1f GiB: the tier "
+                            "keeps to %.1f GiB", self.disk.root, room / 2**30, cap / 2**30,
+                            self.disk.capacity / 2**30)  # fmt: skip
         self.pending: dict[str, LoadJob] = {}  # request id -> its disk load
         self.staged: dict[str, dict[int, BlockData]] = {}  # read from disk for a request, until its admission
         self.results: queue.SimpleQueue[LoadJob] = queue.SimpleQueue()
@@ -138,10 +139,7 @@ class KVOffload:
         todo = []
         for block_id, h in freed.items():
             to_ram = self.ram is not None and h not in self.ram
-            to_disk = self.disk is not None and self.disk.writable and h not in self.known_on_disk
-            if to_disk and h in self.disk:
-                self.known_on_disk.add(h)
-                to_disk = False
+            to_disk = self.disk is not None and self.disk.writable and h not in self.disk
             if to_ram or to_disk:
                 todo.append((block_id, h, to_ram, to_disk))
             self._mark_stored(block_id, h)
@@ -160,7 +158,6 @@ class KVOffload:
                     continue
                 with self.lock:
                     self.backlog += nbytes
-                self.known_on_disk.add(h)
                 self.writes.put((h, d))
         if self.ram is not None:
             self.latency["store:ram"].observe(time.perf_counter() - t0)
@@ -237,7 +234,7 @@ class KVOffload:
                 yield h, staged[h], "disk"
             elif self.ram is not None and (d := self.ram.get(h)) is not None:
                 yield h, d, "ram"
-            elif self.disk is not None and (h in self.known_on_disk or h in self.disk):
+            elif self.disk is not None and h in self.disk:
                 yield h, None, "disk"
             else:
                 return
@@ -298,9 +295,8 @@ class KVOffload:
                 log.warning("request %s: KV offload: %s; the rest of its prefix is recomputed", rid, job.error)
             self.latency["load:disk"].observe(job.seconds)
             self.staged[rid] = dict(zip(job.hashes, job.data))
-            for h, d in self.staged[rid].items():
-                self.known_on_disk.add(h)
-                if self.ram is not None:
+            if self.ram is not None:
+                for h, d in self.staged[rid].items():
                     self.ram.put(h, d)  # promoted: the next hit is a copy, not a read
             ready.append(job.req)
         return ready

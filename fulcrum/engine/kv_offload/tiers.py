@@ -109,8 +109,8 @@ class BlockFileError(Exception):
 
 class DiskTier:
     """Block files under `root/<layout id>/`. `contains` and `read` may run on any thread; writes and evictions run
-    on the offload writer's thread. Errors are the caller's to log: `put` raises OSError, `get` BlockFileError (and
-never returns None: the offload asks for blocks it found)."""
+        on the offload writer's thread. Errors are the caller's to log: `put` raises OSError, `get` BlockFileError (and
+    never returns None: the offload asks for blocks it found)."""
 
     name = "disk"
 
