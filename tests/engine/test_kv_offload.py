@@ -17,6 +17,7 @@ from fulcrum.engine.core import EngineCore
 from fulcrum.engine.kv_offload import tiers
 from fulcrum.errors import InvalidRequestError
 from fulcrum.sampling_params import SamplingParams
+from tests.engine.stepping import run_request
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 BS = 16
@@ -34,15 +35,8 @@ def make_core(model=None, **kw) -> EngineCore:
 
 
 def run(core: EngineCore, rid: str, ids, sp=GREEDY):
-    """Step the core until `rid` ends: (its tokens, its last output)."""
-    core.add_request(rid, list(ids), sp)
-    toks, last = [], None
-    deadline = time.time() + 60
-    while core.has_unfinished_requests() and time.time() < deadline:
-        for o in core.step():
-            if o.request_id == rid:
-                toks += o.new_token_ids
-                last = o
+    """Step the core until `rid` ends: (its tokens, its last output), which must end at its length."""
+    toks, last = run_request(core, rid, ids, sp)
     assert last is not None and last.finish_reason == "length", last
     return toks, last
 

@@ -16,6 +16,7 @@ from fulcrum.engine.kv_transfer import KVTransferConfig, KVTransferError, check_
 from fulcrum.errors import InvalidRequestError
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.utils.tokenizer import load_tokenizer
+from tests.engine.stepping import run_request
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 PREFILL = SamplingParams(max_tokens=1, temperature=0)
@@ -51,15 +52,7 @@ def cores():
 
 def run(core: EngineCore, rid: str, ids, sp=GREEDY, params=None):
     """Step the core until `rid` ends: (its tokens, its last output)."""
-    core.add_request(rid, ids, sp, kv_transfer_params=params)
-    toks, last = [], None
-    deadline = time.time() + 60
-    while core.has_unfinished_requests() and time.time() < deadline:
-        for o in core.step():
-            if o.request_id == rid:
-                toks += o.new_token_ids
-                last = o
-    return toks, last
+    return run_request(core, rid, ids, sp, params)
 
 
 def settle(*cores, until=lambda: True, timeout=5.0):
