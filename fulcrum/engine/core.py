@@ -159,7 +159,7 @@ class EngineCore:
         """A request ready to run: it pulls a remote prefill's blocks, or loads its prefix from the offload tiers,
         or goes to the scheduler."""
         if self.kv_offload is not None:
-            self.kv_offload.flush()  # a pull or a load writes blocks that may be freed ones not yet copied out
+            self.kv_offload.flush()  # a pull writes blocks that may be freed ones not yet copied out
         if self.kv_transfer is not None and self.kv_transfer.add(req):
             return
         if self.kv_offload is not None and self.kv_offload.add(req):

@@ -152,13 +152,6 @@ class KVCacheManager:
             n = req.num_tokens if num_tokens is None else num_tokens
             self._cache_full_blocks(req, self.req_blocks.get(req.request_id, []), n)
 
-    def truncate(self, request_id: str, num_blocks: int) -> None:
-        """Free a request's blocks after its first `num_blocks` (blocks reserved for data that did not come)."""
-        blocks = self.req_blocks.get(request_id)
-        if blocks is not None and len(blocks) > num_blocks:
-            self._drop(blocks[num_blocks:])
-            del blocks[num_blocks:]
-
     def hand_over(self, request_id: str, holder_id: str, num_blocks: int) -> list[int]:
         """Move a request's first `num_blocks` blocks to `holder_id` (a KV transfer's lease, freed later with
         `release`) and free the rest; returns the ids handed over (none when one of them was already released)."""
