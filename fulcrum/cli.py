@@ -340,6 +340,7 @@ def _serve(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         log_level=args.log_level,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         allowed_origins=args.allowed_origins,
         max_body_mb=args.max_request_body_mb,
         header_timeout=args.header_timeout,
@@ -421,6 +422,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(TOOL_PARSERS),
         default=None,
         help="how the model writes tool calls (tool_choice auto needs it; required and named work without it)",
+    )
+    s.add_argument(
+        "--reasoning-parser",
+        choices=("deepseek_r1", "qwen3"),
+        default=None,
+        help="a reasoning model's thought (<think>...</think>) goes to reasoning_content, split from the answer: "
+        "qwen3 (the model opens the block) or deepseek_r1 (the chat template opens it in the prompt)",
     )
     s.add_argument(
         "--enable-auto-tool-choice",

@@ -69,6 +69,7 @@ def serve(
     allowed_origins: list[str] | None = None,
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
+    reasoning_parser: str | None = None,
 ) -> int:
     try:
         sock = bind_port(host, port)
@@ -89,6 +90,7 @@ def serve(
             allowed_origins,
             max_body_mb,
             header_timeout,
+            reasoning_parser,
         )
 
 
@@ -105,6 +107,7 @@ def _run(
     allowed_origins: list[str] | None = None,
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
+    reasoning_parser: str | None = None,
 ) -> int:
     host, port = sock.getsockname()[:2]  # the port is the system's choice under --port 0
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -118,6 +121,7 @@ def _run(
     name = served_model_name or default_model_name(config.model, engine.model_path)
     state = ServerState(engine, name, api_key, ServerMetrics(name, compat_vllm=metrics_compat == "vllm"))
     state.tool_call_parser = tool_call_parser
+    state.reasoning_parser = reasoning_parser
     state.allowed_origins = list(allowed_origins or [])
     state.max_body_bytes = int(max_body_mb * 2**20)
     app = build_app(state)
