@@ -1,0 +1,259 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`) on the chat path: a request becomes a
+chat completion request (system, text and tool_use/tool_result blocks, tools and tool_choice, stop_sequences,
+thinking), its answer becomes a message with text, thinking and tool_use blocks; errors take Anthropic's shape on
+these routes. Work in progress on branch issue-43: streaming is not there yet (a 400 says so)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fulcrum.errors import InvalidRequestError
+from fulcrum.http_errors import status_of
+from fulcrum.protocol import ChatCompletionRequest, random_id
+
+# HTTP status -> Anthropic's error type
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}  # fmt: skip
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
+
+
+def error(status: int, message: str) -> JSONResponse:
+    body = {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+    return JSONResponse(body, status_code=status)
+
+
+def error_of(e: BaseException) -> JSONResponse:
+    return error(status_of(e), str(e) or type(e).__name__)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextBlock(Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: dict | None = None  # a prompt-caching hint: fulcrum's prefix cache needs none
+
+
+class ToolUseBlock(Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict | None = None
+
+
+class ToolResultBlock(Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+    cache_control: dict | None = None
+
+
+class ThinkingBlock(Strict):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+
+
+class Message(Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(Strict):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: dict | None = None
+
+
+class ToolChoice(Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class Thinking(Strict):
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = None
+
+
+class CountTokensRequest(Strict):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = None
+    top_k: int | None = None
+    metadata: dict | None = None  # a user id, for Anthropic's abuse tracking: changes nothing here
+
+
+def _text(content: str | list[TextBlock]) -> str:
+    return content if isinstance(content, str) else "".join(b.text for b in content)
+
+
+def to_chat(req: CountTokensRequest, reasoning: bool) -> dict:
+    """The chat completion request body this messages request means."""
+    messages: list[dict] = []
+    if req.system:
+        messages.append({"role": "system", "content": _text(req.system)})
+    for m in req.messages:
+        if isinstance(m.content, str):
+            messages.append({"role": m.role, "content": m.content})
+            continue
+        text, calls = [], []
+        for b in m.content:
+            if isinstance(b, TextBlock):
+                text.append(b.text)
+            elif isinstance(b, ToolUseBlock):
+                if m.role != "assistant":
+                    raise InvalidRequestError("tool_use blocks are the assistant's", "messages")
+                args = json.dumps(b.input)
+                calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": args}})
+            elif isinstance(b, ToolResultBlock):
+                if m.role != "user":
+                    raise InvalidRequestError("tool_result blocks are the user's", "messages")
+                result = _text(b.content)
+                messages.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                                 "content": f"Error: {result}" if b.is_error else result})  # fmt: skip
+            # a thinking block of an earlier turn is not sent back to the template (as Claude's API drops it)
+        if text or calls:
+            msg: dict[str, Any] = {"role": m.role, "content": "".join(text)}
+            if calls:
+                msg["tool_calls"] = calls
+            messages.append(msg)
+    body: dict[str, Any] = {"messages": messages}
+    if req.tools:
+        body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                           "parameters": t.input_schema}} for t in req.tools]  # fmt: skip
+    choice = req.tool_choice
+    if choice is not None:
+        if choice.type == "tool":
+            if not choice.name:
+                raise InvalidRequestError("tool_choice of type tool needs a name", "tool_choice")
+            body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        else:
+            body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        if choice.disable_parallel_tool_use:
+            body["parallel_tool_calls"] = False
+    if req.thinking is not None:
+        if req.thinking.type == "enabled" and not reasoning:
+            raise InvalidRequestError("thinking needs a reasoning model: start the server with --reasoning-parser",
+                                      "thinking")  # fmt: skip
+        body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type == "enabled"}
+    return body
+
+
+def sampling_fields(req: MessagesRequest) -> dict:
+    out: dict[str, Any] = {"max_tokens": req.max_tokens}
+    if req.stop_sequences:
+        out["stop"] = req.stop_sequences
+    for name in ("temperature", "top_p", "top_k"):
+        if getattr(req, name) is not None:
+            out[name] = getattr(req, name)
+    return out
+
+
+def to_message(chat: dict, model: str, stop_sequences: list[str] | None) -> dict:
+    """A chat completion response as Anthropic's message."""
+    choice = chat["choices"][0]
+    msg = choice["message"]
+    content: list[dict] = []
+    if msg.get("reasoning_content"):
+        content.append({"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""})
+    if msg.get("content"):
+        content.append({"type": "text", "text": msg["content"]})
+    for call in msg.get("tool_calls") or []:
+        content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                        "input": json.loads(call["function"]["arguments"] or "{}")})  # fmt: skip
+    stop_reason, stop_sequence = STOP_REASONS.get(choice["finish_reason"], "end_turn"), None
+    if msg.get("tool_calls"):  # OpenAI says "stop" for a forced (named) call; Anthropic says tool_use for any
+        stop_reason = "tool_use"
+    if isinstance(choice.get("stop_reason"), str) and choice["stop_reason"] in (stop_sequences or []):
+        stop_reason, stop_sequence = "stop_sequence", choice["stop_reason"]
+    usage = chat["usage"]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {
+        "id": random_id("msg"),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": {
+            "input_tokens": usage["prompt_tokens"] - cached,
+            "output_tokens": usage["completion_tokens"],
+            "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0,
+        },  # fmt: skip
+    }
+
+
+async def _body(request: Request, model) -> BaseModel:
+    try:
+        data = await request.json()
+    except ValueError as e:
+        raise InvalidRequestError(f"the body is not valid JSON: {e}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise InvalidRequestError(f"{where}: {first.get('msg')}" if where else first.get("msg"), where) from None
+
+
+async def create_message(state, request: Request):
+    from fulcrum.server.chat import create_chat_completion
+
+    try:
+        req = await _body(request, MessagesRequest)
+        if req.stream:
+            raise InvalidRequestError("stream is not supported on /v1/messages yet", "stream")
+        chat = ChatCompletionRequest.model_validate(
+            {**to_chat(req, state.reasoning_parser is not None), **sampling_fields(req), "model": req.model}
+        )
+        response = await create_chat_completion(state, chat, request)
+        if not hasattr(response, "model_dump"):
+            return response  # the client went away
+        return to_message(response.model_dump(), state.model_name, req.stop_sequences)
+    except ValidationError as e:
+        return error(400, str(e.errors()[0].get("msg")))
+    except Exception as e:
+        return error_of(e)
+
+
+async def count_tokens(state, request: Request):
+    try:
+        req = await _body(request, CountTokensRequest)
+        state.check_model(req.model)
+        chat = ChatCompletionRequest.model_validate({**to_chat(req, state.reasoning_parser is not None),
+                                                     "model": req.model})  # fmt: skip
+        tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
+        ids = state.chat_ids(chat.messages, True, tools, chat.chat_template_kwargs)
+        return {"input_tokens": len(ids)}
+    except ValidationError as e:
+        return error(400, str(e.errors()[0].get("msg")))
+    except Exception as e:
+        return error_of(e)
