@@ -1,7 +1,8 @@
 """Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`) on the chat path: a request becomes a
 chat completion request (system, text and tool_use/tool_result blocks, tools and tool_choice, stop_sequences,
 thinking), its answer becomes a message with text, thinking and tool_use blocks; errors take Anthropic's shape on
-these routes. Work in progress on branch issue-43: streaming is not there yet (a 400 says so)."""
+these routes. Streamed, the chat chunks become Anthropic's events: message_start, a content block per thought, text
+and tool call (content_block_start / _delta / _stop), message_delta with the stop reason and usage, message_stop."""
 
 from __future__ import annotations
 
@@ -211,6 +212,71 @@ def to_message(chat: dict, model: str, stop_sequences: list[str] | None) -> dict
     }
 
 
+def event_sse(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+def error_sse(e: BaseException) -> str:
+    body = {"type": "error", "error": {"type": ERROR_TYPES.get(status_of(e), "api_error"), "message": str(e)}}
+    return event_sse(body)
+
+
+async def stream_events(chunks, model: str, stop_sequences: list[str] | None):
+    """Anthropic's stream events from the chat path's chunks: one content block at a time, a thought's deltas,
+    then text's, then each tool call (complete when the chat parser releases it) as a tool_use block."""
+    yield {"type": "message_start", "message": {
+        "id": random_id("msg"), "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}}  # fmt: skip
+    index, open_kind = -1, None  # the block being streamed
+    finish, stop_reason, usage, called = None, None, None, False
+
+    def close():
+        return {"type": "content_block_stop", "index": index}
+
+    async for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            delta = choice.delta
+            for kind, text in (("thinking", delta.reasoning_content), ("text", delta.content)):
+                if not text:
+                    continue
+                if open_kind != kind:
+                    if open_kind is not None:
+                        yield close()
+                    index, open_kind = index + 1, kind
+                    block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {
+                        "type": "text", "text": ""}  # fmt: skip
+                    yield {"type": "content_block_start", "index": index, "content_block": block}
+                piece = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {
+                    "type": "text_delta", "text": text}  # fmt: skip
+                yield {"type": "content_block_delta", "index": index, "delta": piece}
+            for call in delta.tool_calls or []:
+                if open_kind is not None:
+                    yield close()
+                index, open_kind, called = index + 1, None, True
+                start = {"type": "tool_use", "id": call.id, "name": call.function.name, "input": {}}
+                yield {"type": "content_block_start", "index": index, "content_block": start}
+                piece = {"type": "input_json_delta", "partial_json": call.function.arguments or "{}"}
+                yield {"type": "content_block_delta", "index": index, "delta": piece}
+                yield close()
+            if choice.finish_reason is not None:
+                finish, stop_reason = choice.finish_reason, getattr(choice, "stop_reason", None)
+    if open_kind is not None:
+        yield close()
+    reason, sequence = STOP_REASONS.get(finish, "end_turn"), None
+    if called:
+        reason = "tool_use"
+    elif isinstance(stop_reason, str) and stop_reason in (stop_sequences or []):
+        reason, sequence = "stop_sequence", stop_reason
+    out = {"output_tokens": usage.completion_tokens if usage else 0}
+    if usage is not None:
+        cached = (usage.prompt_tokens_details or {}).get("cached_tokens", 0)
+        out.update(input_tokens=usage.prompt_tokens - cached, cache_read_input_tokens=cached)
+    yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": out}
+    yield {"type": "message_stop"}
+
+
 async def _body(request: Request, model) -> BaseModel:
     try:
         data = await request.json()
@@ -229,12 +295,18 @@ async def create_message(state, request: Request):
 
     try:
         req = await _body(request, MessagesRequest)
+        body = {**to_chat(req, state.reasoning_parser is not None), **sampling_fields(req), "model": req.model}
         if req.stream:
-            raise InvalidRequestError("stream is not supported on /v1/messages yet", "stream")
-        chat = ChatCompletionRequest.model_validate(
-            {**to_chat(req, state.reasoning_parser is not None), **sampling_fields(req), "model": req.model}
-        )
-        response = await create_chat_completion(state, chat, request)
+            body.update(stream=True, stream_options={"include_usage": True})
+        chat = ChatCompletionRequest.model_validate(body)
+
+        def stream_as(run, chunks):
+            events = stream_events(chunks, state.model_name, req.stop_sequences)
+            return run.stream(events, encode=event_sse, encode_error=error_sse, done="")
+
+        response = await create_chat_completion(state, chat, request, stream_as)
+        if req.stream:
+            return response
         if not hasattr(response, "model_dump"):
             return response  # the client went away
         return to_message(response.model_dump(), state.model_name, req.stop_sequences)

@@ -25,7 +25,11 @@ from fulcrum.server.streaming import StartedRequest, check_kv_transfer_request, 
 from fulcrum.server.tools import ToolCalling, delta_calls, response_calls
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
+async def create_chat_completion(
+    state: ServerState, req: ChatCompletionRequest, request: Request, stream_as=None
+):
+    """The chat completion, whole or streamed as SSE; `stream_as` (another API on this path, such as Anthropic's
+    messages): a function of the chunk events that returns the response to stream instead."""
     state.check_model(req.model)
     tok = state.engine.tokenizer
     tools = ToolCalling.of(req, state.tool_call_parser)
@@ -124,7 +128,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             if req.stream_options and req.stream_options.include_usage and ro is not None:
                 yield chunk([], usage_of([ro]))
 
-        return run.stream(events())
+        return stream_as(run, events()) if stream_as is not None else run.stream(events())
 
     last = await run.collect(request)
     if not isinstance(last, dict):

@@ -85,3 +85,35 @@ def test_errors_have_anthropics_shape(client, server):
     r = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": KEY},
                    json={"model": "shakespeare", "max_tokens": 4, "messages": [], "bogus": 1})  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_streamed_events_build_the_same_message(client):
+    kw = dict(
+        model="shakespeare",
+        max_tokens=16,
+        messages=[{"role": "user", "content": "ROMEO:"}],
+        extra_body={"temperature": 0},
+    )  # greedy: the SDK no longer names the field
+    whole = client.messages.create(**kw)
+    with client.messages.stream(**kw) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == whole.content[0].text == final.content[0].text
+    assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
+    types = []
+    with client.messages.create(**kw, stream=True) as events:
+        types = [e.type for e in events]
+    assert types[0] == "message_start" and types[-2:] == ["message_delta", "message_stop"]
+    assert {"content_block_start", "content_block_delta", "content_block_stop"} <= set(types)
+
+
+def test_a_streamed_tool_use(client):
+    with client.messages.stream(
+        model="shakespeare", max_tokens=100, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"},
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+    ) as stream:  # fmt: skip
+        final = stream.get_final_message()
+    use = [b for b in final.content if b.type == "tool_use"]
+    assert (
+        final.stop_reason == "tool_use" and use[0].name == "get_weather" and use[0].input["city"] in ("Paris", "Rome")
+    )
