@@ -43,7 +43,7 @@ class ToolCalling:
         if not self.forced and parser_name is None:
             raise InvalidRequestError(
                 'tool_choice "auto" needs a tool-call parser: start the server with --tool-call-parser '
-                "(hermes, llama3_json or mistral), or ask for tool_choice required or a named function",
+                "(one of fulcrum serve --help's), or ask for tool_choice required or a named function",
                 param="tool_choice",
             )
         self.parser_name = parser_name or DEFAULT_FORCED_FORMAT
