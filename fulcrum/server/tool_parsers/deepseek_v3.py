@@ -46,6 +46,11 @@ class DeepSeekV3ToolParser(ToolParser):
 
     name = "deepseek_v3"
     arguments_key = "arguments"
+    calls_prefix, calls_suffix = CALLS_BEGIN, CALLS_END
+
+    @classmethod
+    def forced_call(cls, name: str) -> tuple[str, str]:
+        return f"{CALL_BEGIN}{_TYPE}{name}\n{_FENCE_OPEN}\n", f"\n{_FENCE_CLOSE}{CALL_END}"
 
     def __init__(self, tools: list[dict] | None = None, check: CallCheck | None = None):
         super().__init__(tools, check)

@@ -75,6 +75,7 @@ class PythonicToolParser(ToolParser):
     call_separator = ", "
     calls_prefix = "["
     calls_suffix = "]"
+    forces_calls = False  # keyword arguments are no JSON object: a forced call is written in Hermes' format
 
     def __init__(self, tools: list[dict] | None = None, check: CallCheck | None = None):
         super().__init__(tools, check)
