@@ -28,7 +28,7 @@ from fulcrum.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from fulcrum.server import anthropic_messages
+from fulcrum.server import anthropic_messages, responses_api
 from fulcrum.server.chat import create_chat_completion
 from fulcrum.server.completions import create_completion
 from fulcrum.server.limits import BodyLimit, off_loop
@@ -103,6 +103,19 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/messages/count_tokens", response_model=None)
     async def messages_count_tokens(request: Request):
         return await anthropic_messages.count_tokens(state, request)
+
+    @app.post("/v1/responses", response_model=None, responses=ERROR_RESPONSES)
+    async def responses(request: Request):
+        """OpenAI's Responses API (fulcrum/server/responses_api.py)."""
+        return await responses_api.create_response(state, request)
+
+    @app.get("/v1/responses/{response_id}", response_model=None, responses=ERROR_RESPONSES)
+    async def get_response(response_id: str):
+        return await responses_api.get_response(state, response_id)
+
+    @app.delete("/v1/responses/{response_id}", response_model=None, responses=ERROR_RESPONSES)
+    async def delete_response(response_id: str):
+        return await responses_api.delete_response(state, response_id)
 
     @app.get("/health", responses={503: {"description": "the engine is not running, or the server is draining"}})
     async def health():
