@@ -150,13 +150,36 @@ def parse_request(data: Any) -> ResponsesRequest:
         raise invalid(e) from None
 
 
+TAGS = {"message", "function_call", "function_call_output", "reasoning"}
+
+
+def _where(loc) -> str:
+    """A field's dotted path, without the names pydantic gives a union's branches (str, list[...], a tag)."""
+    parts, prev = [], None
+    for p in loc:
+        branch = isinstance(p, str) and ("[" in p or p in ("str", "int", "float", "bool") or p[:1].isupper()
+                                         or (p in TAGS and isinstance(prev, int)))  # fmt: skip
+        if not branch:
+            parts.append(str(p))
+        prev = p
+    return ".".join(parts)
+
+
 def invalid(e: ValidationError) -> InvalidRequestError:
-    """A 400 naming the field: an unknown one as such."""
-    first = e.errors()[0] if e.errors() else {}
+    """A 400 naming the field: an unknown one as such; of a union's branches, the one that got furthest."""
+    errors = e.errors()
+    if not errors:
+        return InvalidRequestError("the request is invalid")
+    unknown = [x for x in errors if x.get("type") == "extra_forbidden"]
+    first = max(unknown or errors, key=lambda x: len(x.get("loc", ())))
+    where = _where(first.get("loc", ()))
     if first.get("type") == "extra_forbidden":
-        where = ".".join(str(p) for p in first.get("loc", ()))
         return InvalidRequestError(f"unknown field {where!r}: {ENDPOINT} does not take it", param=where)
-    return InvalidRequestError(*validation_message(e))
+    cause = (first.get("ctx") or {}).get("error")
+    if getattr(cause, "param", None):
+        return InvalidRequestError(str(cause), cause.param)
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return InvalidRequestError(f"{where or 'request'}: {msg}", where or None)
 
 
 # -- the store ------------------------------------------------------------------------------------------------------
@@ -337,7 +360,7 @@ def to_output(chat: dict) -> tuple[list[dict], str]:
     if msg.get("reasoning_content"):
         output.append(reasoning_item(msg["reasoning_content"]))
     calls = msg.get("tool_calls") or []
-    if msg.get("content") or not calls:
+    if msg.get("content") or not (calls or output):  # an answer, or nothing at all: not a thought cut short
         output.append(message_item(msg.get("content") or "", status))
     for call in calls:
         output.append(call_item(call["id"], call["function"]["name"], call["function"]["arguments"] or "{}"))
@@ -493,7 +516,8 @@ async def create_response(state, request: Request):
         items = ITEMS.validate_python(context)
         chat = ChatCompletionRequest.model_validate(to_chat(req, items))
     except ValidationError as e:
-        raise InvalidRequestError(*validation_message(e)) from None
+        chat_error = e.title == "ChatCompletionRequest"
+        raise InvalidRequestError(*validation_message(e)) if chat_error else invalid(e) from None
     rid, created = new_id("resp"), int(time.time())
 
     def finished(response: dict) -> None:

@@ -1,6 +1,6 @@
 """OpenAI's Responses API through the official `openai` client: a plain response, a streamed one (its text deltas make
 the final text), a function call whose output goes back through previous_response_id, text.format json_schema,
-GET and DELETE of a stored response, and an unknown field refused with a 400 naming it."""
+GET and DELETE of a stored response, a reasoning model's thought as a reasoning item, and an unknown field refused with a 400 naming it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.server.test_reasoning import thinking_server  # noqa: F401  (a fixture: a --reasoning-parser server)
 from tests.servers import start_server
 
 WEATHER = {
@@ -138,3 +139,20 @@ def test_an_unknown_field_is_a_400_naming_it(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="shakespeare", input="x", truncation="auto")
     assert e.value.body["param"] == "truncation"
+
+
+@pytest.fixture(scope="module")
+def thinking_client(thinking_server):  # noqa: F811
+    return openai.OpenAI(base_url=thinking_server.url + "/v1", api_key="none", max_retries=0)
+
+
+def test_a_reasoning_model_gives_a_reasoning_item(thinking_client):
+    # the tiny model never writes </think> unforced: the whole answer is a thought cut by max_output_tokens
+    kw = dict(model="shakespeare", input="Think first.", max_output_tokens=24, temperature=0)
+    r = thinking_client.responses.create(**kw)
+    assert [o.type for o in r.output] == ["reasoning"] and r.status == "incomplete"
+    thought = r.output[0].content[0].text
+    assert thought and r.output_text == ""
+    events = list(thinking_client.responses.create(**kw, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == thought and events[-1].response.output[0].content[0].text == thought
