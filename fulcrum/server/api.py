@@ -28,7 +28,7 @@ from fulcrum.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from fulcrum.server import anthropic_messages, responses_api
+from fulcrum.server import anthropic_messages, embeddings, responses_api
 from fulcrum.server.chat import create_chat_completion
 from fulcrum.server.completions import create_completion
 from fulcrum.server.limits import BodyLimit, off_loop
@@ -116,6 +116,11 @@ def build_app(state: ServerState) -> FastAPI:
     @app.delete("/v1/responses/{response_id}", response_model=None, responses=ERROR_RESPONSES)
     async def delete_response(response_id: str):
         return await responses_api.delete_response(state, response_id)
+
+    @app.post("/v1/embeddings", response_model=None, responses=ERROR_RESPONSES)
+    async def create_embeddings(request: Request):
+        """OpenAI's embeddings, from an embedding model (fulcrum/server/embeddings.py)."""
+        return await embeddings.create_embedding(state, request)
 
     @app.get("/health", responses={503: {"description": "the engine is not running, or the server is draining"}})
     async def health():
