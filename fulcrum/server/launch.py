@@ -146,7 +146,8 @@ def _run(
             f"fulcrum serving {name} on {url} | KV cache: {ready.num_blocks} blocks x "
             f"{ready.block_size} tokens = {ready.num_blocks * ready.block_size} tokens ({ready.kv_cache_dtype}) | "
             f"max_model_len {ready.max_model_len}"
-            + (f" | weights: {ready.weights}, {ready.weight_bytes / 2**20:.1f} MiB" if ready.weights else ""),
+            + (f" | weights: {ready.weights}, {ready.weight_bytes / 2**20:.1f} MiB" if ready.weights else "")
+            + (_embedding_line(ready) if ready.task == "embed" else ""),
             flush=True,
         )
         await server.serve(sockets=[sock])
@@ -162,3 +163,11 @@ def _run(
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, FulcrumError | ValueError) else 1
     return exit_code["code"] or server.exit_code
+
+
+def _embedding_line(ready) -> str:
+    p = ready.pooler
+    how = f"{p.pooling_type}-token" if p.pooling_type != "mean" else "mean"
+    dims = " (matryoshka)" if p.matryoshka else ""
+    norm = ", normalised" if p.normalize else ""
+    return f" | embeddings at /v1/embeddings: {how} pooling{norm}, {ready.hidden_size} dimensions{dims} ({p.source})"

@@ -144,3 +144,16 @@ def test_a_module_fulcrum_does_not_run_is_refused_by_name(st_model, tmp_path):
     (folder / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ModelLoadError, match="sentence_transformers.models.Dense"):
         LLM(str(folder), dtype="float32", kv_cache_memory=2**24)
+
+
+def test_async_scheduling_and_a_prompt_in_chunks(st_model):
+    """With --async-scheduling an embedding step runs synchronously (it reads the prompt's hidden states); a prompt
+    longer than the step budget is pooled over several steps, with every block given back at the end."""
+    folder = st_model("mean")
+    with LLM(str(folder), dtype="float32", kv_cache_memory=2**24, async_scheduling=True,
+             max_num_batched_tokens=16) as llm:  # fmt: skip
+        out = llm.embed([LONG, *TEXTS], use_tqdm=False)
+        stats = llm.stats()
+    np.testing.assert_allclose(np.array([o.outputs.embedding for o in out]), reference(folder, [LONG, *TEXTS]),
+                               atol=1e-4)  # fmt: skip
+    assert stats["num_free_blocks"] == stats["num_blocks"]
