@@ -621,6 +621,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # on the finishing chunk: the stop string or token that ended it, as vLLM
 
 
 class ChatCompletionChunk(BaseModel):

@@ -25,9 +25,7 @@ from fulcrum.server.streaming import StartedRequest, check_kv_transfer_request, 
 from fulcrum.server.tools import ToolCalling, delta_calls, response_calls
 
 
-async def create_chat_completion(
-    state: ServerState, req: ChatCompletionRequest, request: Request, stream_as=None
-):
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request, stream_as=None):
     """The chat completion, whole or streamed as SSE; `stream_as` (another API on this path, such as Anthropic's
     messages): a function of the chunk events that returns the response to stream instead."""
     state.check_model(req.model)
@@ -122,9 +120,11 @@ async def create_chat_completion(
                     prompt_lp = None
                     if req.prompt_logprobs is not None and not prompt_sent:  # with the first chunk of text
                         prompt_lp, prompt_sent = prompt_logprobs(tok, ro.prompt_logprobs), True
-                    yield chunk(
-                        [ChatStreamChoice(index=j, delta=delta_msg, logprobs=lp, finish_reason=finish)], None, prompt_lp
+                    stop = out.stop_reason if finish is not None else None
+                    choice = ChatStreamChoice(
+                        index=j, delta=delta_msg, logprobs=lp, finish_reason=finish, stop_reason=stop
                     )
+                    yield chunk([choice], None, prompt_lp)
             if req.stream_options and req.stream_options.include_usage and ro is not None:
                 yield chunk([], usage_of([ro]))
 

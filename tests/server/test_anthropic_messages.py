@@ -3,6 +3,8 @@ tool_result sent back), count_tokens, and errors the SDK parses (Anthropic's sha
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -117,3 +119,32 @@ def test_a_streamed_tool_use(client):
     assert (
         final.stop_reason == "tool_use" and use[0].name == "get_weather" and use[0].input["city"] in ("Paris", "Rome")
     )
+
+
+def test_a_streamed_stop_sequence_is_named(client, server):
+    kw = dict(model="shakespeare", max_tokens=24, messages=[{"role": "user", "content": "ROMEO:"}],
+              extra_body={"temperature": 0})  # fmt: skip
+    free = client.messages.create(**kw).content[0].text
+    words = free.split()
+    assert len(words) > 2, free
+    stop = words[2]  # a word the model really writes, after some text
+    before = free[: free.index(stop)]
+    whole = client.messages.create(**kw, stop_sequences=["never-written", stop])
+    assert (whole.stop_reason, whole.stop_sequence) == ("stop_sequence", stop)
+    with client.messages.stream(**kw, stop_sequences=["never-written", stop]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == before == whole.content[0].text
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+    with client.messages.create(**kw, stop_sequences=[stop], stream=True) as events:
+        delta = [e for e in events if e.type == "message_delta"][0].delta
+    assert (delta.stop_reason, delta.stop_sequence) == ("stop_sequence", stop)
+    # the chat path's streamed chunks name it on the finishing choice, as vLLM's
+    body = {"model": "shakespeare", "max_tokens": 24, "temperature": 0, "stop": [stop], "stream": True,
+            "messages": [{"role": "user", "content": "ROMEO:"}]}  # fmt: skip
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers={"x-api-key": KEY}) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    choices = [c for line in lines for c in json.loads(line)["choices"]]
+    assert "".join(c["delta"].get("content") or "" for c in choices) == before
+    assert [(c["finish_reason"], c["stop_reason"]) for c in choices if c["finish_reason"]] == [("stop", stop)]
+    assert all(c["stop_reason"] is None for c in choices if not c["finish_reason"])
