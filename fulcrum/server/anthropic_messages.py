@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fulcrum.errors import InvalidRequestError
-from fulcrum.http_errors import status_of
+from fulcrum.http_errors import status_of, validation_message
 from fulcrum.protocol import ChatCompletionRequest, random_id
 
 # HTTP status -> Anthropic's error type
@@ -33,7 +33,8 @@ def error_of(e: BaseException) -> JSONResponse:
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # as Anthropic's API: unknown fields and values of the wrong JSON type ("4" for 4, true for 1) are a 400
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class TextBlock(Strict):
@@ -277,11 +278,24 @@ async def stream_events(chunks, model: str, stop_sequences: list[str] | None):
     yield {"type": "message_stop"}
 
 
+def chat_request(body: dict) -> ChatCompletionRequest:
+    """The chat request, or a 400 naming the field as this API calls it (stop_sequences, not the chat path's stop)."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        msg, param = validation_message(e)
+        if param is not None and param.split(".")[0].split("[")[0] == "stop" and msg.startswith("stop"):
+            msg = "stop_sequences" + msg.removeprefix("stop")
+        raise InvalidRequestError(msg) from None
+
+
 async def _body(request: Request, model) -> BaseModel:
     try:
         data = await request.json()
     except ValueError as e:
         raise InvalidRequestError(f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequestError("the body is nested too deeply to read as JSON") from None
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -298,7 +312,7 @@ async def create_message(state, request: Request):
         body = {**to_chat(req, state.reasoning_parser is not None), **sampling_fields(req), "model": req.model}
         if req.stream:
             body.update(stream=True, stream_options={"include_usage": True})
-        chat = ChatCompletionRequest.model_validate(body)
+        chat = chat_request(body)
 
         def stream_as(run, chunks):
             events = stream_events(chunks, state.model_name, req.stop_sequences)
@@ -310,8 +324,6 @@ async def create_message(state, request: Request):
         if not hasattr(response, "model_dump"):
             return response  # the client went away
         return to_message(response.model_dump(), state.model_name, req.stop_sequences)
-    except ValidationError as e:
-        return error(400, str(e.errors()[0].get("msg")))
     except Exception as e:
         return error_of(e)
 
@@ -320,12 +332,9 @@ async def count_tokens(state, request: Request):
     try:
         req = await _body(request, CountTokensRequest)
         state.check_model(req.model)
-        chat = ChatCompletionRequest.model_validate({**to_chat(req, state.reasoning_parser is not None),
-                                                     "model": req.model})  # fmt: skip
+        chat = chat_request({**to_chat(req, state.reasoning_parser is not None), "model": req.model})
         tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
         ids = state.chat_ids(chat.messages, True, tools, chat.chat_template_kwargs)
         return {"input_tokens": len(ids)}
-    except ValidationError as e:
-        return error(400, str(e.errors()[0].get("msg")))
     except Exception as e:
         return error_of(e)

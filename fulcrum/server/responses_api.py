@@ -33,7 +33,8 @@ def new_id(prefix: str) -> str:
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    # unknown fields and values of the wrong JSON type ("4" for 4, true for 1) are a 400, as OpenAI's API
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
 
 
 class TextPart(Strict):
@@ -311,7 +312,9 @@ def usage_of(usage: dict | None) -> dict | None:
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {
         "input_tokens": usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": cached},
+        # cache writes are not counted apart (the prefix cache keeps every prompt's full blocks, free): 0, as the
+        # messages route's cache_creation_input_tokens; the field is required by OpenAI's current schema
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
@@ -489,6 +492,21 @@ async def stream_events(chunks, req: ResponsesRequest, rid: str, created: int, m
     yield {"type": f"response.{status}", "response": response}
 
 
+# the chat request's fields a 400 may name, as this API calls them
+CHAT_NAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+
+
+def renamed(msg: str, param: str | None) -> tuple[str, str | None]:
+    head = (param or "").split(".")[0].split("[")[0]
+    if head not in CHAT_NAMES:
+        return msg, param
+    # a chat message's index is not its input item's (instructions come first, calls join a turn): the field only
+    name = CHAT_NAMES[head] if head == "messages" else CHAT_NAMES[head] + param[len(head) :]
+    if msg.startswith(param):
+        msg = name + msg[len(param) :]
+    return msg, name
+
+
 # -- routes ---------------------------------------------------------------------------------------------------------
 
 
@@ -499,6 +517,8 @@ async def create_response(state, request: Request):
         data = await request.json()
     except ValueError as e:
         raise InvalidRequestError(f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequestError("the body is nested too deeply to read as JSON") from None
     req = parse_request(data)
     store = store_of(state)
     context: list[dict] = []
@@ -517,7 +537,7 @@ async def create_response(state, request: Request):
         chat = ChatCompletionRequest.model_validate(to_chat(req, items))
     except ValidationError as e:
         chat_error = e.title == "ChatCompletionRequest"
-        raise InvalidRequestError(*validation_message(e)) if chat_error else invalid(e) from None
+        raise InvalidRequestError(*renamed(*validation_message(e))) if chat_error else invalid(e) from None
     rid, created = new_id("resp"), int(time.time())
 
     def finished(response: dict) -> None:
