@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from fulcrum.errors import InvalidRequestError
 from fulcrum.http_errors import status_of, validation_message
 from fulcrum.protocol import ChatCompletionRequest, random_id
+from fulcrum.server.limits import json_body
 
 # HTTP status -> Anthropic's error type
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -290,12 +291,7 @@ def chat_request(body: dict) -> ChatCompletionRequest:
 
 
 async def _body(request: Request, model) -> BaseModel:
-    try:
-        data = await request.json()
-    except ValueError as e:
-        raise InvalidRequestError(f"the body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise InvalidRequestError("the body is nested too deeply to read as JSON") from None
+    data = await json_body(request)
     try:
         return model.model_validate(data)
     except ValidationError as e:

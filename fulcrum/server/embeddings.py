@@ -5,7 +5,6 @@ scheduled together; vectors come back as floats or as base64 of little-endian fl
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from typing import Literal
 
@@ -19,7 +18,8 @@ from fulcrum.engine.request import resolve_pooling
 from fulcrum.errors import InvalidRequestError
 from fulcrum.http_errors import validation_message
 from fulcrum.sampling_params import SamplingParams
-from fulcrum.server.limits import off_loop
+from fulcrum.server.limits import json_body, off_loop
+from fulcrum.server.streaming import until_done
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 
@@ -54,10 +54,7 @@ def encode_vector(vector: list[float], encoding_format: str) -> list[float] | st
 
 
 async def create_embedding(state, request: Request):
-    try:
-        data = await request.json()
-    except ValueError as e:
-        raise InvalidRequestError(f"the body is not valid JSON: {e}") from None
+    data = await json_body(request)
     req = parse(data)
     state.check_model(req.model)
     if isinstance(req.input, list) and not req.input:
@@ -79,7 +76,7 @@ async def create_embedding(state, request: Request):
     pooling = resolve_pooling(ready.pooler, ready.hidden_size, None, req.normalize, req.dimensions)
     params = SamplingParams(max_tokens=1, pooling=pooling)
     try:
-        outputs = await _until_done(engine.encode(prompts, params, req.priority), request)
+        outputs = await until_done(engine.encode(prompts, params, req.priority), request)
     except InvalidRequestError as e:  # the engine's checks name a prompt; here it is an input
         if e.param == "prompt":
             e.param = "input"
@@ -96,15 +93,3 @@ async def create_embedding(state, request: Request):
         "model": state.model_name,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
-
-
-async def _until_done(work, request: Request):
-    """The outputs, unless the client goes away first: then the requests are aborted (499)."""
-    task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            return Response(status_code=499)

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapt
 from fulcrum.errors import InvalidRequestError
 from fulcrum.http_errors import error, status_of, validation_message
 from fulcrum.protocol import ChatCompletionRequest
+from fulcrum.server.limits import json_body
 
 ENDPOINT = "/v1/responses"
 STORE_SIZE = 1000  # responses kept for previous_response_id and GET, least recently used dropped first
@@ -513,12 +514,7 @@ def renamed(msg: str, param: str | None) -> tuple[str, str | None]:
 async def create_response(state, request: Request):
     from fulcrum.server.chat import create_chat_completion
 
-    try:
-        data = await request.json()
-    except ValueError as e:
-        raise InvalidRequestError(f"the body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise InvalidRequestError("the body is nested too deeply to read as JSON") from None
+    data = await json_body(request)
     req = parse_request(data)
     store = store_of(state)
     context: list[dict] = []

@@ -111,14 +111,7 @@ class StartedRequest:
 
     async def collect(self, request: Request) -> dict[int, RequestOutput] | Response:
         """last_outputs(), unless the client goes away first: then its requests are aborted (499)."""
-        task = asyncio.ensure_future(self.last_outputs())
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                return Response(status_code=499)
+        return await until_done(self.last_outputs(), request)
 
     def stream(
         self, events: AsyncIterator, encode=None, encode_error=sse_error, done: str = "data: [DONE]\n\n"
@@ -142,6 +135,19 @@ class StartedRequest:
                 yield done
 
         return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def until_done(work, request: Request):
+    """What `work` (a coroutine) returns, unless the client goes away first: then it is cancelled (the requests it
+    runs are aborted) and the answer is a 499."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            return Response(status_code=499)
 
 
 def sse(event: BaseModel) -> str:

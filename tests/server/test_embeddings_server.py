@@ -110,3 +110,10 @@ def test_a_generative_model_refuses_embeddings(tmp_path):
         assert r.status_code == 400 and "--task embed" in r.json()["error"]["message"]
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("body", ["{not json", '{"input": ' + "[" * 100_000 + "]" * 100_000 + "}"])
+def test_a_body_that_is_not_json_or_nests_too_deep_is_a_400(server, body):
+    r = httpx.post(server.url + "/v1/embeddings", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert httpx.post(server.url + "/v1/embeddings", json={"input": "still here"}).status_code == 200

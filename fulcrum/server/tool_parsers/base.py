@@ -188,6 +188,19 @@ class ToolParser:
         self._failed = False
         self._content: list[str] = []
         self._deltas: list[ToolCallDelta] = []
+        self._lit = ""  # a marker or tag being matched, character by character (_match)
+
+    def _match(self, ch: str, tags: tuple[str, ...]) -> str | None:
+        """One character of a marker that must come here (one of `tags`): the marker once complete, None while it
+        may still be one; a ValueError once it cannot."""
+        lit = self._lit + ch
+        if lit in tags:
+            self._lit = ""
+            return lit
+        if not any(t.startswith(lit) for t in tags):
+            raise ValueError(f"expected one of {tags}, got {lit!r}")
+        self._lit = lit
+        return None
 
     @classmethod
     def calls_text(cls, objects: list[str]) -> str:

@@ -55,7 +55,6 @@ class DeepSeekV3ToolParser(ToolParser):
     def __init__(self, tools: list[dict] | None = None, check: CallCheck | None = None):
         super().__init__(tools, check)
         self._state = _CONTENT
-        self._lit = ""
         self._calls_in_list = 0
         self._name: list[str] = []
         self._function = ""
@@ -113,18 +112,6 @@ class DeepSeekV3ToolParser(ToolParser):
                 self._state = _LIST
         else:
             raise ValueError(f"unexpected {ch!r} in a DeepSeek tool call")
-
-    def _match(self, ch: str, tags: tuple[str, ...]) -> str | None:
-        """One character of a marker that must come here: the marker once complete, None while it may still be
-        one."""
-        lit = self._lit + ch
-        if lit in tags:
-            self._lit = ""
-            return lit
-        if not any(t.startswith(lit) for t in tags):
-            raise ValueError(f"expected one of {tags}, got {lit!r}")
-        self._lit = lit
-        return None
 
     def _send(self) -> None:
         arguments = _openai_arguments("".join(self._object))

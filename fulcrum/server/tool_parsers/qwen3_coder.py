@@ -19,6 +19,7 @@ import contextlib
 import json
 
 from fulcrum.server.tool_parsers.base import CallCheck, ToolCallDelta, ToolParser
+from fulcrum.server.tool_parsers.hermes import HermesCalls
 from fulcrum.server.tool_parsers.json_scan import WHITESPACE
 
 _START, _END = "<tool_call>", "</tool_call>"
@@ -100,7 +101,7 @@ def convert_value(text: str, schema: object) -> object:
     return candidates[0]  # of another type than declared: the call's check will judge it
 
 
-class Qwen3CoderToolParser(ToolParser):
+class Qwen3CoderToolParser(HermesCalls, ToolParser):
     """`<tool_call>` is an added token of Qwen's tokenizers but not a special one; `<function=`, `<parameter=`
     and their closing tags are plain text. A value runs to `</parameter>` (or to `</function>`, should the
     model leave the parameter unclosed), less one newline on each side, as the model writes them; a parameter
@@ -113,15 +114,10 @@ class Qwen3CoderToolParser(ToolParser):
     call_suffix), which this parser reads as well."""
 
     name = "qwen3_coder"
-    call_prefix = "<tool_call>\n"
-    call_suffix = "\n</tool_call>"
-    call_separator = "\n"
-    arguments_key = "arguments"
 
     def __init__(self, tools: list[dict] | None = None, check: CallCheck | None = None):
         super().__init__(tools, check)
         self._state = _CONTENT
-        self._lit = ""  # a closing or opening tag being matched
         self._name: list[str] = []
         self._function = ""
         self._parameter = ""
@@ -173,17 +169,6 @@ class Qwen3CoderToolParser(ToolParser):
                 self._close_tool_call()
         else:
             raise ValueError(f"unexpected {ch!r} in a <tool_call>")
-
-    def _match(self, ch: str, tags: tuple[str, ...]) -> str | None:
-        """One character of a tag that must come here: the tag once complete, None while it may still be one."""
-        lit = self._lit + ch
-        if lit in tags:
-            self._lit = ""
-            return lit
-        if not any(t.startswith(lit) for t in tags):
-            raise ValueError(f"expected one of {tags}, got {lit!r}")
-        self._lit = lit
-        return None
 
     def _name_char(self, ch: str) -> None:
         if ch != ">":
