@@ -130,6 +130,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-offload-dir-size", type=float, default=16.0, metavar="GiB",
         help="cap of --kv-offload-dir; least recently used blocks are deleted above it (default 16)",
     )  # fmt: skip
+    g.add_argument(
+        "--task", choices=("auto", "generate", "embed"), default="auto",
+        help="embed: serve embeddings (/v1/embeddings, LLM.embed) by pooling each input's final hidden states; auto: "
+        "embed for a sentence-transformers folder (modules.json), else generate",
+    )  # fmt: skip
+    g.add_argument(
+        "--pooling-type", choices=("last", "mean", "cls"), default=None,
+        help="an embedding model's pooling (default: its Pooling module's, else the last token)",
+    )  # fmt: skip
     g.add_argument("--cpu-threads", type=int, default=None, help="CPU compute threads (default: one per core)")
     g.add_argument(
         "--enforce-eager",
@@ -239,6 +248,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_offloading_size=args.kv_offloading_size,
         kv_offload_dir=args.kv_offload_dir,
         kv_offload_dir_size=args.kv_offload_dir_size,
+        task=args.task,
+        pooling_type=args.pooling_type,
     )
 
 
@@ -340,6 +351,7 @@ def _serve(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         log_level=args.log_level,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         allowed_origins=args.allowed_origins,
         max_body_mb=args.max_request_body_mb,
         header_timeout=args.header_timeout,
@@ -421,6 +433,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(TOOL_PARSERS),
         default=None,
         help="how the model writes tool calls (tool_choice auto needs it; required and named work without it)",
+    )
+    s.add_argument(
+        "--reasoning-parser",
+        choices=("deepseek_r1", "qwen3"),
+        default=None,
+        help="a reasoning model's thought (<think>...</think>) goes to reasoning_content, split from the answer: "
+        "qwen3 (the model opens the block) or deepseek_r1 (the chat template opens it in the prompt)",
     )
     s.add_argument(
         "--enable-auto-tool-choice",

@@ -23,6 +23,7 @@ from fulcrum.defaults import (  # noqa: F401  (re-exported: the engine imports t
     QUANTIZATIONS,
 )
 from fulcrum.errors import InvalidRequestError, ModelLoadError
+from fulcrum.model_folder.pooling import POOLING_TYPES, TASKS, PoolerConfig, resolve_task
 from fulcrum.model_folder.source import resolve_model
 
 DTYPES = {
@@ -94,6 +95,9 @@ class ModelConfig:
     # stay in hf_config.quantization_config)
     quantization: str | None = None
     quantization_group_size: int = 128
+    # "generate", or "embed": the engine pools each prompt's final hidden states into one vector (pooler)
+    task: str = "generate"
+    pooler: PoolerConfig | None = None
 
     @classmethod
     def from_path(
@@ -103,9 +107,12 @@ class ModelConfig:
         max_model_len: int | None = None,
         quantization: str | None = None,
         quantization_group_size: int = 128,
+        task: str = "auto",
+        pooling_type: str | None = None,
     ) -> ModelConfig:
         path = model_path(path)
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        task, pooler = resolve_task(path, hf_config, task, pooling_type)
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
@@ -117,7 +124,17 @@ class ModelConfig:
             eos_token_ids=read_eos_token_ids(path, hf_config),
             quantization=checkpoint_quantization(hf_config, quantization),
             quantization_group_size=quantization_group_size,
+            task=task,
+            pooler=pooler,
         )
+
+    @classmethod
+    def from_engine(cls, config: EngineConfig) -> ModelConfig:
+        """The model an engine config names, with its settings."""
+        return cls.from_path(
+            config.model, config.dtype, config.max_model_len, config.quantization, config.quantization_group_size,
+            config.task, config.pooling_type,
+        )  # fmt: skip
 
 
 def checkpoint_quantization(hf_config: PretrainedConfig, asked: str | None) -> str | None:
@@ -227,6 +244,11 @@ class EngineConfig:
     kv_offloading_size: float | None = None
     kv_offload_dir: str | None = None
     kv_offload_dir_size: float = 16.0
+    # vLLM's --task: "embed" serves embeddings (the prompt's final hidden states pooled into one vector), "generate"
+    # text; "auto" is embed for a sentence-transformers folder (modules.json), else generate. pooling_type overrides
+    # the folder's pooling (last, mean, cls)
+    task: str = "auto"
+    pooling_type: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("speculative_config", "kv_transfer_config", "kv_events_config"):
@@ -256,6 +278,8 @@ class EngineConfig:
             "kv_events_config": self.kv_events_config is None or isinstance(self.kv_events_config, dict),
             "kv_offloading_size": self.kv_offloading_size is None or self.kv_offloading_size >= 0,
             "kv_offload_dir_size": self.kv_offload_dir_size > 0,
+            "task": self.task in TASKS,
+            "pooling_type": self.pooling_type is None or self.pooling_type in POOLING_TYPES,
         }
         for name, ok in checks.items():
             if not ok:

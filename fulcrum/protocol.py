@@ -23,6 +23,12 @@ from pydantic import (
 from fulcrum.errors import InvalidRequestError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# apply_chat_template's own arguments: chat_template_kwargs may not set them
+TEMPLATE_RESERVED = frozenset({
+    "conversation", "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize",
+    "return_dict", "chat_template", "padding", "truncation", "max_length", "return_tensors", "tokenizer_kwargs",
+    "return_assistant_tokens_mask",
+})  # fmt: skip
 
 
 def random_id(prefix: str) -> str:
@@ -193,7 +199,7 @@ REQUEST_FIELDS: dict[str, dict[str, FieldSupport]] = {
         "add_special_tokens": _refused(False),
         "documents": _refused(),
         "chat_template": _refused(),
-        "chat_template_kwargs": _refused({}),
+        "chat_template_kwargs": _IMPL,
         "mm_processor_kwargs": _refused(),
         "best_of": _refused(1),
     },
@@ -503,6 +509,18 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # extra variables for the chat template (vLLM's), e.g. {"enable_thinking": false} for Qwen3
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _template_kwargs(self):
+        taken = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_RESERVED)
+        if taken:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields (or the server) do",
+                param="chat_template_kwargs",
+            )
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
@@ -555,6 +573,8 @@ class ResponseToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    # the thought of a reasoning model (--reasoning-parser), split from its answer; left out when there is none
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)
     tool_calls: list[ResponseToolCall] | None = None  # only when the model called tools, as OpenAI answers
 
 
@@ -592,6 +612,7 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -600,6 +621,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # on the finishing chunk: the stop string or token that ended it, as vLLM
 
 
 class ChatCompletionChunk(BaseModel):

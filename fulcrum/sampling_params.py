@@ -105,6 +105,30 @@ class StructuredOutputsParams:
 
 
 @dataclass
+class PoolingParams:
+    """An embedding request: the prompt's final hidden states pooled into one vector instead of generating.
+    `pooling_type` last, mean or cls; `normalize` L2-normalises it; `dimensions` keeps the leading ones (a
+    matryoshka model), normalised after the cut. The frontend resolves every field against the model's pooler
+    (model_folder/pooling.py) before the core sees it."""
+
+    pooling_type: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in ("last", "mean", "cls"):
+            raise InvalidRequestError(
+                f"pooling_type must be last, mean or cls, got {_short(self.pooling_type)}", param="pooling_type"
+            )
+        if not isinstance(self.normalize, bool):
+            raise InvalidRequestError("normalize must be true or false", param="normalize")
+        if self.dimensions is not None and (not is_int(self.dimensions) or self.dimensions < 1):
+            raise InvalidRequestError(
+                f"dimensions must be a positive integer, got {_short(self.dimensions)}", param="dimensions"
+            )
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0  # 0 = greedy
@@ -127,6 +151,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     structured_outputs: StructuredOutputsParams | None = None  # a grammar every output token must follow
+    pooling: PoolingParams | None = None  # an embedding: the prompt pooled into one vector, nothing generated
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -241,6 +241,36 @@ def save_tiny_model(family: str, folder: Path, seed: int = 0, shard_size: str | 
     return folder
 
 
+ST_POOLING = {"last": "lasttoken", "mean": "mean", "cls": "cls"}
+
+
+def save_tiny_embedding_model(
+    folder: Path, pooling: str = "last", normalize: bool = True, family: str = "qwen3", seed: int = 0, **overrides
+) -> Path:
+    """A sentence-transformers embedding model as Qwen3-Embedding's is laid out: the bare backbone (`Qwen3Model`,
+    no "model." prefix, no head) saved by transformers, then sentence-transformers' own save of it with its Pooling
+    (and Normalize) modules (modules.json, 1_Pooling/config.json)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Normalize, Pooling, Transformer
+    from transformers import AutoModel
+
+    torch.manual_seed(seed)
+    cfg = make_config(family, **overrides)
+    cfg.initializer_range = 0.1
+    backbone = folder.parent / f"{folder.name}-backbone"
+    AutoModel.from_config(cfg, dtype=torch.float32).save_pretrained(backbone)
+    copy_tokenizer(DEFAULT_MODEL, backbone)
+    # no chat template: sentence-transformers 6 would wrap a text in it (as a "message"), where an embedding model's
+    # text is encoded as it is
+    (backbone / "chat_template.jinja").unlink(missing_ok=True)
+    transformer = Transformer(str(backbone))
+    modules = [transformer, Pooling(cfg.hidden_size, ST_POOLING[pooling])]
+    if normalize:
+        modules.append(Normalize())
+    SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    return folder
+
+
 def hf_model(folder: Path, dtype=torch.float32):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
 
@@ -252,6 +282,7 @@ __all__ = [
     "MOE_FAMILIES",
     "PROMPT_MIN_LEN",
     "save_tiny_model",
+    "save_tiny_embedding_model",
     "hf_model",
     "DEFAULT_MODEL",
 ]

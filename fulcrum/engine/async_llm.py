@@ -15,7 +15,7 @@ from fulcrum.engine.kv_transfer import KVTransferConfig, KVTransferError, check_
 from fulcrum.engine.messages import AddRequest, CoreReady
 from fulcrum.engine.output_processor import OutputProcessor
 from fulcrum.engine.outputs import RequestOutput
-from fulcrum.engine.request import check_request, fan_out
+from fulcrum.engine.request import check_request, check_task, fan_out
 from fulcrum.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.utils.tokenizer import load_tokenizer
@@ -86,6 +86,7 @@ class AsyncLLM:
             raise EngineOverloadedError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
         rid = request_id or f"req-{next(self._ids)}"
         now = time.time()
+        check_task(params, self.ready.task)
         params = check_request(prompt_ids, params, priority, self.ready.max_model_len, self.ready.vocab_size)
         if kv_transfer_params is not None:
             check_kv_transfer(kv_transfer_params, self.ready.kv_transfer, prompt_ids, params, self.kv_trust)
@@ -117,6 +118,51 @@ class AsyncLLM:
             self.queues.pop(rid, None)
             if not finished:
                 await self.abort(rid)
+
+    async def encode(
+        self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams, priority: int = 0
+    ) -> list[RequestOutput]:
+        """Embedding requests (`params.pooling`), one per prompt, sent to the core in one message so that they are
+        scheduled together (one step when they fit its budget); their finished outputs, in order. Leaving early (the
+        client gone) aborts those not finished."""
+        if not self.healthy:
+            raise EngineDeadError("the engine is not running")
+        if self.num_waiting() + len(prompts) > self.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"the waiting queue cannot take {len(prompts)} more requests ({self.max_waiting_requests} at most)"
+            )
+        check_task(params, self.ready.task)
+        checked = [check_request(ids, params, priority, self.ready.max_model_len, self.ready.vocab_size)
+                   for _, ids in prompts]  # fmt: skip
+        base, now = f"emb-{next(self._ids)}", time.time()
+        rids = [f"{base}-{i}" for i in range(len(prompts))]
+        queue: asyncio.Queue = asyncio.Queue()
+        samples = []
+        for rid, (text, ids), sp in zip(rids, prompts, checked):
+            self.queues[rid] = queue
+            child = fan_out(rid, sp)[0][0]
+            self.processor.add_request(rid, text, list(ids), sp, [child])
+            samples.append(AddRequest(child, list(ids), sp, priority, now))
+        done: dict[str, RequestOutput] = {}
+        try:
+            self.client.add_requests(samples)
+            while len(done) < len(rids):
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                ro = item[0]
+                if not ro.finished:
+                    continue
+                failed = ro.outputs[0] if ro.outputs[0].finish_reason == "error" else None
+                if failed is not None:
+                    raise RequestFailedError(failed.error or "the engine failed on this request")
+                done[ro.request_id] = ro
+            return [done[r] for r in rids]
+        finally:
+            for rid in rids:
+                self.queues.pop(rid, None)
+                if rid not in done:
+                    await self.abort(rid)
 
     def cut_all(self, error: Exception) -> list[tuple[str, int]]:
         """End every request in flight with `error` (shutdown past the drain timeout); returns each one's

@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 
 def needs_every_token(req: Request) -> bool:
     """A request whose next step needs all its tokens on the host: its grammar's mask, its penalties' counts, or its
-    prompt's scoring reads them (async scheduling runs such steps synchronously)."""
-    return req.grammar is not None or req.sampling_params.penalized or req.wants_prompt_logprobs
+    prompt's scoring or pooling reads them (async scheduling runs such steps synchronously)."""
+    return req.grammar is not None or req.sampling_params.penalized or req.wants_prompt_logprobs or req.pools
 
 
 class EngineCore:
@@ -45,11 +45,11 @@ class EngineCore:
         """`own_process`: the core runs in a process of its own beside a frontend (fulcrum serve): on CPU its
         threads are pinned and the frontend is left a core (runtime/cpu_threads)."""
         self.config = config
-        self.model_config = ModelConfig.from_path(
-            config.model, config.dtype, config.max_model_len, config.quantization, config.quantization_group_size
-        )
+        self.model_config = ModelConfig.from_engine(config)
         # speculative decoding: a draft model loads first, so that the target sizes the cache for both
         spec = SpeculativeConfig.parse(config.speculative_config, config.device)
+        if spec and self.model_config.task == "embed":
+            raise InvalidRequestError("an embedding model generates nothing to speculate on", "speculative_config")
         proposer = make_proposer(spec, config, self.model_config) if spec else None
         draft = getattr(proposer, "runner", None)
         self.structured = StructuredOutputs(self.model_config.path, self.vocab_size, self.model_config.eos_token_ids)
@@ -404,6 +404,7 @@ class EngineCore:
             error=req.error,
             error_status=req.error_status,
             kv_transfer_params=req.kv_transfer_params if req.status.finished else None,
+            embedding=req.embedding,
         )
 
     def stats(self, step_time: float = 0.0) -> SchedulerStats:

@@ -194,9 +194,7 @@ class SyncCoreClient(CoreClient):
     this process cannot join); `step()` returns whatever any core has sent since the last call."""
 
     def __init__(self, config: EngineConfig):
-        self.model_config = ModelConfig.from_path(
-            config.model, config.dtype, config.max_model_len, config.quantization, config.quantization_group_size
-        )
+        self.model_config = ModelConfig.from_engine(config)
         super().__init__(config, zmq.Context())
         try:
             for core in self.cores:

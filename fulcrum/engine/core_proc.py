@@ -57,6 +57,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
         kv_cache_dtype=core.runner.kv_cache_dtype_name,
         kv_transfer=core.kv_transfer.describe() if core.kv_transfer is not None else None,
         weights=getattr(core.runner, "weights_format", ""), weight_bytes=getattr(core.runner, "weight_bytes", 0),
+        task=core.model_config.task, pooler=core.model_config.pooler,
+        hidden_size=core.model_config.hf_config.hidden_size,
     )  # fmt: skip
     push.send(encoder.encode(ready))
     try:

@@ -19,12 +19,12 @@ from fulcrum.engine.core import EngineCore
 from fulcrum.engine.core_client import SyncCoreClient
 from fulcrum.engine.messages import AddRequest
 from fulcrum.engine.output_processor import OutputProcessor
-from fulcrum.engine.outputs import RequestOutput
+from fulcrum.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from fulcrum.engine.prompts import tokenize_prompts
-from fulcrum.engine.request import check_request, fan_out
+from fulcrum.engine.request import check_request, check_task, fan_out, resolve_pooling
 from fulcrum.engine.spec.stats import acceptance_rate, mean_accepted_length
 from fulcrum.errors import EngineClosedError, InvalidRequestError
-from fulcrum.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
+from fulcrum.sampling_params import DEFAULT_MAX_TOKENS, PoolingParams, SamplingParams
 from fulcrum.utils.tokenizer import chat_prompt_ids, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ class LLM:
         """Queue one prompt (its n samples become n engine requests sharing the prompt's blocks)."""
         core = self._open_core()
         rid = str(next(self._ids))
+        check_task(params, core.model_config.task)
         params = check_request(prompt_ids, params, priority, core.max_model_len, core.vocab_size)
         children = fan_out(rid, params)
         if isinstance(core, EngineCore):
@@ -166,6 +167,20 @@ class LLM:
         finally:
             bar.close()
         return [done[r] for r in order]
+
+    def embed(
+        self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = True
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt from an embedding model (--task embed, or a sentence-transformers folder): its
+        final hidden states pooled as the model says (or as `pooling_params` asks), all prompts batched through the
+        scheduler like generation's. `pooling_params.dimensions` keeps the leading dimensions of a matryoshka model."""
+        mc = self._open_core().model_config
+        if mc.task != "embed":
+            check_task(SamplingParams(max_tokens=1, pooling=PoolingParams()), mc.task)
+        pp = pooling_params or PoolingParams(mc.pooler.pooling_type, mc.pooler.normalize)
+        pp = resolve_pooling(mc.pooler, mc.hf_config.hidden_size, pp.pooling_type, pp.normalize, pp.dimensions)
+        outs = self.generate(prompts, SamplingParams(max_tokens=1, pooling=pp), use_tqdm=use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding)) for o in outs]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True):
         """Chat replies; without sampling_params as long as `fulcrum generate`'s (a 16-token reply is cut mid-sentence)."""

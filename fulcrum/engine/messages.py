@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from fulcrum.engine.outputs import EngineCoreOutput
+from fulcrum.model_folder.pooling import PoolerConfig
 from fulcrum.sampling_params import SamplingParams
 
 # frame 0 of a frontend -> core message
@@ -66,6 +67,9 @@ class CoreReady(msgspec.Struct):
     kv_transfer: dict | None = None  # a KV producer/consumer: its role and cache layout, for the handshake
     weights: str = ""  # the weights' format, as the startup line says it ("gguf (Q4_K x 96, Q6_K x 25)", "int8")
     weight_bytes: int = 0  # what the loaded weights hold
+    task: str = "generate"  # or "embed": the model serves embeddings (model_folder/pooling.py)
+    pooler: PoolerConfig | None = None  # an embedding model's pooling
+    hidden_size: int = 0  # an embedding's full length
 
 
 class CoreOutputs(msgspec.Struct):

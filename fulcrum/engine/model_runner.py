@@ -206,17 +206,20 @@ class ModelRunner:
 
     # -- the forward, on every rank ----------------------------------------------------------------
 
-    def forward_logits(self, steps: list[StepInputs], prev: PendingStep | None = None) -> list[torch.Tensor | None]:
+    def forward_logits(
+        self, steps: list[StepInputs], prev: PendingStep | None = None, pooled: dict | None = None
+    ) -> list[torch.Tensor | None]:
         """Run the step's micro-batches through this rank's layers; the logits of each one's `logits_rows` on the
         last pipeline stage (None elsewhere, and for a micro-batch without such rows). Every rank of the engine runs
         this with the same inputs (rank 0 broadcasts them): tensor-parallel ranks meet in their all-reduces, a stage
         takes each micro-batch's hidden states from the one before and hands them on without waiting, so that the
         stages overlap over the micro-batches. `prev`: the step in flight, whose sampled tokens are this step's
-        placeholders (async scheduling)."""
+        placeholders (async scheduling). `pooled`: filled with each embedding request's part of its vector from this
+        step's hidden states (rank 0)."""
         out, sends = [], []
         for si in steps:
             in_flight = self._in_flight_tokens(si, prev)
-            if self.graphs is not None and self.graphs.fits(si):
+            if self.graphs is not None and self.graphs.fits(si) and not si.pool_spans:
                 out.append(self.graphs.run(si, in_flight))  # a decode step: one graph replay
                 continue
             varlen = triton_kernels.usable_on(self.device)  # only the Triton attention reads a mixed step's varlen view
@@ -230,7 +233,10 @@ class ModelRunner:
             if not self.last_stage:
                 sends.append((pp_send_next(h), h))  # h lives until its send is done
                 out.append(None)
-            elif si.logits_rows:
+                continue
+            if si.pool_spans and pooled is not None:
+                pooled.update(_pool_rows(h, si))
+            if si.logits_rows:
                 out.append(self.model.compute_logits(h[to_device(si.logits_rows, self.device, torch.long)]))
             else:
                 out.append(None)
@@ -261,7 +267,11 @@ class ModelRunner:
         steps = [step_inputs.build(g, self.block_size, self.decode_rows) for g in groups]
         if self.world_size > 1:
             parallel_state.broadcast_control(("step", [si.for_other_ranks() for si in steps]))
-        return steps, self.forward_logits(steps, prev)
+        pooled: dict[str, torch.Tensor] = {}
+        logits = self.forward_logits(steps, prev, pooled)
+        if pooled or any(si.pool_spans for si in steps):
+            _take_pooled(scheduled, pooled)
+        return steps, logits
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.launch(out).result()
@@ -382,6 +392,47 @@ class PendingStep:
                     self._result.logprobs[rid] = [_logprob_entry(lp[1][i], lp[0][i], k)]
             self._host = None
         return self._result
+
+
+def _pool_rows(h: torch.Tensor, si: StepInputs) -> dict[str, torch.Tensor]:
+    """Each embedding request's part of its vector from this step's final hidden states (float32): the sum of its
+    rows for mean pooling, its first prompt position's for CLS, its last's for last-token pooling (a part only where
+    this step holds that position)."""
+    parts = {}
+    for span in si.pool_spans:
+        kind = span.pooling_type
+        if kind == "mean":
+            parts[span.request_id] = h[span.row : span.row + span.n].float().sum(0)
+        elif kind == "cls" and span.start == 0:
+            parts[span.request_id] = h[span.row].float()
+        elif kind == "last" and span.last:
+            parts[span.request_id] = h[span.row + span.n - 1].float()
+    return parts
+
+
+def _take_pooled(scheduled: list[ScheduledRequest], pooled: dict[str, torch.Tensor]) -> None:
+    """Fold this step's parts into each embedding request's state (a prompt in chunks pools over several steps; a
+    preempted one starts again from its first position); a request whose prompt ended gets its vector: the mean
+    divided by the prompt's length, cut to `dimensions`, then L2-normalised when asked."""
+    for s in scheduled:
+        req = s.request
+        params = req.sampling_params.pooling
+        if params is None:
+            continue
+        part = pooled.get(req.request_id)
+        if part is not None:
+            first = req.num_computed_tokens == 0 or req.pool_state is None
+            req.pool_state = part if params.pooling_type != "mean" or first else req.pool_state + part
+        if not s.pools_last_chunk:
+            continue
+        v = req.pool_state
+        if params.pooling_type == "mean":
+            v = v / req.num_prompt_tokens
+        if params.dimensions is not None:
+            v = v[: params.dimensions]
+        if params.normalize:
+            v = torch.nn.functional.normalize(v, dim=0)
+        req.embedding, req.pool_state = v.tolist(), None
 
 
 def _logprob_entry(ids: list[int], values: list[float], k: int) -> dict[int, float]:

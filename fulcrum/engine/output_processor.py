@@ -29,6 +29,7 @@ class _Parent:
     metrics: RequestMetrics | None = None
     prompt_logprobs: list | None = None  # None for the first prompt token, then one entry per token
     kv_transfer_params: dict | None = None  # from a KV producer, once finished
+    embedding: list[float] | None = None  # an embedding request's vector
 
 
 class OutputProcessor:
@@ -95,6 +96,8 @@ class OutputProcessor:
             self._merge_metrics(parent, o)
             if o.kv_transfer_params is not None:
                 parent.kv_transfer_params = o.kv_transfer_params
+            if o.embedding is not None:
+                parent.embedding = o.embedding
             updated.setdefault(pid, {})[child.index] = child.detok.take_delta(out.finished)
         results = []
         for pid, deltas in updated.items():
@@ -109,6 +112,7 @@ class OutputProcessor:
                 metrics=parent.metrics,
                 prompt_logprobs=parent.prompt_logprobs,
                 kv_transfer_params=parent.kv_transfer_params,
+                embedding=parent.embedding,
             )
             results.append((ro, deltas))
             if done:

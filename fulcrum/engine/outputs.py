@@ -25,6 +25,7 @@ class EngineCoreOutput:
     error: str | None = None  # with finish_reason "error": why the request failed
     error_status: int = 500  # 400 when the request itself was at fault (a grammar that cannot be compiled)
     kv_transfer_params: dict | None = None  # a KV producer's finished prefill: where its blocks can be pulled
+    embedding: list[float] | None = None  # an embedding request's vector, once its prompt is pooled
 
 
 @dataclass
@@ -71,3 +72,19 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
     metrics: RequestMetrics | None = None
     kv_transfer_params: dict | None = None  # from a KV producer, once finished (engine/kv_transfer)
+    embedding: list[float] | None = None  # an embedding request's vector (SamplingParams.pooling), once finished
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed()`'s result per prompt, as vLLM's: `.outputs.embedding`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

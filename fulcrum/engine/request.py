@@ -10,7 +10,8 @@ import torch
 
 from fulcrum.engine.structured import GrammarState, validate
 from fulcrum.errors import InvalidRequestError
-from fulcrum.sampling_params import SamplingParams, is_int, is_int64
+from fulcrum.model_folder.pooling import PoolerConfig
+from fulcrum.sampling_params import PoolingParams, SamplingParams, is_int, is_int64
 
 
 class RequestStatus(enum.Enum):
@@ -65,6 +66,11 @@ class Request:
     # once finished, what a consumer needs to pull the prompt's blocks
     kv_transfer_params: dict | None = None
 
+    # an embedding request (sampling_params.pooling): what its prompt's chunks pooled so far (the sum of their
+    # hidden states for mean pooling, the first for CLS) on the device, then the finished vector
+    pool_state: torch.Tensor | None = None
+    embedding: list[float] | None = None
+
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step
 
     def __post_init__(self) -> None:
@@ -79,6 +85,11 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.sampling_params.prompt_logprobs is not None
+
+    @property
+    def pools(self) -> bool:
+        """An embedding request: its prompt is pooled, nothing is sampled."""
+        return self.sampling_params.pooling is not None
 
     @property
     def num_tokens(self) -> int:
@@ -112,6 +123,13 @@ def check_request(
         check_token_ids(name, ids, vocab_size)
     if params.structured_outputs is not None:
         validate(params.structured_outputs)
+    if params.pooling is not None:  # an embedding: the prompt alone, nothing generated after it
+        if n > max_model_len:
+            raise InvalidRequestError(
+                f"the input has {n} tokens, but this model's maximum context length is {max_model_len} tokens",
+                param="input",
+            )
+        return replace(params, max_tokens=1)
     if n >= max_model_len:
         raise InvalidRequestError(
             f"the prompt has {n} tokens, but this model's maximum context length is {max_model_len} tokens "
@@ -143,3 +161,51 @@ def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, Sampling
         (f"{request_id}-{i}", replace(params, n=1, seed=None if params.seed is None else params.seed + i))
         for i in range(params.n)
     ]
+
+
+def check_task(params: SamplingParams, task: str) -> None:
+    """An embedding model pools and generates nothing; a generative one embeds nothing (as in vLLM: start the server
+    with --task embed for embeddings)."""
+    if task == "embed" and params.pooling is None:
+        raise InvalidRequestError(
+            "this model serves embeddings (--task embed): use /v1/embeddings (LLM.embed), not text generation",
+            param="model",
+        )
+    if task != "embed" and params.pooling is not None:
+        raise InvalidRequestError(
+            "this model generates text: start it with --task embed (or give a sentence-transformers folder) "
+            "to serve embeddings",
+            param="model",
+        )
+
+
+def resolve_pooling(
+    pooler: PoolerConfig,
+    hidden_size: int,
+    pooling_type: str | None = None,
+    normalize: bool | None = None,
+    dimensions: int | None = None,
+) -> PoolingParams:
+    """An embedding request's pooling: the model's (its pooler), with what the request overrides; `dimensions` only
+    for a matryoshka model, up to its hidden size (or among the sizes it names)."""
+    if dimensions is not None:
+        if not pooler.matryoshka:
+            raise InvalidRequestError(
+                "this model does not support dimensions (it is not a matryoshka model: its config.json sets neither "
+                "is_matryoshka nor matryoshka_dimensions)",
+                param="dimensions",
+            )
+        if not is_int(dimensions) or not 1 <= dimensions <= hidden_size:
+            raise InvalidRequestError(
+                f"dimensions must be an integer in [1, {hidden_size}], got {dimensions!r}", param="dimensions"
+            )
+        if pooler.dimensions_allowed and dimensions not in pooler.dimensions_allowed:
+            raise InvalidRequestError(
+                f"dimensions must be one of {list(pooler.dimensions_allowed)} for this model, got {dimensions}",
+                param="dimensions",
+            )
+        if dimensions == hidden_size:
+            dimensions = None
+    return PoolingParams(
+        pooling_type or pooler.pooling_type, pooler.normalize if normalize is None else normalize, dimensions
+    )

@@ -31,7 +31,15 @@ class ScheduledRequest:
         """Whether this step reaches the end of the known tokens, so a next token is sampled."""
         known = self.num_new_tokens - len(self.spec_token_ids)
         req = self.request
+        if getattr(req, "pools", False):  # an embedding request pools its prompt instead
+            return False
         return req.num_computed_tokens + known == req.num_tokens + getattr(req, "num_placeholders", 0)
+
+    @property
+    def pools_last_chunk(self) -> bool:
+        """An embedding request whose prompt this step finishes: its vector is complete after it."""
+        req = self.request
+        return getattr(req, "pools", False) and req.num_computed_tokens + self.num_new_tokens == req.num_tokens
 
 
 @dataclass
@@ -141,8 +149,9 @@ class Scheduler:
         # admit waiting requests, unless this step already had to preempt
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
             req = self.waiting.peek()
-            # prompt logprobs need the logits of every prompt position: such a prompt is computed, not looked up
-            skip_cache = req.num_computed_tokens or req.wants_prompt_logprobs
+            # prompt logprobs need the logits of every prompt position, and pooling every position's hidden state:
+            # such a prompt is computed, not looked up
+            skip_cache = req.num_computed_tokens or req.wants_prompt_logprobs or req.pools
             computed, num_cached = ([], 0) if skip_cache else self.kv.get_computed_blocks(req)
             if self.load_below is not None and not skip_cache:
                 computed = self.load_below(req, computed)
@@ -155,7 +164,7 @@ class Scheduler:
             self.waiting.pop()
             if req.status == RequestStatus.WAITING:  # first admission, not a resumption after preemption
                 req.num_cached_tokens = num_cached
-                if self.kv.enable_prefix_caching and not req.wants_prompt_logprobs:
+                if self.kv.enable_prefix_caching and not (req.wants_prompt_logprobs or req.pools):
                     self.kv.record_prefix_lookup(req.num_prompt_tokens, num_cached)
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
@@ -231,6 +240,12 @@ class Scheduler:
             # The KV of the accepted proposals is valid; that of the rejected ones lies past num_computed_tokens, in
             # slots the tokens that take their place overwrite (the request keeps those blocks, none leaks).
             req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids) + max(len(tokens) - 1, 0)
+            if req.pools:
+                if req.embedding is not None:  # its prompt is pooled: done
+                    req.first_token_time = now
+                    self._finish(req, RequestStatus.FINISHED_STOPPED, now)
+                    finished.append(req)
+                continue
             if self._take_tokens(req, tokens, now):
                 finished.append(req)
         return finished

@@ -24,6 +24,19 @@ class PromptLogprobSpan:
 
 
 @dataclass
+class PoolSpan:
+    """Rows [row, row + n) of a step's hidden states are prompt positions start .. start + n - 1 of the embedding
+    request `request_id`; `last`: the prompt ends in this step."""
+
+    request_id: str
+    row: int
+    n: int
+    start: int
+    last: bool
+    pooling_type: str
+
+
+@dataclass
 class StepInputs:
     ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -40,6 +53,7 @@ class StepInputs:
     num_prompt_rows: int = 0
     # not sent to other ranks: what rank 0 needs to read the logits back
     spans: list[PromptLogprobSpan] = field(default_factory=list)
+    pool_spans: list[PoolSpan] = field(default_factory=list)  # embedding requests' rows, pooled by the runner
     last_idx: list[int] = field(default_factory=list)  # every request's last row
     # async scheduling: (row, request id) of the tokens still being sampled by the step in flight; their ids are
     # that step's sampled tokens, copied on the device (engine/model_runner.py), 0 here until then
@@ -48,7 +62,7 @@ class StepInputs:
     def for_other_ranks(self) -> StepInputs:
         if self.placeholders:
             raise RuntimeError("a step with tokens in flight runs on one rank only (async scheduling)")
-        return replace(self, spans=[], last_idx=[])
+        return replace(self, spans=[], pool_spans=[], last_idx=[])
 
 
 def build(scheduled: list[ScheduledRequest], block_size: int, decode_rows: int) -> StepInputs:
@@ -88,6 +102,9 @@ def build(scheduled: list[ScheduledRequest], block_size: int, decode_rows: int) 
             if lo < hi:
                 si.spans.append(PromptLogprobSpan(req.request_id, len(si.logits_rows), lo, hi))
                 si.logits_rows.extend(range(t + lo - start, t + hi - start))
+        if getattr(req, "pools", False):
+            kind = req.sampling_params.pooling.pooling_type
+            si.pool_spans.append(PoolSpan(req.request_id, t, n, start, ctx == req.num_tokens, kind))
         t += n
         si.last_idx.append(t - 1)
         if s.samples_next_token:

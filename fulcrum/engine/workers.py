@@ -85,9 +85,7 @@ def run_worker(config: EngineConfig, rank: int, init_method: str, report) -> Non
     from fulcrum.engine.model_runner import ModelRunner  # the heavy imports, in the worker only
 
     join(config, rank, init_method)
-    model_config = ModelConfig.from_path(
-        config.model, config.dtype, config.max_model_len, config.quantization, config.quantization_group_size
-    )
+    model_config = ModelConfig.from_engine(config)
     runner = ModelRunner(config, model_config, own_process=True, agree_blocks=lambda n: _agree_from_rank0(n, report))
     with torch.inference_mode():
         while True:

@@ -118,6 +118,9 @@ def load_named_weights(model: nn.Module, weights, source: str, label=lambda name
             continue
         param_name, shard = _packed_target(model, name)
         param = params.get(param_name)
+        if param is None and f"model.{param_name}" in params:  # a bare backbone's checkpoint (no "model." prefix)
+            param_name = f"model.{param_name}"
+            param = params[param_name]
         if param is None and name.endswith(".bias") and not tensor.any():
             continue  # a zero bias the model has no place for (GPTQ tools write one for every linear layer)
         if param is None:
@@ -184,5 +187,9 @@ def load_model(config: ModelConfig, device: str | torch.device = "cpu") -> nn.Mo
         log.info("quantized checkpoint: %s", describe(config.quantization, checkpoint=checkpoint))
     with torch.device(device):
         model = cls(config.hf_config, dtype=config.dtype, quant=quant)
+    untied = not getattr(model, "tie_word_embeddings", False)  # a tied head is the embedding table, which must load
+    if config.task == "embed" and untied and getattr(model, "lm_head", None) is not None:
+        for p in model.lm_head.parameters():  # an embedding model never computes logits: its head may be absent
+            p.optional_in_checkpoint = True
     load_weights(model, config.path)
     return model.eval()

@@ -34,6 +34,11 @@ def model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
     for name in names:
         if name in MODEL_REGISTRY:
             return MODEL_REGISTRY[name]
+        # a bare backbone ("Qwen3Model", as sentence-transformers saves an embedding model): its causal-LM class
+        # holds the same layers under "model." (the loader maps the names; an embedding model needs no head)
+        backbone = name.removesuffix("Model") + "ForCausalLM"
+        if name.endswith("Model") and backbone in MODEL_REGISTRY:
+            return MODEL_REGISTRY[backbone]
     raise UnsupportedArchitectureError(
         f"architecture {names or '(none given)'} is not supported; supported: {', '.join(sorted(MODEL_REGISTRY))}"
     )

@@ -28,6 +28,7 @@ from fulcrum.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from fulcrum.server import anthropic_messages, embeddings, responses_api
 from fulcrum.server.chat import create_chat_completion
 from fulcrum.server.completions import create_completion
 from fulcrum.server.limits import BodyLimit, off_loop
@@ -41,9 +42,10 @@ def is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-def authorized(header: str, api_key: str) -> bool:
-    scheme, _, token = header.partition(" ")
-    return scheme.lower() == "bearer" and token.strip() == api_key
+def authorized(request: Request, api_key: str) -> bool:
+    """`Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return (scheme.lower() == "bearer" and token.strip() == api_key) or request.headers.get("x-api-key") == api_key
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -64,7 +66,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def gate(request: Request, call_next):
         """Checks every API request passes before its body is read: key, shutdown, media type."""
         if request.url.path not in OPEN_PATHS:
-            if state.api_key and not authorized(request.headers.get("authorization", ""), state.api_key):
+            if state.api_key and not authorized(request, state.api_key):
+                if request.url.path.startswith("/v1/messages"):
+                    return anthropic_messages.error(401, "invalid or missing API key")
                 return error(401, "invalid or missing API key")
             if state.draining:
                 return error_of(ShuttingDownError("the server is shutting down; retry on another replica"))
@@ -90,6 +94,33 @@ def build_app(state: ServerState) -> FastAPI:
     )
     async def chat(req: ChatCompletionRequest, request: Request):
         return await create_chat_completion(state, req, request)
+
+    @app.post("/v1/messages", response_model=None)
+    async def messages(request: Request):
+        """Anthropic's Messages API (fulcrum/server/anthropic_messages.py)."""
+        return await anthropic_messages.create_message(state, request)
+
+    @app.post("/v1/messages/count_tokens", response_model=None)
+    async def messages_count_tokens(request: Request):
+        return await anthropic_messages.count_tokens(state, request)
+
+    @app.post("/v1/responses", response_model=None, responses=ERROR_RESPONSES)
+    async def responses(request: Request):
+        """OpenAI's Responses API (fulcrum/server/responses_api.py)."""
+        return await responses_api.create_response(state, request)
+
+    @app.get("/v1/responses/{response_id}", response_model=None, responses=ERROR_RESPONSES)
+    async def get_response(response_id: str):
+        return await responses_api.get_response(state, response_id)
+
+    @app.delete("/v1/responses/{response_id}", response_model=None, responses=ERROR_RESPONSES)
+    async def delete_response(response_id: str):
+        return await responses_api.delete_response(state, response_id)
+
+    @app.post("/v1/embeddings", response_model=None, responses=ERROR_RESPONSES)
+    async def create_embeddings(request: Request):
+        """OpenAI's embeddings, from an embedding model (fulcrum/server/embeddings.py)."""
+        return await embeddings.create_embedding(state, request)
 
     @app.get("/health", responses={503: {"description": "the engine is not running, or the server is draining"}})
     async def health():

@@ -19,16 +19,28 @@ from fulcrum.protocol import (
 )
 from fulcrum.server.limits import off_loop
 from fulcrum.server.logprobs import chat_logprobs, prompt_logprobs
+from fulcrum.server.reasoning import make_parser
 from fulcrum.server.state import ServerState, sampling_params
 from fulcrum.server.streaming import StartedRequest, check_kv_transfer_request, generate_prompts, usage_of
 from fulcrum.server.tools import ToolCalling, delta_calls, response_calls
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request, stream_as=None):
+    """The chat completion, whole or streamed as SSE; `stream_as` (another API on this path, such as Anthropic's
+    messages): a function of the chunk events that returns the response to stream instead."""
     state.check_model(req.model)
     tok = state.engine.tokenizer
     tools = ToolCalling.of(req, state.tool_call_parser)
-    ids = await off_loop(state.chat_ids, req.messages, req.add_generation_prompt, tools.tools if tools else None)
+    ids = await off_loop(
+        state.chat_ids, req.messages, req.add_generation_prompt, tools.tools if tools else None,
+        req.chat_template_kwargs,
+    )  # fmt: skip
+    # a reasoning model's thought goes to reasoning_content; the rendered prompt's tail says if a block is open
+    prompt_tail = tok.decode(ids[-8:]) if state.reasoning_parser else ""
+
+    def reasoner():
+        return make_parser(state.reasoning_parser, prompt_tail) if state.reasoning_parser else None
+
     k = (req.top_logprobs or 0) if req.logprobs else None
     # off the event loop: checking a grammar builds it
     params = await off_loop(sampling_params, req, req.max_completion_tokens or req.max_tokens, k, req.prompt_logprobs)
@@ -62,6 +74,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                 yield chunk([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))])
             sent: dict[int, int] = {}  # sample -> tokens already streamed
             parsers = {j: tools.parser() for j in range(req.n)} if tools else {}
+            thoughts = {j: reasoner() for j in range(req.n)}
             calls: dict[int, int] = {}  # sample -> tool calls streamed
             prompt_sent = False
             ro = None
@@ -71,8 +84,25 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                     lp = chat_logprobs(tok, out.token_ids[done:], out.logprobs[done:], k) if k is not None else None
                     sent[j] = len(out.token_ids)
                     finish = out.finish_reason
+                    reasoning = None
+                    if thoughts[j] is not None:
+                        split = thoughts[j].feed(delta)
+                        if finish is not None:
+                            end = thoughts[j].finish()
+                            split.reasoning = (split.reasoning or "") + (end.reasoning or "") or None
+                            split.content = (split.content or "") + (end.content or "") or None
+                        reasoning, delta = split.reasoning, split.content or ""
                     if tools is None:
-                        delta_msg = DeltaMessage(content=delta)
+                        if (
+                            thoughts[j] is not None
+                            and not delta
+                            and reasoning is None
+                            and finish is None
+                            and lp is None
+                        ):
+                            continue  # text held back: it may start or end the thought
+                        delta_msg = DeltaMessage(content=delta if delta or reasoning is None else None,
+                                                 reasoning_content=reasoning)  # fmt: skip
                     else:
                         piece = parsers[j].feed(delta)
                         if finish is not None:
@@ -81,19 +111,24 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                             piece.tool_calls += end.tool_calls
                         calls[j] = calls.get(j, 0) + sum(d.id is not None for d in piece.tool_calls)
                         finish = tools.finish_reason(calls[j], finish)
-                        if piece.content is None and not piece.tool_calls and finish is None and lp is None:
+                        if (piece.content is None and not piece.tool_calls and reasoning is None and finish is None
+                                and lp is None):  # fmt: skip
                             continue  # text held back: it may start a call
-                        delta_msg = DeltaMessage(content=piece.content, tool_calls=delta_calls(piece))
+                        delta_msg = DeltaMessage(
+                            content=piece.content, tool_calls=delta_calls(piece), reasoning_content=reasoning
+                        )
                     prompt_lp = None
                     if req.prompt_logprobs is not None and not prompt_sent:  # with the first chunk of text
                         prompt_lp, prompt_sent = prompt_logprobs(tok, ro.prompt_logprobs), True
-                    yield chunk(
-                        [ChatStreamChoice(index=j, delta=delta_msg, logprobs=lp, finish_reason=finish)], None, prompt_lp
+                    stop = out.stop_reason if finish is not None else None
+                    choice = ChatStreamChoice(
+                        index=j, delta=delta_msg, logprobs=lp, finish_reason=finish, stop_reason=stop
                     )
+                    yield chunk([choice], None, prompt_lp)
             if req.stream_options and req.stream_options.include_usage and ro is not None:
                 yield chunk([], usage_of([ro]))
 
-        return run.stream(events())
+        return stream_as(run, events()) if stream_as is not None else run.stream(events())
 
     last = await run.collect(request)
     if not isinstance(last, dict):
@@ -101,10 +136,18 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     ro = last[0]
     choices = []
     for j, out in enumerate(ro.outputs):
-        message, finish = ChatResponseMessage(content=out.text), out.finish_reason
+        text, reasoning = out.text, None
+        if state.reasoning_parser:
+            split = reasoner().split(out.text)
+            text, reasoning = split.content or "", split.reasoning
+        message, finish = ChatResponseMessage(content=text, reasoning_content=reasoning), out.finish_reason
+        if reasoning is not None and not text:
+            message.content = None  # all thought (cut by max_tokens): no answer yet
         if tools is not None:
-            extracted = tools.parser().extract(out.text)
-            message = ChatResponseMessage(content=extracted.content, tool_calls=response_calls(extracted) or None)
+            extracted = tools.parser().extract(text)
+            message = ChatResponseMessage(
+                content=extracted.content, tool_calls=response_calls(extracted) or None, reasoning_content=reasoning
+            )
             finish = tools.finish_reason(len(extracted.tool_calls), finish)
         choices.append(
             ChatChoice(

@@ -69,6 +69,7 @@ def serve(
     allowed_origins: list[str] | None = None,
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
+    reasoning_parser: str | None = None,
 ) -> int:
     try:
         sock = bind_port(host, port)
@@ -89,6 +90,7 @@ def serve(
             allowed_origins,
             max_body_mb,
             header_timeout,
+            reasoning_parser,
         )
 
 
@@ -105,6 +107,7 @@ def _run(
     allowed_origins: list[str] | None = None,
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
+    reasoning_parser: str | None = None,
 ) -> int:
     host, port = sock.getsockname()[:2]  # the port is the system's choice under --port 0
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -118,6 +121,7 @@ def _run(
     name = served_model_name or default_model_name(config.model, engine.model_path)
     state = ServerState(engine, name, api_key, ServerMetrics(name, compat_vllm=metrics_compat == "vllm"))
     state.tool_call_parser = tool_call_parser
+    state.reasoning_parser = reasoning_parser
     state.allowed_origins = list(allowed_origins or [])
     state.max_body_bytes = int(max_body_mb * 2**20)
     app = build_app(state)
@@ -142,7 +146,8 @@ def _run(
             f"fulcrum serving {name} on {url} | KV cache: {ready.num_blocks} blocks x "
             f"{ready.block_size} tokens = {ready.num_blocks * ready.block_size} tokens ({ready.kv_cache_dtype}) | "
             f"max_model_len {ready.max_model_len}"
-            + (f" | weights: {ready.weights}, {ready.weight_bytes / 2**20:.1f} MiB" if ready.weights else ""),
+            + (f" | weights: {ready.weights}, {ready.weight_bytes / 2**20:.1f} MiB" if ready.weights else "")
+            + (_embedding_line(ready) if ready.task == "embed" else ""),
             flush=True,
         )
         await server.serve(sockets=[sock])
@@ -158,3 +163,11 @@ def _run(
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, FulcrumError | ValueError) else 1
     return exit_code["code"] or server.exit_code
+
+
+def _embedding_line(ready) -> str:
+    p = ready.pooler
+    how = f"{p.pooling_type}-token" if p.pooling_type != "mean" else "mean"
+    dims = " (matryoshka)" if p.matryoshka else ""
+    norm = ", normalised" if p.normalize else ""
+    return f" | embeddings at /v1/embeddings: {how} pooling{norm}, {ready.hidden_size} dimensions{dims} ({p.source})"

@@ -9,10 +9,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from fulcrum.errors import InvalidRequestError
 from fulcrum.http_errors import error
 
 # one thread: transformers' fast tokenizers may refuse concurrent calls on one instance ("Already borrowed")
 _tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fulcrum-tokenize")
+
+
+async def json_body(request) -> object:
+    """The request's body as JSON; a 400 when it is not JSON or nests too deeply to read (never a 500)."""
+    try:
+        return await request.json()
+    except ValueError as e:
+        raise InvalidRequestError(f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequestError("the body is nested too deeply to read as JSON") from None
 
 
 async def off_loop(fn, *args):

@@ -23,6 +23,7 @@ class ServerState:
     metrics: ServerMetrics
     draining: bool = False  # SIGTERM: requests in flight finish, new ones get 503
     tool_call_parser: str | None = None  # --tool-call-parser: how the model writes tool calls
+    reasoning_parser: str | None = None  # --reasoning-parser: how a reasoning model marks its thought
     allowed_origins: list[str] = field(default_factory=list)  # --allowed-origins: browsers' origins (CORS); none: off
     max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20)  # --max-request-body-mb: larger bodies get 413
 
@@ -31,11 +32,15 @@ class ServerState:
             raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model")
 
     def chat_ids(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> list[int]:
         convo = [m.for_template() for m in messages]
         try:
-            return chat_prompt_ids(self.engine.tokenizer, convo, add_generation_prompt, tools)
+            return chat_prompt_ids(self.engine.tokenizer, convo, add_generation_prompt, tools, template_kwargs)
         except Exception as e:  # template errors (e.g. a role the template refuses) are the client's
             raise InvalidRequestError(f"messages cannot be rendered by the chat template: {e}", "messages") from e
 

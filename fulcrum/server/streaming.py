@@ -111,32 +111,43 @@ class StartedRequest:
 
     async def collect(self, request: Request) -> dict[int, RequestOutput] | Response:
         """last_outputs(), unless the client goes away first: then its requests are aborted (499)."""
-        task = asyncio.ensure_future(self.last_outputs())
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                return Response(status_code=499)
+        return await until_done(self.last_outputs(), request)
 
-    def stream(self, events: AsyncIterator[BaseModel]) -> StreamingResponse:
-        """Stream `events` as SSE, then `[DONE]`; a failure (engine, request, shutdown) ends the stream with an
-        error event and then `[DONE]`, and however it ends (a client gone included) the requests are aborted."""
+    def stream(
+        self, events: AsyncIterator, encode=None, encode_error=sse_error, done: str = "data: [DONE]\n\n"
+    ) -> StreamingResponse:
+        """Stream `events` as SSE (`encode`: OpenAI's chunks by default), then `done`; a failure (engine, request,
+        shutdown) ends the stream with an error event and then `done`, and however it ends (a client gone
+        included) the requests are aborted."""
+        encode = encode or sse
 
         async def body():
             try:
                 async for event in events:
-                    yield sse(event)
+                    yield encode(event)
             except Exception as e:
                 if status_of(e) >= 500 and not isinstance(e, ShuttingDownError):
                     log.error("stream failed: %s: %s", type(e).__name__, e)
-                yield sse_error(e)
+                yield encode_error(e)
             finally:
                 await self.it.aclose()
-            yield "data: [DONE]\n\n"
+            if done:
+                yield done
 
         return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def until_done(work, request: Request):
+    """What `work` (a coroutine) returns, unless the client goes away first: then it is cancelled (the requests it
+    runs are aborted) and the answer is a 499."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            return Response(status_code=499)
 
 
 def sse(event: BaseModel) -> str:

@@ -43,11 +43,14 @@ class ToolCalling:
         if not self.forced and parser_name is None:
             raise InvalidRequestError(
                 'tool_choice "auto" needs a tool-call parser: start the server with --tool-call-parser '
-                "(hermes, llama3_json or mistral), or ask for tool_choice required or a named function",
+                "(one of fulcrum serve --help's), or ask for tool_choice required or a named function",
                 param="tool_choice",
             )
         self.parser_name = parser_name or DEFAULT_FORCED_FORMAT
         self.parser_class = type(get_tool_parser(self.parser_name))
+        if self.forced and not self.parser_class.forces_calls:
+            self.parser_name = DEFAULT_FORCED_FORMAT
+            self.parser_class = type(get_tool_parser(self.parser_name))
         self._validators = {t["function"]["name"]: _arguments_validator(t["function"]) for t in self.tools}
 
     @classmethod
@@ -98,12 +101,13 @@ class ToolCalling:
                 validate(StructuredOutputsParams(json=schema))
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"the parameters of {fn['name']}: {e}", param="tools") from None
+            begin, end = p.forced_call(fn["name"])
             tags.append(
                 {
                     "type": "tag",
-                    "begin": f'{p.call_prefix}{{"name": {json.dumps(fn["name"])}, "{p.arguments_key}": ',
+                    "begin": begin,
                     "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": CALL_WHITESPACE},
-                    "end": "}" + p.call_suffix,
+                    "end": end,
                 }
             )
         call = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}

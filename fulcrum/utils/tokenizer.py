@@ -21,16 +21,19 @@ def chat_prompt_ids(
     messages: list[dict],
     add_generation_prompt: bool = True,
     tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> list[int]:
     """Token ids of `messages` rendered through the model's chat template (by default ready for the reply);
-    `tools` (OpenAI's function definitions) go to the template as transformers passes them."""
+    `tools` (OpenAI's function definitions) go to the template as transformers passes them, `template_kwargs` as
+    extra template variables (e.g. enable_thinking)."""
     if not messages:
         raise ValueError("messages must not be empty")
     if tokenizer.chat_template is None:
         raise ValueError("this model's tokenizer has no chat template")
     ids = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-    )
+        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
+        **(template_kwargs or {}),
+    )  # fmt: skip
     return list(ids)
 
 

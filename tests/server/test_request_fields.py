@@ -77,6 +77,8 @@ EFFECTS = {
     ),
     "best_of": (1, lambda b, base, path: text(b) == text(base)),
     "max_completion_tokens": (2, lambda b, base, path: b["usage"]["completion_tokens"] <= 2),
+    # the bundled template reads no extra variable (tests/server/test_reasoning.py checks one that does)
+    "chat_template_kwargs": ({"enable_thinking": False}, lambda b, base, path: text(b) == text(base)),
     "add_generation_prompt": (
         False,
         lambda b, base, path: b["usage"]["prompt_tokens"] < base["usage"]["prompt_tokens"],

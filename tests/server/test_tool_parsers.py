@@ -369,11 +369,11 @@ def test_random_garbage_never_raises(cls):
 
 
 def test_registry_and_unknown_name():
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral"}
+    assert set(TOOL_PARSERS) == {"deepseek_v3", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"}
     for name, cls in TOOL_PARSERS.items():
         parser = get_tool_parser(name, tools=[{"type": "function", "function": {"name": "get_weather"}}])
         assert isinstance(parser, cls) and parser.name == name
-    with pytest.raises(ValueError, match="known: hermes, llama3_json, mistral"):
+    with pytest.raises(ValueError, match="known: deepseek_v3, hermes, llama3_json, mistral, pythonic, qwen3_coder"):
         get_tool_parser("qwen")
 
 

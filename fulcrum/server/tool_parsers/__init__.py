@@ -11,12 +11,23 @@ from fulcrum.server.tool_parsers.base import (
     ToolCallDelta,
     ToolParser,
 )
+from fulcrum.server.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from fulcrum.server.tool_parsers.hermes import HermesToolParser
 from fulcrum.server.tool_parsers.llama3_json import Llama3JsonToolParser
 from fulcrum.server.tool_parsers.mistral import MistralToolParser
+from fulcrum.server.tool_parsers.pythonic import PythonicToolParser
+from fulcrum.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+    cls.name: cls
+    for cls in (
+        HermesToolParser,
+        Llama3JsonToolParser,
+        MistralToolParser,
+        Qwen3CoderToolParser,
+        PythonicToolParser,
+        DeepSeekV3ToolParser,
+    )
 }
 
 
@@ -32,10 +43,13 @@ def get_tool_parser(name: str, tools: list[dict] | None = None, check: CallCheck
 
 __all__ = [
     "TOOL_PARSERS",
+    "DeepSeekV3ToolParser",
     "ExtractedToolCalls",
     "HermesToolParser",
     "Llama3JsonToolParser",
     "MistralToolParser",
+    "PythonicToolParser",
+    "Qwen3CoderToolParser",
     "StreamDelta",
     "ToolCall",
     "ToolCallDelta",

@@ -165,6 +165,14 @@ class ToolParser:
     calls_suffix: ClassVar[str] = ""  # after the last call's suffix (Mistral: "]")
     arguments_key: ClassVar[str] = "arguments"  # the key the model is trained to write
     argument_keys: ClassVar[tuple[str, ...]] = ("arguments",)  # the keys accepted for the arguments
+    # whether a forced call can be written in this format (its arguments a JSON object the grammar enforces);
+    # where not (Python keyword arguments), a forced call is written in Hermes' format and read by its parser
+    forces_calls: ClassVar[bool] = True
+
+    @classmethod
+    def forced_call(cls, name: str) -> tuple[str, str]:
+        """The text before and after a forced call's arguments object, as the model writes it."""
+        return f'{cls.call_prefix}{{"name": {json.dumps(name)}, "{cls.arguments_key}": ', "}" + cls.call_suffix
 
     def __init__(self, tools: list[dict] | None = None, check: CallCheck | None = None):
         self.tools = list(tools or [])
@@ -180,6 +188,19 @@ class ToolParser:
         self._failed = False
         self._content: list[str] = []
         self._deltas: list[ToolCallDelta] = []
+        self._lit = ""  # a marker or tag being matched, character by character (_match)
+
+    def _match(self, ch: str, tags: tuple[str, ...]) -> str | None:
+        """One character of a marker that must come here (one of `tags`): the marker once complete, None while it
+        may still be one; a ValueError once it cannot."""
+        lit = self._lit + ch
+        if lit in tags:
+            self._lit = ""
+            return lit
+        if not any(t.startswith(lit) for t in tags):
+            raise ValueError(f"expected one of {tags}, got {lit!r}")
+        self._lit = lit
+        return None
 
     @classmethod
     def calls_text(cls, objects: list[str]) -> str:

@@ -11,16 +11,22 @@ _START, _END = "<tool_call>", "</tool_call>"
 _CONTENT, _BEFORE_OBJECT, _OBJECT, _AFTER_OBJECT, _END_TAG = range(5)
 
 
-class HermesToolParser(ToolParser):
+class HermesCalls:
+    """Hermes' call format, <tool_call>{"name": ..., "arguments": {...}}</tool_call> per call: how forced calls are
+    written for the parsers that read it (hermes, and qwen3_coder beside its XML form)."""
+
+    call_prefix = "<tool_call>\n"
+    call_suffix = "\n</tool_call>"
+    call_separator = "\n"
+    arguments_key = "arguments"
+
+
+class HermesToolParser(HermesCalls, ToolParser):
     """`<tool_call>` is an added token of these tokenizers but not a special one, so it survives
     skip_special_tokens. A call whose `</tool_call>` never comes (the output ends after its object) is
     kept, as vLLM keeps it."""
 
     name = "hermes"
-    call_prefix = "<tool_call>\n"
-    call_suffix = "\n</tool_call>"
-    call_separator = "\n"
-    arguments_key = "arguments"
 
     def __init__(self, tools: list[dict] | None = None, check: CallCheck | None = None):
         super().__init__(tools, check)
