@@ -249,6 +249,12 @@ class EngineConfig:
     # the folder's pooling (last, mean, cls)
     task: str = "auto"
     pooling_type: str | None = None
+    # multi-LoRA (vLLM's flags): adapters in PEFT's layout, each request naming one (or none: the base model); up to
+    # max_loras of them in a step, of rank max_lora_rank at most, max_cpu_loras kept in host memory (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("speculative_config", "kv_transfer_config", "kv_events_config"):
@@ -279,6 +285,9 @@ class EngineConfig:
             "kv_offloading_size": self.kv_offloading_size is None or self.kv_offloading_size >= 0,
             "kv_offload_dir_size": self.kv_offload_dir_size > 0,
             "task": self.task in TASKS,
+            "max_loras": isinstance(self.max_loras, int) and self.max_loras >= 1,
+            "max_lora_rank": isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1,
+            "max_cpu_loras": self.max_cpu_loras is None or self.max_cpu_loras >= 1,
             "pooling_type": self.pooling_type is None or self.pooling_type in POOLING_TYPES,
         }
         for name, ok in checks.items():

@@ -16,6 +16,7 @@ from fulcrum.distributed.parallel_state import layer_range
 from fulcrum.kernels import cpu_decode_stack
 from fulcrum.kernels import triton as triton_kernels
 from fulcrum.kernels.cpu_decode_stack import DecodeStack, LayerTensors
+from fulcrum.layers import lora
 from fulcrum.layers.activation import SiluAndMul
 from fulcrum.layers.attention import Attention, AttentionMetadata
 from fulcrum.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -230,6 +231,7 @@ class LlamaModel(nn.Module):
             or meta.prefills
             or meta.decode_token_idx is None
             or meta.slot_mapping is None
+            or lora.active()  # the fused layers add no adapter deltas: a step with adapters runs the modules
         ):
             return None
         if self._stack is None or self._stack.cache_ptr != self.layers[self.start].self_attn.attn.k_cache.data_ptr():

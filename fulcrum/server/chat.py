@@ -25,9 +25,7 @@ from fulcrum.server.streaming import StartedRequest, check_kv_transfer_request, 
 from fulcrum.server.tools import ToolCalling, delta_calls, response_calls
 
 
-async def create_chat_completion(
-    state: ServerState, req: ChatCompletionRequest, request: Request, stream_as=None
-):
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request, stream_as=None):
     """The chat completion, whole or streamed as SSE; `stream_as` (another API on this path, such as Anthropic's
     messages): a function of the chunk events that returns the response to stream instead."""
     state.check_model(req.model)
