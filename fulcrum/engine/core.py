@@ -95,6 +95,12 @@ class EngineCore:
             self.kv_offload = KVOffload(self.kv, self.runner, config, self.model_config)
             if self.kv_transfer is not None:  # a consumer that finds the blocks in its tiers pulls nothing
                 self.kv_transfer.local_tiers = self.kv_offload.found_below
+        for module in config.lora_modules or []:  # --lora-modules: a bad adapter stops the start, naming it
+            try:
+                self.add_lora(module["name"], module["path"])
+            except BaseException:
+                self.shutdown()
+                raise
         on_finish = self.kv_transfer.on_finish if self.kv_transfer is not None else None
         self.scheduler = Scheduler(config, self.model_config.max_model_len, self.kv, on_finish=on_finish)
         if self.kv_offload is not None:
@@ -473,7 +479,18 @@ class EngineCore:
             draft_num_free_blocks=draft.num_blocks - draft.num_used_blocks if draft else 0,
             **(self.kv_transfer.stats() if self.kv_transfer is not None else {}),
             **(self._offload_stats() if self.kv_offload is not None else {}),
+            **(self._lora_stats() if self.runner.lora is not None else {}),
         )
+
+    def _lora_stats(self) -> dict:
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for counts, reqs in ((running, self.scheduler.running), (waiting, self.scheduler.waiting)):
+            for r in reqs:
+                if r.lora_name is not None:
+                    counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
+        lora = self.runner.lora
+        return dict(lora_running=running, lora_waiting=waiting, lora_loads=lora.loads, lora_evictions=lora.evictions)
 
     def _offload_stats(self) -> dict:
         counts, latency = self.kv_offload.stats()

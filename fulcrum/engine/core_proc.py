@@ -61,7 +61,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
         kv_transfer=core.kv_transfer.describe() if core.kv_transfer is not None else None,
         weights=getattr(core.runner, "weights_format", ""), weight_bytes=getattr(core.runner, "weight_bytes", 0),
         task=core.model_config.task, pooler=core.model_config.pooler,
-        hidden_size=core.model_config.hf_config.hidden_size,
+        hidden_size=core.model_config.hf_config.hidden_size, loras=core.list_loras(),
+        max_loras=config.max_loras if config.enable_lora else 0,
     )  # fmt: skip
     push.send(encoder.encode(ready))
     try:
@@ -90,7 +91,9 @@ def _add(core: EngineCore, payload: bytes) -> list[EngineCoreOutput]:
         return []
     except (InvalidRequestError, msgspec.ValidationError, msgspec.DecodeError) as e:
         log.error("rejected request %s: %s", request_id, e)
-        return [EngineCoreOutput(request_id, [], finish_reason="error", error=f"invalid request: {e}")]
+        return [
+            EngineCoreOutput(request_id, [], finish_reason="error", error=f"invalid request: {e}", error_status=400)
+        ]
 
 
 def _lora(core: EngineCore, payload: bytes) -> CallReply:

@@ -56,6 +56,12 @@ class SchedulerStats(msgspec.Struct):
     # occupancy and capacity (gauges); latency histograms "load:ram" ... as bucket counts, then the sum in microseconds
     kv_offload: dict[str, int] = msgspec.field(default_factory=dict)
     kv_offload_latency: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    # LoRA (engine/lora.py): requests running and waiting per adapter (gauges), adapters put in a slot and taken out
+    # of one for another (cumulative)
+    lora_running: dict[str, int] = msgspec.field(default_factory=dict)
+    lora_waiting: dict[str, int] = msgspec.field(default_factory=dict)
+    lora_loads: int = 0
+    lora_evictions: int = 0
 
 
 class LoRACall(msgspec.Struct):
@@ -87,6 +93,8 @@ class CoreReady(msgspec.Struct):
     task: str = "generate"  # or "embed": the model serves embeddings (model_folder/pooling.py)
     pooler: PoolerConfig | None = None  # an embedding model's pooling
     hidden_size: int = 0  # an embedding's full length
+    loras: list[str] = msgspec.field(default_factory=list)  # LoRA adapters loaded at start (--lora-modules)
+    max_loras: int = 0  # adapters in one step at most; 0: the engine serves no LoRA adapters
 
 
 class CoreOutputs(msgspec.Struct):

@@ -59,7 +59,8 @@ async def create_embedding(state, request: Request):
     except ValueError as e:
         raise InvalidRequestError(f"the body is not valid JSON: {e}") from None
     req = parse(data)
-    state.check_model(req.model)
+    if state.check_model(req.model) is not None:
+        raise InvalidRequestError("embeddings with a LoRA adapter are not supported", param="model")
     if isinstance(req.input, list) and not req.input:
         raise InvalidRequestError("input is empty: give a string, a list of strings or token ids", param="input")
     engine = state.engine
