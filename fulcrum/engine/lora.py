@@ -29,8 +29,9 @@ class LoRARequest:
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int, device: torch.device):
-        self.layers = attach_slots(model, max_loras, max_rank)
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int, device: torch.device,
+                 dtype: torch.dtype):  # fmt: skip
+        self.layers = attach_slots(model, max_loras, max_rank, dtype)
         if not self.layers:
             raise LoRAError(f"{type(model).__name__} has no layers fulcrum applies LoRA adapters to")
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max(max_cpu_loras, max_loras)

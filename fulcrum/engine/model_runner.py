@@ -95,7 +95,7 @@ class ModelRunner:
                 )
             cfg = engine_config
             self.lora = LoRAManager(self.model, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras or cfg.max_loras,
-                                    self.device)  # fmt: skip
+                                    self.device, model_config.dtype)  # fmt: skip
         if engine_config.enforce_eager and hasattr(stack, "fused_decode"):
             stack.fused_decode = False  # decode steps on the layer modules
         if self.device.type == "cpu":

@@ -154,6 +154,7 @@ def fused_decode_stack(layers: list[nn.Module]) -> DecodeStack | None:
                 sa.attn.v_scales,
                 sa.attn.scale,
                 sa.attn.sliding_window,
+                tuple((lin.lora.a, lin.lora.bt) for lin in linears) if all(lin.lora for lin in linears) else None,
             )  # fmt: skip
         )
     a = layers[0].self_attn
@@ -214,7 +215,8 @@ class LlamaModel(nn.Module):
         rope = self.ropes(positions, x.dtype)
         stack = self._decode_stack(meta, x)
         if stack is not None:  # a decode-only step: every layer in one call, the same kernels the modules call
-            x = stack.run(x, rope[0], rope[1], meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
+            x = stack.run(x, rope[0], rope[1], meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                          lora.token_slots())  # fmt: skip
         else:
             for layer in self.layers[self.start : self.end]:
                 x = layer(rope, x, meta)
@@ -231,7 +233,6 @@ class LlamaModel(nn.Module):
             or meta.prefills
             or meta.decode_token_idx is None
             or meta.slot_mapping is None
-            or lora.active()  # the fused layers add no adapter deltas: a step with adapters runs the modules
         ):
             return None
         if self._stack is None or self._stack.cache_ptr != self.layers[self.start].self_attn.attn.k_cache.data_ptr():
@@ -239,6 +240,8 @@ class LlamaModel(nn.Module):
             if self._stack is False:
                 return None
         if not 0 < x.shape[0] <= self._stack.max_rows or x.dtype != self._stack.dtype:
+            return None
+        if lora.active() and not self._stack.lora_rank:  # a stack built without the layers' adapter slots
             return None
         return self._stack
 

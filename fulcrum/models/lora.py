@@ -57,15 +57,15 @@ def slot_layers(model: nn.Module) -> dict[str, LinearBase]:
     return out
 
 
-def attach_slots(model: nn.Module, max_loras: int, max_rank: int) -> dict[str, LinearBase]:
-    """Give every adapter-taking layer its slots (zeros: no adapter); returns those layers by name."""
+def attach_slots(model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype) -> dict[str, LinearBase]:
+    """Give every adapter-taking layer its slots (zeros: no adapter) in the activations' `dtype`; returns those
+    layers by name."""
     layers = slot_layers(model)
     for layer in layers.values():
         if layer.tp_size > 1:
             raise LoRAError("LoRA adapters are not supported with tensor parallelism yet")
-        w = next(p for p in layer.parameters())
-        dtype = w.dtype if w.is_floating_point() else torch.get_default_dtype()
-        layer.lora = LoRASlots(max_loras, max_rank, layer.input_size, layer.output_sizes, dtype, w.device)
+        device = next(p for p in layer.parameters()).device
+        layer.lora = LoRASlots(max_loras, max_rank, layer.input_size, layer.output_sizes, dtype, device)
     return layers
 
 

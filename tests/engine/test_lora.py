@@ -44,10 +44,12 @@ def make_adapter(base, folder, targets, r, rslora=False, seed=0, **extra):
     return folder
 
 
-@pytest.fixture(scope="module")
-def base_and_adapters(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora")
-    base = save_tiny_model("qwen3", root / "base")
+# qwen3 runs its decode steps on the layer modules (q/k norms), qwen2 on the fused CPU decode stack, whose LoRA is
+# kernels/csrc/decode_stack.cpp's
+@pytest.fixture(scope="module", params=["qwen3", "qwen2"])
+def base_and_adapters(tmp_path_factory, request):
+    root = tmp_path_factory.mktemp(f"lora-{request.param}")
+    base = save_tiny_model(request.param, root / "base")
     adapters = [make_adapter(base, root / f"a{i}", t, r, rs, seed=100 + i) for i, (t, r, rs) in enumerate(TARGETS)]
     return base, adapters
 
@@ -86,6 +88,9 @@ def test_mixed_batch_and_alone_equal_peft_merged(base_and_adapters, references, 
             alone = llm.generate([{"prompt_token_ids": prompt}], GREEDY, lora_request=lr, use_tqdm=False)
             assert alone[0].outputs[0].token_ids == w
         assert sorted(llm.list_loras()) == ["a0", "a1", "a2"]
+        stack = llm.core.runner.model.model._stack
+        if "qwen2" in str(base):  # its decode steps, adapters and all, ran in the fused stack
+            assert stack and stack.lora_rank == 16
 
 
 def test_fewer_slots_than_adapters_swaps_between_steps(base_and_adapters, references):
