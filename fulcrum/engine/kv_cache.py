@@ -217,7 +217,7 @@ class KVCacheManager:
                     bs,
                     None,
                     self.medium,
-                    None,
+                    getattr(req, "lora_name", None),  # vLLM's: a LoRA request's blocks name their adapter
                 )
             )
             start = k
