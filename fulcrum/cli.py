@@ -139,6 +139,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--pooling-type", choices=("last", "mean", "cls"), default=None,
         help="an embedding model's pooling (default: its Pooling module's, else the last token)",
     )  # fmt: skip
+    lg = p.add_argument_group("LoRA adapters")
+    lg.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (on with --lora-modules)")
+    lg.add_argument(
+        "--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+        help="PEFT adapter folders loaded at start, each served under its name (a request's model field picks it); "
+        "vLLM's JSON form {\"name\": ..., \"path\": ...} too",
+    )  # fmt: skip
+    lg.add_argument("--max-loras", type=int, default=4, help="adapters in one step at most (default 4)")
+    lg.add_argument("--max-lora-rank", type=int, default=16, help="the highest adapter rank served (default 16)")
+    lg.add_argument(
+        "--max-cpu-loras", type=int, default=None,
+        help="adapters kept in host memory, least recently used dropped and read again when asked for (default: "
+        "--max-loras)",
+    )  # fmt: skip
+    lg.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, which is read too)",
+    )  # fmt: skip
     g.add_argument("--cpu-threads", type=int, default=None, help="CPU compute threads (default: one per core)")
     g.add_argument(
         "--enforce-eager",
@@ -250,6 +269,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_offload_dir_size=args.kv_offload_dir_size,
         task=args.task,
         pooling_type=args.pooling_type,
+        enable_lora=args.enable_lora,
+        lora_modules=args.lora_modules,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )
 
 
@@ -335,6 +359,8 @@ def _serve(args: argparse.Namespace) -> int:
     os.environ[MAX_GRAMMAR_BYTES_ENV] = str(args.max_grammar_bytes)
     os.environ[COMPILE_TIMEOUT_ENV] = str(args.grammar_compile_timeout)
     os.environ[COMPILE_MEMORY_ENV] = str(args.grammar_compile_memory)
+    if args.allow_runtime_lora_updating:
+        os.environ["FULCRUM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
     try:
         config = EngineConfig(**engine_kwargs(args))
     except (FulcrumError, ValueError) as e:  # a flag's value: one line, as `fulcrum generate` answers

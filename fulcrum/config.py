@@ -178,6 +178,23 @@ def _is_partition(value) -> bool:
     return all(str(p).strip().isdigit() for p in parts)
 
 
+def _lora_module(m) -> dict:
+    """A --lora-modules entry as {"name", "path"}: "name=path", or vLLM's JSON object form."""
+    if isinstance(m, str) and m.lstrip().startswith("{"):
+        try:
+            m = json.loads(m)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"lora_modules: {m!r} is not valid JSON: {e}", "lora_modules") from None
+    if isinstance(m, str):
+        name, sep, path = m.partition("=")
+        if not sep or not name or not path:
+            raise InvalidRequestError(f"lora_modules: {m!r} is not name=path", "lora_modules")
+        return {"name": name, "path": path}
+    if isinstance(m, dict) and isinstance(m.get("name"), str) and isinstance(m.get("path"), str):
+        return {"name": m["name"], "path": m["path"]}
+    raise InvalidRequestError(f"lora_modules: {m!r} is not name=path or {{'name': ..., 'path': ...}}", "lora_modules")
+
+
 @dataclass
 class EngineConfig:
     """Engine settings, named as in vLLM."""
@@ -249,6 +266,14 @@ class EngineConfig:
     # the folder's pooling (last, mean, cls)
     task: str = "auto"
     pooling_type: str | None = None
+    # multi-LoRA (vLLM's flags): adapters in PEFT's layout, each request naming one (or none: the base model); up to
+    # max_loras of them in a step, of rank max_lora_rank at most, max_cpu_loras kept in host memory (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    # adapters loaded at start, as vLLM's --lora-modules: "name=path" texts or {"name": ..., "path": ...}
+    lora_modules: list | None = None
 
     def __post_init__(self) -> None:
         for name in ("speculative_config", "kv_transfer_config", "kv_events_config"):
@@ -257,6 +282,9 @@ class EngineConfig:
                     setattr(self, name, json.loads(getattr(self, name)))
                 except json.JSONDecodeError as e:
                     raise InvalidRequestError(f"{name} is not valid JSON: {e}", name) from None
+        self.lora_modules = [_lora_module(m) for m in self.lora_modules or []]
+        if self.lora_modules:
+            self.enable_lora = True
         checks = {
             "max_num_seqs": self.max_num_seqs >= 1,
             "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
@@ -279,6 +307,9 @@ class EngineConfig:
             "kv_offloading_size": self.kv_offloading_size is None or self.kv_offloading_size >= 0,
             "kv_offload_dir_size": self.kv_offload_dir_size > 0,
             "task": self.task in TASKS,
+            "max_loras": isinstance(self.max_loras, int) and self.max_loras >= 1,
+            "max_lora_rank": isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1,
+            "max_cpu_loras": self.max_cpu_loras is None or self.max_cpu_loras >= 1,
             "pooling_type": self.pooling_type is None or self.pooling_type in POOLING_TYPES,
         }
         for name, ok in checks.items():

@@ -76,6 +76,7 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         kv_transfer_params: dict | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[tuple[RequestOutput, dict[int, str]]]:
         """Stream (output so far, new text per sample) once per engine step until finished.
         Leaving the iteration early (client gone) aborts the request and frees its blocks.
@@ -91,7 +92,8 @@ class AsyncLLM:
         if kv_transfer_params is not None:
             check_kv_transfer(kv_transfer_params, self.ready.kv_transfer, prompt_ids, params, self.kv_trust)
         samples = [
-            AddRequest(cid, prompt_ids, cp, priority, now, kv_transfer_params) for cid, cp in fan_out(rid, params)
+            AddRequest(cid, prompt_ids, cp, priority, now, kv_transfer_params, lora_name)
+            for cid, cp in fan_out(rid, params)
         ]
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = queue
@@ -163,6 +165,16 @@ class AsyncLLM:
                 self.queues.pop(rid, None)
                 if rid not in done:
                     await self.abort(rid)
+
+    async def lora(self, op: str, name: str = "", path: str = "") -> list[str]:
+        """Load ("load"), unload ("unload") or list ("list") LoRA adapters in every engine core; the adapters loaded
+        after the call. A failure raises InvalidRequestError (a bad adapter, a name taken or unknown, adapters in use)."""
+        if not self.healthy:
+            raise EngineDeadError("the engine is not running")
+        reply = await self.client.lora(op, name, path)
+        if reply.error:
+            raise InvalidRequestError(reply.error, "lora_name" if "named" in reply.error else "lora_path")
+        return reply.names
 
     def cut_all(self, error: Exception) -> list[tuple[str, int]]:
         """End every request in flight with `error` (shutdown past the drain timeout); returns each one's

@@ -48,6 +48,8 @@ class EngineCore:
         self.model_config = ModelConfig.from_engine(config)
         # speculative decoding: a draft model loads first, so that the target sizes the cache for both
         spec = SpeculativeConfig.parse(config.speculative_config, config.device)
+        if spec and config.enable_lora:
+            raise InvalidRequestError("speculative decoding with LoRA adapters is not supported yet", "enable_lora")
         if spec and self.model_config.task == "embed":
             raise InvalidRequestError("an embedding model generates nothing to speculate on", "speculative_config")
         proposer = make_proposer(spec, config, self.model_config) if spec else None
@@ -93,6 +95,12 @@ class EngineCore:
             self.kv_offload = KVOffload(self.kv, self.runner, config, self.model_config)
             if self.kv_transfer is not None:  # a consumer that finds the blocks in its tiers pulls nothing
                 self.kv_transfer.local_tiers = self.kv_offload.found_below
+        for module in config.lora_modules or []:  # --lora-modules: a bad adapter stops the start, naming it
+            try:
+                self.add_lora(module["name"], module["path"])
+            except BaseException:
+                self.shutdown()
+                raise
         on_finish = self.kv_transfer.on_finish if self.kv_transfer is not None else None
         self.scheduler = Scheduler(config, self.model_config.max_model_len, self.kv, on_finish=on_finish)
         if self.kv_offload is not None:
@@ -143,11 +151,21 @@ class EngineCore:
         priority: int = 0,
         arrival_time: float | None = None,
         kv_transfer_params: dict | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Queue one sample of a request the frontend has checked (engine/request.py: check_request).
-        `kv_transfer_params`: vLLM's P/D handshake (engine/kv_transfer/transfer.py)."""
+        `kv_transfer_params`: vLLM's P/D handshake (engine/kv_transfer/transfer.py). `lora_name`: a loaded LoRA
+        adapter it runs with (add_lora)."""
+        if lora_name is not None:
+            lora = self.runner.lora
+            if lora is None:
+                raise InvalidRequestError(f"adapter {lora_name!r}: this engine serves no LoRA adapters (enable_lora)",
+                                          "model")  # fmt: skip
+            if lora_name not in lora:
+                raise InvalidRequestError(f"no LoRA adapter named {lora_name!r} is loaded", "model")
         req = Request(request_id, list(prompt_token_ids), params, list(self.model_config.eos_token_ids), priority)
         req.kv_transfer_params = kv_transfer_params
+        req.lora_name = lora_name
         if arrival_time:
             req.arrival_time = arrival_time
         if params.structured_outputs is not None:
@@ -165,6 +183,37 @@ class EngineCore:
         if self.kv_offload is not None and self.kv_offload.add(req):
             return
         self.scheduler.add_request(req)
+
+    # -- LoRA adapters --------------------------------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load a LoRA adapter (PEFT's layout) under `name`; a bad one raises LoRAError, and nothing changes."""
+        if self.runner.lora is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters: start it with enable_lora", "lora_name")
+        self.runner.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter; refused while a request that names it is queued or running."""
+        if self.runner.lora is None or name not in self.runner.lora:
+            raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded", "lora_name")
+        users = [r.request_id for r in self._all_requests() if r.lora_name == name]
+        if users:
+            raise InvalidRequestError(
+                f"adapter {name!r} has {len(users)} request(s) queued or running; unload it once they finish",
+                "lora_name",
+            )
+        self.runner.lora.remove(name)
+
+    def list_loras(self) -> list[str]:
+        return self.runner.lora.names() if self.runner.lora is not None else []
+
+    def _all_requests(self) -> list[Request]:
+        reqs = list(self.scheduler.requests.values()) + list(self.compiling.requests())
+        if self.kv_transfer is not None:
+            reqs += self.kv_transfer.requests()
+        if self.kv_offload is not None:
+            reqs += self.kv_offload.requests()
+        return reqs
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         done = self.compiling.drop(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -430,7 +479,18 @@ class EngineCore:
             draft_num_free_blocks=draft.num_blocks - draft.num_used_blocks if draft else 0,
             **(self.kv_transfer.stats() if self.kv_transfer is not None else {}),
             **(self._offload_stats() if self.kv_offload is not None else {}),
+            **(self._lora_stats() if self.runner.lora is not None else {}),
         )
+
+    def _lora_stats(self) -> dict:
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for counts, reqs in ((running, self.scheduler.running), (waiting, self.scheduler.waiting)):
+            for r in reqs:
+                if r.lora_name is not None:
+                    counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
+        lora = self.runner.lora
+        return dict(lora_running=running, lora_waiting=waiting, lora_loads=lora.loads, lora_evictions=lora.evictions)
 
     def _offload_stats(self) -> dict:
         counts, latency = self.kv_offload.stats()

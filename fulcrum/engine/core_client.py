@@ -26,10 +26,13 @@ from fulcrum.engine.messages import (
     ABORT,
     ADD,
     FINISH,
+    LORA,
     SHUTDOWN,
     AddRequest,
+    CallReply,
     CoreOutputs,
     CoreReady,
+    LoRACall,
     SchedulerStats,
     decode_outputs,
     decode_ready,
@@ -72,6 +75,8 @@ class CoreClient:
         self._dir = tempfile.mkdtemp(prefix="fulcrum-")
         self._ctx, self._out_ctx = zmq.Context(), out_ctx
         self._stopped = False
+        self._call_ids = itertools.count()
+        self._replies: dict[int, list[CallReply]] = {}  # LoRA call -> the cores' replies so far
         try:
             configs = data_parallel_configs(config)
             for i, cfg in enumerate(configs):
@@ -153,9 +158,34 @@ class CoreClient:
                 by_core.setdefault(core, []).append(rid)
         return by_core
 
+    # -- LoRA calls (every core holds every adapter) -------------------------------------------------------------
+
+    def _send_lora(self, op: str, name: str = "", path: str = "", answered: bool = True) -> int:
+        """Send a call to every core; `answered`: its replies are gathered (_reply)."""
+        call_id = next(self._call_ids)
+        if answered:
+            self._replies[call_id] = []
+        frame = encoder.encode(LoRACall(call_id, op, name, path))
+        for core in self.cores:
+            core.inp.send_multipart([LORA, frame])
+        return call_id
+
+    def _reply(self, call_id: int) -> CallReply | None:
+        """The call's answer once every core gave it: the first error, if any (a load that failed on one core is
+        undone on the others)."""
+        got = self._replies.get(call_id, [])
+        if len(got) < len(self.cores):
+            return None
+        del self._replies[call_id]
+        failed = next((r for r in got if r.error), None)
+        return failed or got[0]
+
     def _received(self, core: Core, payload: bytes) -> CoreOutputs:
         """A core's message: its stats kept, its finished samples forgotten, and the stats of all cores in it."""
         msg = decode_outputs(payload)
+        for r in msg.replies:
+            if r.call_id in self._replies:
+                self._replies[r.call_id].append(r)
         core.stats = msg.stats
         self.latest_stats = total_stats([c.stats for c in self.cores])
         self._release([o.request_id for o in msg.outputs if o.finish_reason is not None])
@@ -205,6 +235,7 @@ class SyncCoreClient(CoreClient):
             self.shutdown()
             raise
         self._all_ready()
+        self._early: list[EngineCoreOutput] = []  # outputs read while waiting for a LoRA call's replies
         self._poller = zmq.Poller()
         for core in self.cores:
             self._poller.register(core.out, zmq.POLLIN)
@@ -224,10 +255,23 @@ class SyncCoreClient(CoreClient):
     def has_unfinished_requests(self) -> bool:
         return bool(self.owner)
 
+    def lora(self, op: str, name: str = "", path: str = "") -> CallReply:
+        """A LoRA call to every core, answered once all replied (outputs that come meanwhile wait for step())."""
+        call_id = self._send_lora(op, name, path)
+        while (reply := self._reply(call_id)) is None:
+            for core in self.cores:
+                if core.out.poll(STEP_POLL_MS):
+                    self._early.extend(self._received(core, core.out.recv()).outputs)
+            if (dead := self.dead_core()) is not None:
+                raise EngineDeadError(f"{dead.name} exited (code {dead.proc.exitcode})")
+        if reply.error and op == "load":
+            self._send_lora("unload", name, answered=False)  # those that loaded it let it go
+        return reply
+
     def step(self) -> list[EngineCoreOutput]:
         """What the cores have sent since the last call, waiting up to STEP_POLL_MS for the first message."""
-        got: list[EngineCoreOutput] = []
-        timeout = STEP_POLL_MS
+        got, self._early = self._early, []
+        timeout = 0 if got else STEP_POLL_MS
         while ready := dict(self._poller.poll(timeout)):
             timeout = 0
             for core in self.cores:
@@ -257,6 +301,7 @@ class AsyncCoreClient(CoreClient):
         super().__init__(config, zmq.asyncio.Context())
         self._outputs: asyncio.Queue[CoreOutputs | Exception] = asyncio.Queue()
         self._readers: list[asyncio.Task] = []
+        self._calls: dict[int, asyncio.Future] = {}
 
     async def start(self) -> CoreReady:
         try:
@@ -273,6 +318,27 @@ class AsyncCoreClient(CoreClient):
     @property
     def alive(self) -> bool:
         return bool(self.cores) and not self._stopped and self.dead_core() is None
+
+    async def lora(self, op: str, name: str = "", path: str = "") -> CallReply:
+        """A LoRA call to every core, answered once all replied."""
+        call_id = self._send_lora(op, name, path)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        try:
+            reply = await future
+        finally:
+            self._calls.pop(call_id, None)
+        if reply.error and op == "load":
+            self._send_lora("unload", name, answered=False)
+        return reply
+
+    def _received(self, core: Core, payload: bytes) -> CoreOutputs:
+        msg = super()._received(core, payload)
+        for call_id, future in list(self._calls.items()):
+            reply = self._reply(call_id)
+            if reply is not None and not future.done():
+                future.set_result(reply)
+        return msg
 
     async def get_output(self) -> CoreOutputs:
         """The next message of any core; raises what ended a core's reader (EngineDeadError when the core died)."""

@@ -18,11 +18,14 @@ from fulcrum.engine.messages import (
     ABORT,
     ADD,
     FINISH,
+    LORA,
     SHUTDOWN,
+    CallReply,
     CoreOutputs,
     CoreReady,
     decode_add,
     decode_ids,
+    decode_lora_call,
     encoder,
 )
 from fulcrum.engine.outputs import EngineCoreOutput
@@ -58,7 +61,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
         kv_transfer=core.kv_transfer.describe() if core.kv_transfer is not None else None,
         weights=getattr(core.runner, "weights_format", ""), weight_bytes=getattr(core.runner, "weight_bytes", 0),
         task=core.model_config.task, pooler=core.model_config.pooler,
-        hidden_size=core.model_config.hf_config.hidden_size,
+        hidden_size=core.model_config.hf_config.hidden_size, loras=core.list_loras(),
+        max_loras=config.max_loras if config.enable_lora else 0,
     )  # fmt: skip
     push.send(encoder.encode(ready))
     try:
@@ -81,12 +85,33 @@ def _add(core: EngineCore, payload: bytes) -> list[EngineCoreOutput]:
         m = decode_add(payload)
         request_id = m.request_id
         core.add_request(
-            m.request_id, m.prompt_token_ids, m.sampling_params, m.priority, m.arrival_time, m.kv_transfer_params
-        )
+            m.request_id, m.prompt_token_ids, m.sampling_params, m.priority, m.arrival_time, m.kv_transfer_params,
+            m.lora_name,
+        )  # fmt: skip
         return []
     except (InvalidRequestError, msgspec.ValidationError, msgspec.DecodeError) as e:
         log.error("rejected request %s: %s", request_id, e)
-        return [EngineCoreOutput(request_id, [], finish_reason="error", error=f"invalid request: {e}")]
+        return [
+            EngineCoreOutput(request_id, [], finish_reason="error", error=f"invalid request: {e}", error_status=400)
+        ]
+
+
+def _lora(core: EngineCore, payload: bytes) -> CallReply:
+    """A LoRA call: load, unload or list adapters. A failure is the reply's error, never the loop's."""
+    call_id = -1
+    try:
+        call = decode_lora_call(payload)
+        call_id = call.call_id
+        if call.op == "load":
+            core.add_lora(call.name, call.path)
+        elif call.op == "unload":
+            core.remove_lora(call.name)
+        elif call.op != "list":
+            raise InvalidRequestError(f"unknown LoRA call {call.op!r}")
+        return CallReply(call_id, names=core.list_loras())
+    except (FulcrumError, msgspec.ValidationError, msgspec.DecodeError) as e:
+        log.error("LoRA call failed: %s", e)
+        return CallReply(call_id, error=str(e), names=core.list_loras())
 
 
 def _loop(core: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
@@ -96,7 +121,7 @@ def _loop(core: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
         if os.getppid() != parent:  # the frontend died without telling us (SIGKILL): do not linger as an orphan
             log.error("the frontend process is gone; engine core exiting")
             return
-        outputs = []
+        outputs, replies = [], []
         timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
         while pull.poll(timeout):
             timeout = 0
@@ -108,6 +133,8 @@ def _loop(core: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
                 outputs.extend(core.abort_requests(decode_ids(payload)))
             elif kind == FINISH:
                 core.finish_requests(decode_ids(payload))
+            elif kind == LORA:
+                replies.append(_lora(core, payload))
             elif kind == SHUTDOWN:
                 return
         if not core.has_unfinished_requests():
@@ -117,6 +144,6 @@ def _loop(core: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
             outputs.extend(core.step())
             step_time = time.perf_counter() - t0
         waiting_for_kv = core.kv_transfer is not None and core.kv_transfer.busy()  # its gauges move meanwhile
-        if outputs or timeout or waiting_for_kv:  # after work, and on idle ticks so the frontend's gauges stay fresh
-            msg = CoreOutputs(outputs, core.stats(step_time), time.time())
+        if outputs or timeout or waiting_for_kv or replies:  # after work, and on idle ticks (fresh gauges)
+            msg = CoreOutputs(outputs, core.stats(step_time), time.time(), replies)
             push.send(encoder.encode(msg))

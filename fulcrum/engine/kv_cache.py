@@ -10,7 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from fulcrum.engine.request import Request
-from fulcrum.utils.hashing import NONE_HASH, hash_block_tokens
+from fulcrum.utils.hashing import chain_seed, hash_block_tokens
 from fulcrum.utils.kv_event_schema import BlockRemoved, BlockStored
 
 
@@ -79,7 +79,7 @@ class KVCacheManager:
         hashes = self.req_hashes.setdefault(req.request_id, [])
         bs = self.block_size
         for i in range(len(hashes), num_tokens // bs):
-            parent = hashes[-1] if hashes else NONE_HASH
+            parent = hashes[-1] if hashes else chain_seed(getattr(req, "lora_name", None))
             hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
@@ -217,7 +217,7 @@ class KVCacheManager:
                     bs,
                     None,
                     self.medium,
-                    None,
+                    getattr(req, "lora_name", None),  # vLLM's: a LoRA request's blocks name their adapter
                 )
             )
             start = k

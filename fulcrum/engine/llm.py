@@ -17,6 +17,7 @@ from fulcrum.config import EngineConfig
 from fulcrum.distributed import parallel_state
 from fulcrum.engine.core import EngineCore
 from fulcrum.engine.core_client import SyncCoreClient
+from fulcrum.engine.lora import LoRARequest
 from fulcrum.engine.messages import AddRequest
 from fulcrum.engine.output_processor import OutputProcessor
 from fulcrum.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
@@ -24,6 +25,7 @@ from fulcrum.engine.prompts import tokenize_prompts
 from fulcrum.engine.request import check_request, check_task, fan_out, resolve_pooling
 from fulcrum.engine.spec.stats import acceptance_rate, mean_accepted_length
 from fulcrum.errors import EngineClosedError, InvalidRequestError
+from fulcrum.models.lora import LoRAError
 from fulcrum.sampling_params import DEFAULT_MAX_TOKENS, PoolingParams, SamplingParams
 from fulcrum.utils.tokenizer import chat_prompt_ids, load_tokenizer
 
@@ -98,21 +100,62 @@ class LLM:
 
     # -- request intake ---------------------------------------------------------------------------
 
-    def add_request(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> str:
-        """Queue one prompt (its n samples become n engine requests sharing the prompt's blocks)."""
+    def add_request(
+        self,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> str:
+        """Queue one prompt (its n samples become n engine requests sharing the prompt's blocks); with
+        `lora_request`, run with that adapter (loaded first if it is not yet)."""
         core = self._open_core()
+        lora_name = None
+        if lora_request is not None:
+            lora_name = lora_request.lora_name
+            if lora_name not in self.list_loras():
+                self.add_lora(lora_request)
         rid = str(next(self._ids))
         check_task(params, core.model_config.task)
         params = check_request(prompt_ids, params, priority, core.max_model_len, core.vocab_size)
         children = fan_out(rid, params)
         if isinstance(core, EngineCore):
             for child_id, child_params in children:
-                core.add_request(child_id, prompt_ids, child_params, priority)
+                core.add_request(child_id, prompt_ids, child_params, priority, lora_name=lora_name)
         else:  # as one message: the core schedules the samples' prefills together, as in this process
             now = time.time()
-            core.add_requests([AddRequest(c, list(prompt_ids), cp, priority, now) for c, cp in children])
+            core.add_requests(
+                [AddRequest(c, list(prompt_ids), cp, priority, now, lora_name=lora_name) for c, cp in children]
+            )
         self.processor.add_request(rid, prompt, list(prompt_ids), params, [c for c, _ in children])
         return rid
+
+    # -- LoRA adapters -------------------------------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter (PEFT's layout) under its name; a bad adapter raises LoRAError and changes nothing."""
+        self._lora_call("load", lora_request.lora_name, str(lora_request.lora_path))
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter; refused while a request that names it is queued or running."""
+        self._lora_call("unload", name)
+
+    def list_loras(self) -> list[str]:
+        return self._lora_call("list")
+
+    def _lora_call(self, op: str, name: str = "", path: str = "") -> list[str]:
+        core = self._open_core()
+        if isinstance(core, EngineCore):
+            if op == "load":
+                core.add_lora(name, path)
+            elif op == "unload":
+                core.remove_lora(name)
+            return core.list_loras()
+        reply = core.lora(op, name, path)
+        if reply.error:
+            raise LoRAError(reply.error)
+        return reply.names
 
     def abort(self, request_id: str) -> None:
         children = self.processor.abort(request_id)
@@ -135,7 +178,9 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: the adapter every prompt runs with, or one per prompt (None: the base model)."""
         self._open_core()
         items = tokenize_prompts(prompts, self.tokenizer)
         if sampling_params is None:
@@ -143,10 +188,13 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
         if len(params) != len(items):
             raise InvalidRequestError("give one SamplingParams, or one per prompt", param="sampling_params")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(items)
+        if len(loras) != len(items):
+            raise InvalidRequestError("give one LoRARequest, or one per prompt", param="lora_request")
         order: list[str] = []
         try:
             for i, ((p, ids), sp) in enumerate(zip(items, params)):
-                order.append(self.add_request(p, ids, sp, priority[i] if priority else 0))
+                order.append(self.add_request(p, ids, sp, priority[i] if priority else 0, loras[i]))
         except BaseException:
             for rid in order:  # a bad prompt further down the list leaves none of the earlier ones queued
                 self.abort(rid)

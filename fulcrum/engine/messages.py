@@ -9,7 +9,7 @@ from fulcrum.model_folder.pooling import PoolerConfig
 from fulcrum.sampling_params import SamplingParams
 
 # frame 0 of a frontend -> core message
-ADD, ABORT, FINISH, SHUTDOWN = b"add", b"abort", b"finish", b"shutdown"
+ADD, ABORT, FINISH, SHUTDOWN, LORA = b"add", b"abort", b"finish", b"shutdown", b"lora"
 
 
 class AddRequest(msgspec.Struct, array_like=True):
@@ -19,6 +19,7 @@ class AddRequest(msgspec.Struct, array_like=True):
     priority: int = 0
     arrival_time: float = 0.0
     kv_transfer_params: dict | None = None
+    lora_name: str | None = None
 
 
 class SchedulerStats(msgspec.Struct):
@@ -55,6 +56,28 @@ class SchedulerStats(msgspec.Struct):
     # occupancy and capacity (gauges); latency histograms "load:ram" ... as bucket counts, then the sum in microseconds
     kv_offload: dict[str, int] = msgspec.field(default_factory=dict)
     kv_offload_latency: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    # LoRA (engine/lora.py): requests running and waiting per adapter (gauges), adapters put in a slot and taken out
+    # of one for another (cumulative)
+    lora_running: dict[str, int] = msgspec.field(default_factory=dict)
+    lora_waiting: dict[str, int] = msgspec.field(default_factory=dict)
+    lora_loads: int = 0
+    lora_evictions: int = 0
+
+
+class LoRACall(msgspec.Struct):
+    """Load ("load": `name` from the PEFT folder `path`), unload ("unload") or list ("list") LoRA adapters; the core
+    answers with a CallReply of the same call_id."""
+
+    call_id: int
+    op: str
+    name: str = ""
+    path: str = ""
+
+
+class CallReply(msgspec.Struct):
+    call_id: int
+    error: str | None = None  # why the call failed (a bad adapter, a name taken or unknown, adapters in use)
+    names: list[str] = msgspec.field(default_factory=list)  # the adapters loaded after the call
 
 
 class CoreReady(msgspec.Struct):
@@ -70,16 +93,20 @@ class CoreReady(msgspec.Struct):
     task: str = "generate"  # or "embed": the model serves embeddings (model_folder/pooling.py)
     pooler: PoolerConfig | None = None  # an embedding model's pooling
     hidden_size: int = 0  # an embedding's full length
+    loras: list[str] = msgspec.field(default_factory=list)  # LoRA adapters loaded at start (--lora-modules)
+    max_loras: int = 0  # adapters in one step at most; 0: the engine serves no LoRA adapters
 
 
 class CoreOutputs(msgspec.Struct):
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats
     timestamp: float = 0.0
+    replies: list[CallReply] = msgspec.field(default_factory=list)  # answers to LoRA calls
 
 
 encoder = msgspec.msgpack.Encoder()
 decode_add = msgspec.msgpack.Decoder(AddRequest).decode
 decode_ids = msgspec.msgpack.Decoder(list[str]).decode
+decode_lora_call = msgspec.msgpack.Decoder(LoRACall).decode
 decode_outputs = msgspec.msgpack.Decoder(CoreOutputs).decode
 decode_ready = msgspec.msgpack.Decoder(CoreReady).decode

@@ -16,6 +16,7 @@ from fulcrum.defaults import DEFAULT_CPU_KV_BYTES
 from fulcrum.distributed import parallel_state
 from fulcrum.distributed.parallel_state import pp_recv_prev, pp_send_next
 from fulcrum.engine import cuda_graphs, step_inputs
+from fulcrum.engine.lora import LoRAManager
 from fulcrum.engine.sampling_inputs import SamplingInputs
 from fulcrum.engine.scheduler import ScheduledRequest, SchedulerOutput
 from fulcrum.engine.spec.rejection import verify
@@ -27,6 +28,7 @@ from fulcrum.kernels import warm_up
 from fulcrum.layers.attention import Attention, AttentionMetadata, attach_kv_cache
 from fulcrum.layers.sampler import Sampler
 from fulcrum.models.loader import load_model
+from fulcrum.models.lora import LoRAError
 from fulcrum.quant import describe
 from fulcrum.quant import kv as kv_quant
 from fulcrum.runtime import cpu_process
@@ -85,6 +87,15 @@ class ModelRunner:
         log.info("weights: %.1f MiB (%s, quantization %s)", self.weight_bytes / 2**20, model_config.dtype,
                  self.weights_format)  # fmt: skip
         stack = getattr(self.model, "model", None)
+        self.lora: LoRAManager | None = None  # multi-LoRA: the adapters' slots in the layers (engine/lora.py)
+        if engine_config.enable_lora and not is_draft:
+            if self.world_size > 1:
+                raise LoRAError(
+                    "LoRA adapters run in a single-rank engine only (no tensor or pipeline parallelism yet)"
+                )
+            cfg = engine_config
+            self.lora = LoRAManager(self.model, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras or cfg.max_loras,
+                                    self.device, model_config.dtype)  # fmt: skip
         if engine_config.enforce_eager and hasattr(stack, "fused_decode"):
             stack.fused_decode = False  # decode steps on the layer modules
         if self.device.type == "cpu":
@@ -146,6 +157,9 @@ class ModelRunner:
         """Decode steps captured as CUDA graphs, one per batch-size bucket (engine/cuda_graphs.py); None on CPU, with
         --enforce-eager, in a parallel engine, or for a model whose decode step cannot be captured (logged)."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.world_size > 1:
+            return None
+        if self.lora is not None:  # the captured steps hold no adapter deltas
+            log.info("CUDA graphs off: LoRA adapters are served")
             return None
         why = cuda_graphs.supported(self.model)
         if why is None and not triton_kernels.usable_on(self.device):
@@ -267,8 +281,14 @@ class ModelRunner:
         steps = [step_inputs.build(g, self.block_size, self.decode_rows) for g in groups]
         if self.world_size > 1:
             parallel_state.broadcast_control(("step", [si.for_other_ranks() for si in steps]))
+        if self.lora is not None:  # each token's adapter slot, in the step's token order
+            self.lora.prepare([s.request.lora_name for s in scheduled], [s.num_new_tokens for s in scheduled])
         pooled: dict[str, torch.Tensor] = {}
-        logits = self.forward_logits(steps, prev, pooled)
+        try:
+            logits = self.forward_logits(steps, prev, pooled)
+        finally:
+            if self.lora is not None:
+                self.lora.finish_step()
         if pooled or any(si.pool_spans for si in steps):
             _take_pooled(scheduled, pooled)
         return steps, logits

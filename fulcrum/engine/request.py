@@ -65,6 +65,7 @@ class Request:
     # P/D disaggregation (engine/kv_transfer): vLLM's kv_transfer_params as the request gave them; on a producer,
     # once finished, what a consumer needs to pull the prompt's blocks
     kv_transfer_params: dict | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs with (engine/lora.py); None: the base model
 
     # an embedding request (sampling_params.pooling): what its prompt's chunks pooled so far (the sum of their
     # hidden states for mean pooling, the first for CLS) on the device, then the finished vector

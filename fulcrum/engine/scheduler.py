@@ -146,9 +146,16 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        # admit waiting requests, unless this step already had to preempt
+        # admit waiting requests, unless this step already had to preempt; a request whose LoRA adapter would be one
+        # more than a step may hold waits (set aside, keeping its place) while those behind it go on
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
+        max_loras = self.config.max_loras if getattr(self.config, "enable_lora", False) else 0
+        set_aside: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
             req = self.waiting.peek()
+            if req.lora_name is not None and req.lora_name not in adapters and len(adapters) >= max_loras:
+                set_aside.append(self.waiting.pop())
+                continue
             # prompt logprobs need the logits of every prompt position, and pooling every position's hidden state:
             # such a prompt is computed, not looked up
             skip_cache = req.num_computed_tokens or req.wants_prompt_logprobs or req.pools
@@ -173,6 +180,10 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(ScheduledRequest(req, n, []))
             budget -= n
+            if req.lora_name is not None:
+                adapters.add(req.lora_name)
+        for req in set_aside:
+            self.waiting.push(req)
 
         for s in scheduled:
             s.block_table = self.kv.block_table(s.request.request_id)

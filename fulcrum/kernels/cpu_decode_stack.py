@@ -30,15 +30,17 @@ from fulcrum.kernels.cpu_ext import F32, I64, PTR
 # addresses, the model's dimensions, one row of LAYER_FIELDS per layer
 FNS = ("GEMV", "NORM", "ROPE", "ATTN", "ACT", "SGEMM", "Q4", "Q8G", "Q8", "Q4V", "Q8GV", "Q8V", "Q5", "Q5V")
 DIMS = ("HIDDEN", "HEADS", "KV_HEADS", "HEAD_DIM", "INTER", "BLOCK_SIZE", "CACHE_KIND", "GEMV_ROWS", "QUANT",
-        "VNNI_ROWS")  # fmt: skip
+        "VNNI_ROWS", "LORA_RANK")  # fmt: skip
 PART_FIELDS = ("KIND", "ROWS", "W", "SCALE", "OFFSET", "GROUP", "HIGH")
 KINDS = ("DENSE", "INT4", "INT8G", "INT8", "FP8", "INT5")
 LAYER_FIELDS = ("IN_NORM", "QKV_W", "QKV_B", "O_W", "O_B", "POST_NORM", "GU_W", "GU_B", "DOWN_W", "DOWN_B", "K_CACHE",
-                "V_CACHE", "K_SCALES", "V_SCALES", "WINDOW")  # fmt: skip
+                "V_CACHE", "K_SCALES", "V_SCALES", "WINDOW", "QKV_LA", "QKV_LB", "O_LA", "O_LB", "GU_LA", "GU_LB",
+                "DOWN_LA", "DOWN_LB")  # fmt: skip
+LORA_LINEARS = ("QKV", "O", "GU", "DOWN")
 ENUMS = {"Fn": FNS, "Dim": DIMS, "LayerField": LAYER_FIELDS, "PartField": PART_FIELDS, "Kind": KINDS}
 BINDINGS = {
     "decode_stack.cpp": {
-        "fulcrum_decode_stack": (I64, I64, PTR, PTR, PTR, I64, PTR, F32, F32, *[PTR] * 6, I64, I64, PTR)
+        "fulcrum_decode_stack": (I64, I64, PTR, PTR, PTR, I64, PTR, F32, F32, *[PTR] * 6, I64, I64, PTR, PTR)
     }
 }
 MAX_ROWS = 4096  # decode rows of one fused step at most, where sgemm takes the GEMV's place
@@ -141,6 +143,8 @@ class LayerTensors:
     v_scales: torch.Tensor | None
     scale: float
     sliding_window: int | None
+    # LoRA slots of qkv, o, gate_up and down (layers/lora.py): (A, B transposed) each, or None without LoRA
+    lora: tuple | None = None
 
     def weights(self) -> list:
         return [self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight]
@@ -185,19 +189,27 @@ class DecodeStack:
         def ptr(t):
             return 0 if t is None else t.data_ptr()
 
+        self.lora_rank = first.lora[0][0].shape[1] // 3 if first.lora else 0  # qkv's A holds 3 shards of R rows
+
+        def lora_ptrs(x) -> dict:
+            if not x.lora:
+                return {}
+            return {f"{n}_L{k}": ptr(t) for n, ab in zip(LORA_LINEARS, x.lora) for k, t in zip("AB", ab)}
+
         rows = [
-            {"IN_NORM": ptr(x.input_norm), "QKV_W": ptr(x.qkv_weight), "QKV_B": ptr(x.qkv_bias),
+            {**lora_ptrs(x), "IN_NORM": ptr(x.input_norm), "QKV_W": ptr(x.qkv_weight), "QKV_B": ptr(x.qkv_bias),
              "O_W": ptr(x.o_weight), "O_B": ptr(x.o_bias), "POST_NORM": ptr(x.post_norm),
              "GU_W": ptr(x.gate_up_weight), "GU_B": ptr(x.gate_up_bias), "DOWN_W": ptr(x.down_weight),
              "DOWN_B": ptr(x.down_bias), "K_CACHE": ptr(x.k_cache), "V_CACHE": ptr(x.v_cache),
              "K_SCALES": ptr(x.k_scales), "V_SCALES": ptr(x.v_scales), "WINDOW": x.sliding_window or 0}
             for x in layers
         ]  # fmt: skip
-        self.table = torch.tensor([[r[f] for f in LAYER_FIELDS] for r in rows], dtype=torch.int64)
+        self.table = torch.tensor([[r.get(f, 0) for f in LAYER_FIELDS] for r in rows], dtype=torch.int64)
         self.scales = torch.tensor([x.scale for x in layers], dtype=torch.float32)
         dims = {"HIDDEN": self.hidden, "HEADS": num_heads, "KV_HEADS": num_kv_heads, "HEAD_DIM": head_dim,
                 "INTER": self.inter, "BLOCK_SIZE": first.k_cache.shape[1], "CACHE_KIND": self.kind,
-                "GEMV_ROWS": self.gemv_rows, "QUANT": int(quant), "VNNI_ROWS": vnni_rows}  # fmt: skip
+                "GEMV_ROWS": self.gemv_rows, "QUANT": int(quant), "VNNI_ROWS": vnni_rows,
+                "LORA_RANK": self.lora_rank}  # fmt: skip
         self.dims = torch.tensor([dims[f] for f in DIMS], dtype=torch.int64)
         fns = {"GEMV": _address(cpu_gemv._module()[self.dtype]), "NORM": _address(cpu_norm._module()),
                "ROPE": _address(cpu_rope._module()), "ATTN": _address(cpu_attention._decode(bool(self.kind))),
@@ -212,7 +224,9 @@ class DecodeStack:
         self.per_row = 2 * self.hidden + qkv + 2 * num_heads * head_dim + 3 * self.inter
         if quant:  # a part's output before it is copied into its columns
             self.per_row += max(qkv, 2 * self.inter, self.hidden)
-        self.scratch = torch.empty(max(self.gemv_rows, 1) * self.per_row, dtype=self.dtype)  # grown for more rows
+        # LoRA's buffers, once per call: one row's xa and one shard's delta
+        self.lora_extra = 3 * self.lora_rank + max(qkv, 2 * self.inter, self.hidden) if self.lora_rank else 0
+        self.scratch = torch.empty(max(self.gemv_rows, 1) * self.per_row + self.lora_extra, dtype=self.dtype)
 
     @staticmethod
     def supported(layers: list[LayerTensors], head_dim: int, group: int) -> bool:
@@ -243,12 +257,18 @@ class DecodeStack:
         )
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:  # fmt: skip
+            block_tables: torch.Tensor, context_lens: torch.Tensor,
+            lora_slots: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """The residual stream after every layer, for x [M, hidden] (M <= max_rows, one decode token per row):
-        a new tensor; the cache gets each row's k and v at its slot."""
+        a new tensor; the cache gets each row's k and v at its slot. `lora_slots` [M]: each row's LoRA slot (-1:
+        none), for a stack built with the layers' LoRA slots."""
         x = x.clone(memory_format=torch.contiguous_format)  # updated in place: the caller's tensor stays as it was
-        if self.scratch.numel() < x.shape[0] * self.per_row:
-            self.scratch = torch.empty(x.shape[0] * self.per_row, dtype=self.dtype)
+        if self.scratch.numel() < x.shape[0] * self.per_row + self.lora_extra:
+            self.scratch = torch.empty(x.shape[0] * self.per_row + self.lora_extra, dtype=self.dtype)
+        if lora_slots is not None:
+            if not self.lora_rank:
+                raise ValueError("decode stack: LoRA slots given to a stack built without them")
+            lora_slots = lora_slots.to(torch.int64).contiguous()
         slots = slot_mapping.to(torch.int64).contiguous()
         tables, lens = block_tables.to(torch.int64).contiguous(), context_lens.to(torch.int64).contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -256,7 +276,7 @@ class DecodeStack:
             self.dtype == torch.bfloat16, self.fns.data_ptr(), self.table.data_ptr(), self.scales.data_ptr(),
             self.table.shape[0], self.dims.data_ptr(), self.eps, self.softcap, x.data_ptr(), cos.data_ptr(),
             sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1], x.shape[0],
-            self.scratch.data_ptr(),
+            self.scratch.data_ptr(), 0 if lora_slots is None else lora_slots.data_ptr(),
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"decode stack: unsupported head_dim {self.head_dim}")

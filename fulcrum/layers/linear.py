@@ -47,6 +47,7 @@ class LinearBase(nn.Module):
         self.output_sizes = output_sizes
         self.quant_method = quant_method or UnquantizedLinearMethod()
         self.quant_method.create_weights(self, input_size, output_sizes, dtype)
+        self.lora = None  # LoRA adapter slots (layers/lora.py), when the engine serves adapters
         if bias:
             self.bias = nn.Parameter(torch.empty(sum(output_sizes), dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -59,7 +60,8 @@ class LinearBase(nn.Module):
         copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
+        return y if self.lora is None else self.lora.add_to(x, y)
 
 
 class ColumnParallelLinear(LinearBase):

@@ -16,6 +16,7 @@ from fulcrum.distributed.parallel_state import layer_range
 from fulcrum.kernels import cpu_decode_stack
 from fulcrum.kernels import triton as triton_kernels
 from fulcrum.kernels.cpu_decode_stack import DecodeStack, LayerTensors
+from fulcrum.layers import lora
 from fulcrum.layers.activation import SiluAndMul
 from fulcrum.layers.attention import Attention, AttentionMetadata
 from fulcrum.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -153,6 +154,7 @@ def fused_decode_stack(layers: list[nn.Module]) -> DecodeStack | None:
                 sa.attn.v_scales,
                 sa.attn.scale,
                 sa.attn.sliding_window,
+                tuple((lin.lora.a, lin.lora.bt) for lin in linears) if all(lin.lora for lin in linears) else None,
             )  # fmt: skip
         )
     a = layers[0].self_attn
@@ -213,7 +215,8 @@ class LlamaModel(nn.Module):
         rope = self.ropes(positions, x.dtype)
         stack = self._decode_stack(meta, x)
         if stack is not None:  # a decode-only step: every layer in one call, the same kernels the modules call
-            x = stack.run(x, rope[0], rope[1], meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
+            x = stack.run(x, rope[0], rope[1], meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                          lora.token_slots())  # fmt: skip
         else:
             for layer in self.layers[self.start : self.end]:
                 x = layer(rope, x, meta)
@@ -237,6 +240,8 @@ class LlamaModel(nn.Module):
             if self._stack is False:
                 return None
         if not 0 < x.shape[0] <= self._stack.max_rows or x.dtype != self._stack.dtype:
+            return None
+        if lora.active() and not self._stack.lora_rank:  # a stack built without the layers' adapter slots
             return None
         return self._stack
 

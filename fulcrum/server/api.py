@@ -28,7 +28,7 @@ from fulcrum.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from fulcrum.server import anthropic_messages, embeddings, responses_api
+from fulcrum.server import anthropic_messages, embeddings, lora_routes, responses_api
 from fulcrum.server.chat import create_chat_completion
 from fulcrum.server.completions import create_completion
 from fulcrum.server.limits import BodyLimit, off_loop
@@ -122,6 +122,8 @@ def build_app(state: ServerState) -> FastAPI:
         """OpenAI's embeddings, from an embedding model (fulcrum/server/embeddings.py)."""
         return await embeddings.create_embedding(state, request)
 
+    lora_routes.add(app, state)  # vLLM's load/unload routes, when runtime updating is allowed
+
     @app.get("/health", responses={503: {"description": "the engine is not running, or the server is draining"}})
     async def health():
         if not state.engine.healthy:
@@ -148,10 +150,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]})
     async def models():
-        card = ModelCard(
-            id=state.model_name, root=str(state.engine.model_path), max_model_len=state.engine.ready.max_model_len
-        )
-        return ModelList(data=[card])
+        max_len = state.engine.ready.max_model_len
+        card = ModelCard(id=state.model_name, root=str(state.engine.model_path), max_model_len=max_len)
+        adapters = [ModelCard(id=name, root=path, parent=state.model_name, max_model_len=max_len)
+                    for name, path in state.loras.items()]  # fmt: skip
+        return ModelList(data=[card, *adapters])
 
     @app.get(
         "/v1/models/{model_id:path}",
@@ -160,7 +163,7 @@ def build_app(state: ServerState) -> FastAPI:
     )
     async def model(model_id: str):
         state.check_model(model_id)
-        return (await models()).data[0]
+        return {c.id: c for c in (await models()).data}[model_id]
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize(req: TokenizeRequest):

@@ -28,7 +28,7 @@ from fulcrum.server.tools import ToolCalling, delta_calls, response_calls
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request, stream_as=None):
     """The chat completion, whole or streamed as SSE; `stream_as` (another API on this path, such as Anthropic's
     messages): a function of the chunk events that returns the response to stream instead."""
-    state.check_model(req.model)
+    lora_name = state.check_model(req.model)
     tok = state.engine.tokenizer
     tools = ToolCalling.of(req, state.tool_call_parser)
     ids = await off_loop(
@@ -58,7 +58,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         )
     check_kv_transfer_request(req.kv_transfer_params, 1, req.stream)
     run = await StartedRequest.start(
-        generate_prompts(state.engine, [(None, ids)], params, req.priority, req.kv_transfer_params)
+        generate_prompts(state.engine, [(None, ids)], params, req.priority, req.kv_transfer_params, lora_name)
     )
     rid = random_id("chatcmpl")
 

@@ -15,7 +15,7 @@ from fulcrum.server.streaming import StartedRequest, check_kv_transfer_request, 
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request):
-    state.check_model(req.model)
+    lora_name = state.check_model(req.model)
     if req.best_of not in (None, req.n):
         raise InvalidRequestError("best_of other than n is not supported", param="best_of")
     if req.stream and req.max_tokens == 0:
@@ -31,7 +31,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     params = await off_loop(sampling_params, req, 1 if zero else req.max_tokens, k, max(wanted) if wanted else None)
     check_kv_transfer_request(req.kv_transfer_params, len(prompts), req.stream)
     run = await StartedRequest.start(
-        generate_prompts(state.engine, prompts, params, req.priority, req.kv_transfer_params)
+        generate_prompts(state.engine, prompts, params, req.priority, req.kv_transfer_params, lora_name)
     )
     echo = [(p if p is not None else tok.decode(ids)) if req.echo else "" for p, ids in prompts]
     rid, n = random_id("cmpl"), req.n

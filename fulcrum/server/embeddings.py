@@ -56,7 +56,8 @@ def encode_vector(vector: list[float], encoding_format: str) -> list[float] | st
 async def create_embedding(state, request: Request):
     data = await json_body(request)
     req = parse(data)
-    state.check_model(req.model)
+    if state.check_model(req.model) is not None:
+        raise InvalidRequestError("embeddings with a LoRA adapter are not supported", param="model")
     if isinstance(req.input, list) and not req.input:
         raise InvalidRequestError("input is empty: give a string, a list of strings or token ids", param="input")
     engine = state.engine

@@ -142,6 +142,7 @@ def _run(
     async def main():
         ready = await engine.start()
         state.metrics.record_ready(ready)
+        state.loras = {m["name"]: m["path"] for m in config.lora_modules or []}
         print(
             f"fulcrum serving {name} on {url} | KV cache: {ready.num_blocks} blocks x "
             f"{ready.block_size} tokens = {ready.num_blocks * ready.block_size} tokens ({ready.kv_cache_dtype}) | "

@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from fulcrum.engine.kv_offload.offload import LATENCY_BUCKETS
-from fulcrum.engine.messages import CoreOutputs, CoreReady
+from fulcrum.engine.messages import CoreOutputs, CoreReady, SchedulerStats
 from fulcrum.engine.spec.stats import acceptance_rate, mean_accepted_length
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
@@ -61,6 +61,37 @@ class _Family:
     def observe(self, v, **labels):
         for m in self._each(**labels):
             m.observe(v)
+
+
+class LoRACollector:
+    """LoRA adapters' series, from the core's latest stats at scrape time: requests running and waiting per adapter,
+    adapter loads into a slot and evictions from one, and vLLM's lora_requests_info (the adapters running and waiting
+    as labels). Nothing is shown until an engine with LoRA reports."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.stats = None
+        self.max_loras = 0
+
+    def collect(self):
+        s = self.stats
+        if s is None:
+            return
+        for kind, counts in (("running", s.lora_running), ("waiting", s.lora_waiting)):
+            family = GaugeMetricFamily(f"fulcrum:lora_requests_{kind}", f"Requests {kind} per LoRA adapter",
+                                       labels=["model_name", "lora_name"])  # fmt: skip
+            for name, n in counts.items():
+                family.add_metric([self.model, name], n)
+            yield family
+        for key, doc in (("loads", "LoRA adapters put in a slot"), ("evictions", "LoRA adapters taken out of a slot "
+                                                                                 "for another")):  # fmt: skip
+            family = CounterMetricFamily(f"fulcrum:lora_{key}", doc, labels=["model_name"])
+            family.add_metric([self.model], getattr(s, f"lora_{key}"))
+            yield family
+        info = GaugeMetricFamily("fulcrum:lora_requests_info", "The LoRA adapters running and waiting (vLLM's)",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])  # fmt: skip
+        info.add_metric([str(self.max_loras), ",".join(s.lora_running), ",".join(s.lora_waiting)], 1)
+        yield info
 
 
 class OffloadCollector:
@@ -209,6 +240,8 @@ class ServerMetrics:
             counter.labels(model_name=m)  # shown at 0 from the start, so a dashboard sees the series
         self._last_kv: dict[str, float] = {}
         self.offload = OffloadCollector(m, LATENCY_BUCKETS)
+        self.lora = LoRACollector(m)
+        r.register(self.lora)
         r.register(self.offload)
         self._last = {"q": 0, "h": 0, "p": 0, "sd": 0, "st": 0, "sa": 0}
         self._last_per_pos: list[int] = []
@@ -227,6 +260,8 @@ class ServerMetrics:
             model_name=self.kv_capacity.model, block_size=str(ready.block_size), num_blocks=str(ready.num_blocks),
             cache_dtype=ready.kv_cache_dtype,
         ).set(1)  # fmt: skip
+        if ready.max_loras:
+            self.lora.max_loras, self.lora.stats = ready.max_loras, SchedulerStats()
         if ready.weights:
             self.weights_info.labels(model_name=self.kv_capacity.model, quantization=ready.weights).set(
                 ready.weight_bytes
@@ -247,6 +282,8 @@ class ServerMetrics:
             self._last_kv[field] = v
         self.gpu_usage.set(s.kv_cache_usage)
         self.offload.counts, self.offload.latency = s.kv_offload, s.kv_offload_latency
+        if self.lora.max_loras:
+            self.lora.stats = s
         # the core reports cumulative counts; prometheus counters take increments
         self.prefix_queries.inc(s.prefix_cache_queries - self._last["q"])
         self.prefix_hits.inc(s.prefix_cache_hits - self._last["h"])

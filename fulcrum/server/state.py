@@ -26,10 +26,15 @@ class ServerState:
     reasoning_parser: str | None = None  # --reasoning-parser: how a reasoning model marks its thought
     allowed_origins: list[str] = field(default_factory=list)  # --allowed-origins: browsers' origins (CORS); none: off
     max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20)  # --max-request-body-mb: larger bodies get 413
+    loras: dict[str, str] = field(default_factory=dict)  # LoRA adapters served, by name -> their folder
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model")
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for a name nobody serves."""
+        if name is None or name == self.model_name:
+            return None
+        if name in self.loras:
+            return name
+        raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model")
 
     def chat_ids(
         self,

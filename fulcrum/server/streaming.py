@@ -30,10 +30,12 @@ async def generate_prompts(
     params: SamplingParams,
     priority: int,
     kv_transfer_params: dict | None = None,
+    lora_name: str | None = None,
 ) -> AsyncIterator[PromptStep]:
-    """StartedRequest every prompt concurrently; yield items as steps land."""
-    gens = [engine.generate(p, ids, params, priority=priority, kv_transfer_params=kv_transfer_params)
-            for p, ids in prompts]  # fmt: skip
+    """StartedRequest every prompt concurrently; yield items as steps land. `lora_name`: the LoRA adapter they run
+    with (None: the base model)."""
+    gens = [engine.generate(p, ids, params, priority=priority, kv_transfer_params=kv_transfer_params,
+                            lora_name=lora_name) for p, ids in prompts]  # fmt: skip
     if len(gens) == 1:
         async for ro, deltas in gens[0]:
             yield 0, ro, deltas

@@ -23,6 +23,12 @@ def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra: bytes =
     return h.intdigest()
 
 
+def chain_seed(adapter: str | None) -> int:
+    """The parent hash of a request's first block: NONE_HASH for the base model, the adapter's own for a LoRA
+    request, so that two adapters (or an adapter and the base) never share a block for the same tokens."""
+    return NONE_HASH if adapter is None else hash_block_tokens(NONE_HASH, [], b"lora:" + adapter.encode())
+
+
 def hash_prefix_blocks(token_ids: Sequence[int], block_size: int, parent_hash: int = NONE_HASH) -> list[int]:
     """Chained hashes of every full block of `token_ids`."""
     hashes = []

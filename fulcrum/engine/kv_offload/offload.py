@@ -356,6 +356,10 @@ class KVOffload:
     def busy(self) -> bool:
         return bool(self.pending)
 
+    def requests(self) -> list[Request]:
+        """The requests waiting for their disk reads."""
+        return [job.req for job in self.pending.values()]
+
     def wait(self, timeout: float) -> None:
         self.finished.wait(timeout)
 

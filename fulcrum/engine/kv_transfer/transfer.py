@@ -242,6 +242,10 @@ class KVTransfer:
     def busy(self) -> bool:
         return bool(self.pending)
 
+    def requests(self) -> list[Request]:
+        """The requests waiting for their pull."""
+        return [p.req for p in self.pending.values()]
+
     def wait(self, timeout: float) -> None:
         self.connector.wait(timeout)
 

@@ -21,6 +21,10 @@ class PendingGrammars:
     def __len__(self) -> int:
         return len(self._pending)
 
+    def requests(self) -> list[Request]:
+        """The requests whose grammar compiles."""
+        return [req for req, _ in self._pending.values()]
+
     def add(self, req: Request) -> None:
         self._pending[req.request_id] = (req, self.structured.submit(req.sampling_params.structured_outputs))
 

@@ -4,6 +4,7 @@
 // its own: it is built where the kernels it calls are.
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -28,14 +29,17 @@ typedef void (*sgemm_fn)(const char*, const char*, const int*, const int*, const
 // The three int64 arrays the Python side fills (cpu_decode_stack.py reads these enums from this file and fills each
 // array by these names): the kernels' addresses, the model's dimensions, and one row of LAYER_FIELDS per layer.
 enum Fn { GEMV, NORM, ROPE, ATTN, ACT, SGEMM, Q4, Q8G, Q8, Q4V, Q8GV, Q8V, Q5, Q5V, NUM_FNS };
-enum Dim { HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, CACHE_KIND, GEMV_ROWS, QUANT, VNNI_ROWS, NUM_DIMS };
+enum Dim { HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, CACHE_KIND, GEMV_ROWS, QUANT, VNNI_ROWS, LORA_RANK,
+           NUM_DIMS };
 // With dims[QUANT] set, each layer's weight fields (QKV_W, O_W, GU_W, DOWN_W) point to a descriptor of the linear's
 // parts (a GGUF layer stacks tensors of several formats): {n, then per part PART_FIELDS values}, each part's rows
 // following the previous part's in the output.
 enum PartField { KIND, ROWS, W, SCALE, OFFSET, GROUP, HIGH, PART_FIELDS };
 enum Kind { DENSE, INT4, INT8G, INT8, FP8, INT5, NUM_KINDS };
+// With dims[LORA_RANK] R set, each linear's LoRA slots (layers/lora.py): A [slots, shards * R, in] and B transposed
+// [slots, out, R], and the step's slot per row (-1: none) as an argument.
 enum LayerField { IN_NORM, QKV_W, QKV_B, O_W, O_B, POST_NORM, GU_W, GU_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE, K_SCALES,
-                  V_SCALES, WINDOW, LAYER_FIELDS };
+                  V_SCALES, WINDOW, QKV_LA, QKV_LB, O_LA, O_LB, GU_LA, GU_LB, DOWN_LA, DOWN_LB, LAYER_FIELDS };
 
 // x += t, rounded to T as PyTorch's add rounds (fp32 arithmetic, one rounding)
 template <typename T>
@@ -103,10 +107,31 @@ static void qlinear(const int64_t* fns, const int64_t* dims, const T* x, const i
       for (int64_t o = 0; o < O; ++o) y[m * O + o] = T(float(y[m * O + o]) + float(((const T*)bias)[o]));
 }
 
+// y [M, O] += each row's LoRA delta: xa = A_slot x (the GEMV over A's shards * R rows), then per output shard
+// y += B_shard xa_shard (the GEMV over that shard's rows of B transposed); rows without an adapter are left alone
+template <typename T>
+static void lora_add(const int64_t* fns, const T* x, T* y, int64_t M, int64_t I, int64_t O, const int64_t* sizes,
+                     int64_t S, int64_t R, const void* A, const void* Bt, const int64_t* row_slot, T* xa, T* t) {
+  if (!row_slot || !A || !R) return;
+  const gemv_fn gemv = (gemv_fn)fns[GEMV];
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t s = row_slot[m];
+    if (s < 0) continue;
+    gemv(x + m * I, (const T*)A + s * S * R * I, nullptr, xa, 1, I, S * R);
+    int64_t off = 0;
+    for (int64_t i = 0; i < S; ++i) {
+      gemv(xa + i * R, (const T*)Bt + (s * O + off) * R, nullptr, t, 1, R, sizes[i]);
+      add_into(y + m * O + off, t, sizes[i]);
+      off += sizes[i];
+    }
+  }
+}
+
 template <typename T>
 static int64_t run(const int64_t* fns, const int64_t* layers, const float* scales, int64_t L, const int64_t* dims,
                    float eps, float softcap, T* x, const void* cos, const void* sin, const int64_t* slots,
-                   const int64_t* tables, const int64_t* ctx_lens, int64_t width, int64_t M, T* scratch) {
+                   const int64_t* tables, const int64_t* ctx_lens, int64_t width, int64_t M, T* scratch,
+                   const int64_t* lora_slots) {
   const norm_fn norm = (norm_fn)fns[NORM];
   const rope_fn rope = (rope_fn)fns[ROPE];
   const attn_fn attn = (attn_fn)fns[ATTN];
@@ -115,12 +140,17 @@ static int64_t run(const int64_t* fns, const int64_t* layers, const float* scale
                 inter = dims[INTER], bs = dims[BLOCK_SIZE], kind = dims[CACHE_KIND], gemv_rows = dims[GEMV_ROWS];
   const int64_t qkv_rows = (H + 2 * KVH) * hd;
   T* tmp = scratch + M * (2 * hidden + qkv_rows + 2 * H * hd + 3 * inter);  // M * (qkv | 2 inter | hidden) more
+  // LoRA's buffers after those: one row's xa (3 R) and one shard's delta (up to 2 inter, qkv or hidden)
+  T* lora_xa = tmp + (dims[QUANT] ? M * std::max(qkv_rows, std::max(2 * inter, hidden)) : 0);
+  T* lora_t = lora_xa + 3 * dims[LORA_RANK];
+  const int64_t R = dims[LORA_RANK];
   auto gemv = [&](const T* in, const void* w, const void* b, T* out, int64_t M, int64_t I, int64_t O) {
     if (dims[QUANT]) return qlinear(fns, dims, in, (const int64_t*)w, b, out, M, I, O, tmp);
     linear(fns, gemv_rows, in, w, b, out, M, I, O);
   };
   const int64_t bf16 = sizeof(T) == 2;
   const int64_t qs = H * hd, kvs = KVH * hd, qkv_n = qs + 2 * kvs;
+  const int64_t qkv_sizes[3] = {qs, kvs, kvs}, gu_sizes[2] = {inter, inter}, o_sizes[1] = {hidden};
   // scratch: h [M, hidden], qkv [M, qkv_n], q [M, qs], o [M, qs], t [M, hidden], gu [M, 2 inter], a [M, inter]
   T* h = scratch;
   T* qkv = h + M * hidden;
@@ -134,6 +164,7 @@ static int64_t run(const int64_t* fns, const int64_t* layers, const float* scale
     auto ptr = [&](int f) { return (void*)p[f]; };
     norm(bf16, x, ptr(IN_NORM), h, M, hidden, eps);
     gemv(h, ptr(QKV_W), ptr(QKV_B), qkv, M, hidden, qkv_n);
+    lora_add(fns, h, qkv, M, hidden, qkv_n, qkv_sizes, 3, R, ptr(QKV_LA), ptr(QKV_LB), lora_slots, lora_xa, lora_t);
     rope(bf16, qkv, qkv + qs, qkv + qs + kvs, cos, sin, slots, ptr(K_CACHE), ptr(V_CACHE), ptr(K_SCALES),
          ptr(V_SCALES), kind, M, H, KVH, hd, qkv_n, qkv_n, qkv_n);
     const T* qc = qkv;  // one row's q is already contiguous; more rows are copied out of the fused qkv rows
@@ -145,26 +176,31 @@ static int64_t run(const int64_t* fns, const int64_t* layers, const float* scale
              KVH, hd, bs, width, scales[l], p[WINDOW], softcap) != 0)
       return -1;
     gemv(o, ptr(O_W), ptr(O_B), t, M, qs, hidden);
+    lora_add(fns, o, t, M, qs, hidden, o_sizes, 1, R, ptr(O_LA), ptr(O_LB), lora_slots, lora_xa, lora_t);
     add_into(x, t, M * hidden);
     norm(bf16, x, ptr(POST_NORM), h, M, hidden, eps);
     gemv(h, ptr(GU_W), ptr(GU_B), gu, M, hidden, 2 * inter);
+    lora_add(fns, h, gu, M, hidden, 2 * inter, gu_sizes, 2, R, ptr(GU_LA), ptr(GU_LB), lora_slots, lora_xa, lora_t);
     act(bf16, gu, a, M, inter, 2 * inter);
     gemv(a, ptr(DOWN_W), ptr(DOWN_B), t, M, inter, hidden);
+    lora_add(fns, a, t, M, inter, hidden, o_sizes, 1, R, ptr(DOWN_LA), ptr(DOWN_LB), lora_slots, lora_xa, lora_t);
     add_into(x, t, M * hidden);
   }
   return 0;
 }
 
 // fns [NUM_FNS], dims [NUM_DIMS], layers [L, LAYER_FIELDS], scales [L]. x [M, hidden] is the residual stream, updated
-// in place; scratch holds M * (2 hidden + qkv + 2 q + 3 intermediate) values of x's dtype, and with dims[QUANT]
-// M * max(qkv, 2 intermediate, hidden) more.
+// in place; scratch holds M * (2 hidden + qkv + 2 q + 3 intermediate) values of x's dtype, with dims[QUANT]
+// M * max(qkv, 2 intermediate, hidden) more, and with dims[LORA_RANK] R 3 R + max(qkv, 2 intermediate, hidden) more.
+// lora_slots [M]: each row's LoRA slot (-1: none), or null.
 extern "C" int64_t fulcrum_decode_stack(int64_t bf16, const int64_t* fns, const int64_t* layers, const float* scales,
                                         int64_t L, const int64_t* dims, float eps, float softcap, void* x,
                                         const void* cos, const void* sin, const int64_t* slots, const int64_t* tables,
-                                        const int64_t* ctx_lens, int64_t width, int64_t M, void* scratch) {
+                                        const int64_t* ctx_lens, int64_t width, int64_t M, void* scratch,
+                                        const int64_t* lora_slots) {
   if (bf16)
     return run(fns, layers, scales, L, dims, eps, softcap, (c10::BFloat16*)x, cos, sin, slots, tables, ctx_lens,
-               width, M, (c10::BFloat16*)scratch);
+               width, M, (c10::BFloat16*)scratch, lora_slots);
   return run(fns, layers, scales, L, dims, eps, softcap, (float*)x, cos, sin, slots, tables, ctx_lens, width, M,
-             (float*)scratch);
+             (float*)scratch, lora_slots);
 }

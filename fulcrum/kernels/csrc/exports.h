@@ -71,7 +71,7 @@ void fulcrum_qgemv_int5_vnni(const void* x, const void* w, const void* high, con
 int64_t fulcrum_decode_stack(int64_t bf16, const int64_t* fns, const int64_t* layers, const float* scales, int64_t L,
                              const int64_t* dims, float eps, float softcap, void* x, const void* cos, const void* sin,
                              const int64_t* slots, const int64_t* tables, const int64_t* ctx_lens, int64_t width,
-                             int64_t M, void* scratch);
+                             int64_t M, void* scratch, const int64_t* lora_slots);
 
 // cpu_threads.cpp (fulcrum.runtime.cpu_threads)
 int64_t fulcrum_bind_threads(const int64_t* cpus, int64_t n);
