@@ -311,7 +311,7 @@ async def create_message(state, request: Request):
         chat = chat_request(body)
 
         def stream_as(run, chunks):
-            events = stream_events(chunks, state.model_name, req.stop_sequences)
+            events = stream_events(chunks, (state.check_model(req.model) or state.model_name), req.stop_sequences)
             return run.stream(events, encode=event_sse, encode_error=error_sse, done="")
 
         response = await create_chat_completion(state, chat, request, stream_as)
@@ -319,7 +319,7 @@ async def create_message(state, request: Request):
             return response
         if not hasattr(response, "model_dump"):
             return response  # the client went away
-        return to_message(response.model_dump(), state.model_name, req.stop_sequences)
+        return to_message(response.model_dump(), (state.check_model(req.model) or state.model_name), req.stop_sequences)
     except Exception as e:
         return error_of(e)
 

@@ -66,7 +66,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
         def chunk(choices, usage=None, prompt_lp=None) -> ChatCompletionChunk:
             return ChatCompletionChunk(
-                id=rid, model=state.model_name, choices=choices, usage=usage, prompt_logprobs=prompt_lp
+                id=rid, model=lora_name or state.model_name, choices=choices, usage=usage, prompt_logprobs=prompt_lp
             )
 
         async def events():
@@ -160,7 +160,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         )
     return ChatCompletionResponse(
         id=rid,
-        model=state.model_name,
+        model=lora_name or state.model_name,
         choices=choices,
         usage=usage_of([ro]),
         prompt_logprobs=prompt_logprobs(tok, ro.prompt_logprobs) if req.prompt_logprobs is not None else None,

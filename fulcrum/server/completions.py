@@ -38,7 +38,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
 
     def response(choices, usage=None, kv_transfer_params=None) -> CompletionResponse:
         return CompletionResponse(
-            id=rid, model=state.model_name, choices=choices, usage=usage, kv_transfer_params=kv_transfer_params
+            id=rid,
+            model=lora_name or state.model_name,
+            choices=choices,
+            usage=usage,
+            kv_transfer_params=kv_transfer_params,
         )
 
     def echoed(i, ro):

@@ -542,7 +542,7 @@ async def create_response(state, request: Request):
 
     def stream_as(run, chunks):
         numbered = Numbered()
-        events = stream_events(chunks, req, rid, created, state.model_name, finished)
+        events = stream_events(chunks, req, rid, created, (state.check_model(req.model) or state.model_name), finished)
         return run.stream(events, encode=numbered.encode, encode_error=numbered.encode_error, done="")
 
     answer = await create_chat_completion(state, chat, request, stream_as)
@@ -550,7 +550,15 @@ async def create_response(state, request: Request):
         return answer  # the stream, or the client went away
     chat_answer = answer.model_dump()
     output, status = to_output(chat_answer)
-    response = response_object(req, rid, created, state.model_name, status, output, usage_of(chat_answer["usage"]))
+    response = response_object(
+        req,
+        rid,
+        created,
+        (state.check_model(req.model) or state.model_name),
+        status,
+        output,
+        usage_of(chat_answer["usage"]),
+    )
     finished(response)
     return response
 

@@ -109,3 +109,15 @@ def test_adapter_metrics(setup, client):
     loads = [ln for ln in text.splitlines() if ln.startswith("fulcrum:lora_loads_total")]
     assert loads and float(loads[0].split()[-1]) >= 2
     assert 'fulcrum:lora_requests_info{max_lora="2"' in text
+
+
+def test_every_route_runs_the_adapter_it_names(setup, client):
+    _, base, adapters, _ = setup
+    chat = client.chat.completions.create(model="a1", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          temperature=0)  # fmt: skip
+    assert chat.model == "a1"
+    resp = client.responses.create(model="a1", input="hi", max_output_tokens=6, temperature=0)
+    assert resp.model == "a1" and resp.output_text == chat.choices[0].message.content
+    base_chat = client.chat.completions.create(model="base", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=6, temperature=0)  # fmt: skip
+    assert base_chat.model == "base" and base_chat.choices[0].message.content != chat.choices[0].message.content
