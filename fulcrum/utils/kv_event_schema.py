@@ -60,7 +60,7 @@ class KVEventBatch(EventBatch):
 
 
 class _KeyedBatch(msgspec.Struct, gc=False):
-    """A batch as a map ({"ts": ..., "events": [...]}), as vLLM encodes it since it dropped array_like there too."""
+    """A batch as a map ({"ts": ..., "events": [...]}): vLLM's newer source declares its batch without array_like."""
 
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]

@@ -118,6 +118,14 @@ def test_blocks_the_router_cannot_reproduce_are_not_indexed():
     assert index.cached_prefix("a", OURS) == 1
 
 
+def test_a_batch_encoded_as_a_map_decodes_too():
+    """vLLM's newer source declares the batch without array_like too: a map {"ts", "events", "data_parallel_rank"}."""
+    vllm, index = VllmReplica(), KVIndex()
+    keyed = msgspec.msgpack.encode({"ts": 1.0, "events": [vllm.stored(TOKENS, 0, 3)], "data_parallel_rank": 0})
+    index.apply("a", 0, decoder().decode(keyed))
+    assert index.cached_prefix("a", OURS) == 3
+
+
 def test_a_copy_in_another_medium_keeps_the_block_until_both_go():
     vllm, index = VllmReplica(), KVIndex()
     dec = decoder()
