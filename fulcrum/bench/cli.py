@@ -93,7 +93,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long-input-len", type=LengthDist.parse, default=LengthDist.parse(4096))
     g.add_argument("--turns", type=int, default=4, help="multi-turn: user turns per conversation")
     g.add_argument("--dataset", default=None, help="jsonl: a file of prompts or ShareGPT-style conversations")
-    g.add_argument("--tokenizer", default=None, help="HF folder for exact prompt lengths and token counts")
+    g.add_argument(
+        "--tokenizer", default=None, help="HF folder for exact prompt lengths and token counts (bench serve without "
+        "it: the model's in the local Hugging Face cache, else the server's /tokenize)",
+    )  # fmt: skip
 
 
 def workload_spec(args: argparse.Namespace):
@@ -261,6 +264,19 @@ async def _serve(args, loads, spec, slo, text) -> int:
             console.print(f"[red]error:[/] cannot reach {args.base_url}: {e}")
             return 2
         doc["model"] = model
+        if not text.exact:  # no --tokenizer: the model's in the Hugging Face cache, or the server's
+            from fulcrum.bench.tokens import find_tokenizer
+            from fulcrum.bench.workloads import TextMaker
+
+            found = await asyncio.to_thread(find_tokenizer, args.base_url, model, headers)
+            doc["prompt_lengths"] = found.source
+            if found.tokenizer is not None:
+                text = TextMaker(found.tokenizer)
+            else:
+                tried = "; ".join(found.why_not)
+                line = (f"warning: prompt lengths are approximate (words, about one token each): no tokenizer for "
+                        f"{model} ({tried}); pass --tokenizer for exact lengths")  # fmt: skip
+                console.print(line, markup=False, soft_wrap=True)
         target = Target(args.base_url, model, args.endpoint, args.api_key)
         count = text.count if text.exact else None
         gen = None  # the point being measured, whose requests so far are kept if the run is cut short

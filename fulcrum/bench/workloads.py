@@ -94,11 +94,14 @@ class WorkloadSpec:
 
 
 class TextMaker:
-    """Random text of a given token length: decoded random token ids with a tokenizer, common words without."""
+    """Random text of a given token length: decoded random token ids with a tokenizer, common words without. A
+    server's tokenizer (bench/tokens.py) has no vocabulary to draw from here: its text is words, cut to length by
+    its tokens."""
 
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer
-        if tokenizer is not None:
+        self._ids = None
+        if tokenizer is not None and hasattr(tokenizer, "__len__"):
             special = set(getattr(tokenizer, "all_special_ids", []) or [])
             self._ids = np.array([i for i in range(len(tokenizer)) if i not in special])
 
@@ -111,7 +114,12 @@ class TextMaker:
             return " ".join(rng.choice(WORDS, size=n))
         # decoding random ids then encoding the text can merge or split tokens: cut the text's own
         # tokens at n, and a little shorter when the cut text grows again, until it counts n
-        canonical = self._encode(self.tokenizer.decode(rng.choice(self._ids, size=n + 8).tolist()))
+        if self._ids is not None:
+            canonical = self._encode(self.tokenizer.decode(rng.choice(self._ids, size=n + 8).tolist()))
+        else:
+            source = " ".join(rng.choice(WORDS, size=n + 8))
+            while len(canonical := self._encode(source)) < n + 1:  # words of several tokens, or of less than one
+                source += " " + " ".join(rng.choice(WORDS, size=n - len(canonical) + 8))
         best, best_gap = "", n
         for cut in range(n, max(n - 6, 0), -1):
             text = self.tokenizer.decode(canonical[:cut])

@@ -1,7 +1,17 @@
-"""Precise prefix routing's index: which replica holds which block hash, kept from each replica's KV-cache events
-(vLLM's ZeroMQ stream, fulcrum/utils/kv_event_schema.py). A replica's entries are dropped when it says AllBlocksCleared,
-when its sequence numbers jump (missed batches: replayed from its replay socket when it has one and the batches
-are still buffered there) or go back (a restarted publisher), and when the pool sees it fail."""
+"""Precise prefix routing's index: which replica holds which block, kept from each replica's KV-cache events
+(vLLM's ZeroMQ stream, fulcrum/utils/kv_event_schema.py).
+
+Blocks are keyed by the router's own chained hash (fulcrum/utils/hashing.py), computed from the token ids and the
+parent that each BlockStored carries, so the index does not depend on how the replica hashes: vLLM's sha256 (as
+bytes or truncated to an int) with its per-process seed, or fulcrum's xxh3. Per replica a map from its hashes to
+ours lets BlockRemoved, which names only the replica's hashes, apply (as llm-d's KV-cache manager does). A stored
+block is not indexed when it cannot be placed (its parent is not in the map: missed or evicted, or a router that
+joined mid-stream) or when its hash covers more than tokens (LoRA adapter, multimodal inputs, cache salt): no
+prompt's hash would ever equal it.
+
+A replica's entries are dropped when it says AllBlocksCleared, when its sequence numbers jump (missed batches:
+replayed from its replay socket when it has one and the batches are still buffered there) or go back (a restarted
+publisher), and when the pool sees it fail."""
 
 from __future__ import annotations
 
@@ -13,18 +23,72 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from fulcrum.utils.kv_event_schema import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decoder
+from fulcrum.utils.hashing import NONE_HASH, hash_block_tokens
+from fulcrum.utils.kv_event_schema import END_SEQ, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, decoder
 
 log = logging.getLogger("fulcrum.router")
 REPLAY_TIMEOUT_S = 1.0
 
+Where = tuple[str | None, int | None]  # (medium, group_idx): one copy of a block at the replica
+
 
 @dataclass
 class ReplicaBlocks:
-    hashes: set[int] = field(default_factory=set)
+    held: dict[int, set[Where]] = field(default_factory=dict)  # our hash -> where the replica holds the block
+    ours: dict[BlockHash, int] = field(default_factory=dict)  # the replica's hash -> ours
     block_size: int | None = None  # from its BlockStored events
     last_seq: int | None = None
     drops: int = 0  # times its entries were dropped (restart, gap, failure)
+    unplaced: int = 0  # stored blocks not indexed: parent unknown, or tokens missing
+    unmatchable: int = 0  # stored blocks not indexed: hashed with more than tokens (LoRA, multimodal, salt)
+
+    @property
+    def hashes(self) -> set[int]:
+        """Our hashes of the blocks the replica holds."""
+        return set(self.held)
+
+    def clear(self) -> None:
+        self.held.clear()
+        self.ours.clear()
+
+    def store(self, ev: BlockStored) -> None:
+        where = (ev.medium, ev.group_idx)
+        if ev.group_idx in (None, 0):
+            self.block_size = ev.block_size
+        n, bs = len(ev.block_hashes), ev.block_size
+        if ev.lora_name is not None or ev.lora_id is not None:
+            self.unmatchable += n
+            return
+        extra = ev.extra_keys or ()
+        parent = NONE_HASH if ev.parent_block_hash is None else self.ours.get(ev.parent_block_hash)
+        for i, theirs in enumerate(ev.block_hashes):
+            mine = self.ours.get(theirs)  # already placed: another copy of it (another medium or group)
+            if mine is None:
+                if i < len(extra) and extra[i]:
+                    self.unmatchable += n - i  # and those after it, which chain from it
+                    return
+                if parent is None or len(ev.token_ids) < (i + 1) * bs:
+                    self.unplaced += n - i
+                    return
+                mine = hash_block_tokens(parent, ev.token_ids[i * bs : (i + 1) * bs])
+                self.ours[theirs] = mine
+            self.held.setdefault(mine, set()).add(where)
+            parent = mine
+
+    def remove(self, ev: BlockRemoved) -> None:
+        for theirs in ev.block_hashes:
+            mine = self.ours.get(theirs)
+            if mine is None:
+                continue  # never indexed
+            copies = self.held.get(mine, set())
+            where = (ev.medium, ev.group_idx)
+            if where in copies:
+                copies.discard(where)
+            else:  # named unlike its store (say without the group): a hit it cannot serve costs more than a miss
+                copies -= {c for c in copies if c[0] == ev.medium} or set(copies)
+            if not copies:
+                self.held.pop(mine, None)
+                del self.ours[theirs]
 
 
 class KVIndex:
@@ -36,11 +100,12 @@ class KVIndex:
 
     def drop(self, url: str) -> None:
         r = self.of(url)
-        r.hashes.clear()
+        r.clear()
         r.drops += 1
 
     def cached_prefix(self, url: str, hashes: list[int]) -> int:
-        held = self.of(url).hashes
+        """How many of `hashes` (our chained hashes of a prompt's blocks) the replica holds, from the first."""
+        held = self.of(url).held
         n = 0
         for h in hashes:
             if h not in held:
@@ -68,10 +133,9 @@ class KVIndex:
         r.last_seq = seq
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                r.hashes.update(ev.block_hashes)
-                r.block_size = ev.block_size
+                r.store(ev)
             elif isinstance(ev, BlockRemoved):
-                r.hashes.difference_update(ev.block_hashes)
+                r.remove(ev)
             elif isinstance(ev, AllBlocksCleared):
                 self.drop(url)
 

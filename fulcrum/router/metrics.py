@@ -1,6 +1,7 @@
 """The router's own /metrics: requests and retries per replica, decisions by reason, the prefix hit estimate
 (blocks the router believed cached over blocks routed), and each replica's health, in-flight count and load;
-with KV-cache events, the blocks the index holds per replica and how often a replica's entries were dropped."""
+with KV-cache events, the blocks the index holds per replica, the stored blocks it left out and how often a
+replica's entries were dropped."""
 
 from __future__ import annotations
 
@@ -40,6 +41,11 @@ class RouterMetrics:
             ["replica"],
             registry=r,
         )
+        self.kv_skipped = Gauge(
+            "fulcrum_router:kv_index_skipped_blocks",
+            "Stored blocks left out of the index: unplaced (parent unknown), unmatchable (LoRA, multimodal, salt)",
+            ["replica", "reason"], registry=r,
+        )  # fmt: skip
         self.kv_drops = Gauge(
             "fulcrum_router:kv_index_drops", "Times a replica's entries were dropped (restart, gap, failure)",
             ["replica"], registry=r,
@@ -72,6 +78,8 @@ class RouterMetrics:
         self.replicas.set(len(self.pool.available()))
         if self.kv_index is not None:
             for url, held in list(self.kv_index.replicas.items()):
-                self.kv_blocks.labels(url).set(len(held.hashes))
+                self.kv_blocks.labels(url).set(len(held.held))
                 self.kv_drops.labels(url).set(held.drops)
+                self.kv_skipped.labels(url, "unplaced").set(held.unplaced)
+                self.kv_skipped.labels(url, "unmatchable").set(held.unmatchable)
         return self.registry

@@ -73,7 +73,24 @@ def test_jsonl_workload_without_tokenizer(server, tmp_path):
     doc = bench(server, tmp_path, "--workload", "jsonl", "--dataset", str(data), "--num-prompts", "4")
     s = doc["runs"][0]["summary"]
     assert s["completed"] == 4 and s["output_tokens"] == 5 + 3 + 5 + 3
-    assert doc["prompt_lengths"].startswith("approximate")
+    assert doc["prompt_lengths"] == "exact (the server's /tokenize)"
+    assert {q["prompt_tokens"] - q["input_len"] for q in doc["runs"][0]["requests"]} == {0}  # counted by the server
+
+
+@pytest.mark.parametrize("input_len", ["128", "uniform:20:90"])
+def test_without_tokenizer_the_server_tokenizes_and_prompts_are_exact(server, tmp_path, input_len):
+    """`fulcrum serve` by its served name (no folder, not in the Hugging Face cache): bench asks its /tokenize, and
+    every prompt is as long as asked, by the server's own count."""
+    doc = bench(server, tmp_path, "--num-prompts", "6", "--concurrency", "3", "--input-len", input_len,
+                "--output-len", "2")  # fmt: skip
+    assert doc["model"] == "shakespeare" and doc["prompt_lengths"] == "exact (the server's /tokenize)"
+    reqs = doc["runs"][0]["requests"]
+    assert len(reqs) == 6 and all(q["ok"] for q in reqs)
+    assert [q["prompt_tokens"] for q in reqs] == [q["input_len"] for q in reqs]
+    if input_len == "128":
+        assert {q["prompt_tokens"] for q in reqs} == {128}
+    else:
+        assert all(20 <= q["prompt_tokens"] <= 90 for q in reqs) and len({q["prompt_tokens"] for q in reqs}) > 1
 
 
 def test_without_stream_usage_the_tokenizer_counts(server, tmp_path):

@@ -137,8 +137,17 @@ def test_cli_refuses_kv_events_without_endpoints():
     assert cfg.kv_events_endpoints == {"http://a:1": "tcp://a:5557"} and cfg.kv_events_topic == "kv"
 
 
-def _stored(*hashes: int) -> BlockStored:
-    return BlockStored(list(hashes), None, [0] * BLOCK * len(hashes), BLOCK, None, "CPU", None)
+def _tokens(*blocks: int) -> list[int]:
+    return [k for k in blocks for _ in range(BLOCK)]
+
+
+def _ours(*blocks: int) -> list[int]:
+    return hash_prefix_blocks(_tokens(*blocks), BLOCK)
+
+
+def _stored(*blocks: int) -> BlockStored:
+    """A prompt's first blocks (block k: BLOCK tokens k), hashed by the replica as the router hashes them."""
+    return BlockStored(_ours(*blocks), None, _tokens(*blocks), BLOCK, None, "CPU", None)
 
 
 def test_index_drops_a_replica_on_clear_gap_and_restart():
@@ -146,18 +155,18 @@ def test_index_drops_a_replica_on_clear_gap_and_restart():
     index.apply("a", 0, EventBatch(0, [AllBlocksCleared()]))
     index.apply("a", 1, EventBatch(0, [_stored(1, 2, 3)]))
     index.apply("b", 5, EventBatch(0, [_stored(1)]))  # joined mid-stream: taken as it comes
-    assert index.cached_prefix("a", [1, 2, 3, 4]) == 3 and index.cached_prefix("b", [1, 2]) == 1
-    index.apply("a", 2, EventBatch(0, [BlockRemoved([2], "CPU")]))
-    assert index.cached_prefix("a", [1, 2, 3]) == 1 and index.of("a").block_size == BLOCK
+    assert index.cached_prefix("a", _ours(1, 2, 3, 4)) == 3 and index.cached_prefix("b", _ours(1, 2)) == 1
+    index.apply("a", 2, EventBatch(0, [BlockRemoved([_ours(1, 2)[1]], "CPU")]))
+    assert index.cached_prefix("a", _ours(1, 2, 3)) == 1 and index.of("a").block_size == BLOCK
     index.apply("a", 2, EventBatch(0, [_stored(9)]))  # a batch seen twice (replay and live) applies once
-    assert 9 not in index.of("a").hashes
+    assert not set(_ours(9)) & index.of("a").hashes
     index.apply("a", 5, EventBatch(0, [_stored(7)]))  # 3 and 4 were missed: what came before is unknown
-    assert index.of("a").hashes == {7}
+    assert index.of("a").hashes == set(_ours(7))
     index.restarted("a")  # the publisher started over
     assert index.of("a").hashes == set() and index.of("a").last_seq is None
     index.apply("a", 0, EventBatch(0, [_stored(4)]))
     index.apply("a", 1, EventBatch(0, [AllBlocksCleared()]))
-    assert index.of("a").hashes == set() and index.of("b").hashes == {1}
+    assert index.of("a").hashes == set() and index.of("b").hashes == set(_ours(1))
 
 
 @pytest.mark.slow
