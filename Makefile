@@ -17,7 +17,7 @@ $(VENV)/.installed-dev: pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(VENV)/.installed $@
 
-.PHONY: install install-dev serve test test-slow lint format bench bench-serve
+.PHONY: install install-dev serve test test-slow lint format bench bench-serve wheel image-cpu image-cuda
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
@@ -52,3 +52,15 @@ bench: install-dev
 # fulcrum bench serve against fulcrum serve: concurrency sweep, prefix caching, chunked prefill
 bench-serve: install-dev
 	$(BIN)/python benchmarks/bench_serve_levers.py
+
+# A wheel and an sdist in dist/ (the bundled models, kernel sources and presets inside): pip install dist/*.whl
+wheel: install-dev
+	$(BIN)/python -m build --no-isolation --outdir dist .
+
+# The container images fulcrum deploy k8s names by default (docker/); CONTAINER=podman (or buildah bud) works too
+CONTAINER ?= docker
+VERSION := $(shell sed -n 's/^VERSION = "\([^"]*\)".*/\1/p' fulcrum/defaults.py)
+image-cpu:
+	$(CONTAINER) build -f docker/Dockerfile.cpu -t fulcrum:$(VERSION)-cpu .
+image-cuda:
+	$(CONTAINER) build -f docker/Dockerfile.cuda -t fulcrum:$(VERSION)-cuda .

@@ -15,7 +15,7 @@ import torch
 import fulcrum  # noqa: F401  (early: under FULCRUM_CPU_ISA it caps torch's kernels before any op runs)
 
 REPO = Path(__file__).resolve().parent.parent
-BUNDLED = REPO / "models" / "tiny-shakespeare-target"
+BUNDLED = REPO / "fulcrum" / "bundled" / "tiny-shakespeare-target"
 
 # Qwen2.5-0.5B's shape, random weights
 QWEN05_SHAPE = dict(

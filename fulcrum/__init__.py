@@ -1,8 +1,8 @@
 """fulcrum: an LLM inference engine and inference-engineering toolkit."""
 
+from fulcrum.defaults import VERSION as __version__  # noqa: F401  (the package's version)
 from fulcrum.utils import cpu_isa
 
-__version__ = "0.1.0"
 
 # Before any torch op: under FULCRUM_CPU_ISA, torch's own kernels (ATen, oneDNN, MKL) run at that level too
 cpu_isa.cap_torch()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+VERSION = "0.1.0"  # the package's (pyproject.toml reads it), the container images' tag
+
 # Weight-only quantization methods (fulcrum/quant) and int4's group sizes: online (a full-precision checkpoint
 # quantized at load time), or read from a checkpoint's quantization_config (its quant_method, as named there)
 ONLINE_QUANTIZATIONS = ("int8", "int4", "fp8")
@@ -24,7 +26,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_CPU_KV_BYTES = 2 << 30  # the KV cache on CPU when --kv-cache-memory is not given
 
 # The model that ships in the repository; every command uses it when no model is given.
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-shakespeare-target"
+DEFAULT_MODEL = Path(__file__).resolve().parent / "bundled" / "tiny-shakespeare-target"  # package data: in the wheel
 
 # What one client may make the server hold (fulcrum/server/limits.py, fulcrum/engine/structured/grammar.py). The
 # grammar bounds are read from the environment where grammars are checked (the frontend) and compiled (the engine

@@ -1,7 +1,7 @@
 """Train fulcrum's bundled models on tinyshakespeare: a byte-level BPE tokenizer, a Llama target
 model and a small draft model (for speculative decoding), saved in Hugging Face format.
 
-    python scripts/train_tiny.py --data ../shared/data/tinyshakespeare.txt --out models
+    python scripts/train_tiny.py --data ../shared/data/tinyshakespeare.txt --out fulcrum/bundled
 
 The last 10% of the corpus is held out for validation and never trained on.
 """
@@ -218,7 +218,7 @@ Weights are stored in float32 (`save_pretrained`, safetensors).
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="path to tinyshakespeare.txt")
-    p.add_argument("--out", default="models")
+    p.add_argument("--out", default="fulcrum/bundled")
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)

@@ -214,7 +214,7 @@ def _deploy_k8s(args) -> int:
         serve_args=[a for arg in args.serve_arg for a in shlex.split(arg)], replicas=args.replicas,
         min_replicas=args.min_replicas, max_replicas=args.max_replicas, policy=args.policy, scaler=args.scaler,
         target_waiting=args.target_waiting, prometheus=args.prometheus, cpu=args.cpu, memory=args.memory,
-        gpus=args.gpus, drain_timeout=args.drain_timeout,
+        gpus=args.gpus, drain_timeout=args.drain_timeout, models_claim=args.models_claim or None,
     )  # fmt: skip
     text = to_yaml(render(cfg))
     if args.output:
@@ -231,8 +231,16 @@ def add_deploy_parser(sub) -> argparse.ArgumentParser:
     k = verbs.add_parser("k8s", help="Kubernetes manifests: replica Deployment + Service, router, HPA or KEDA")
     k.add_argument("--name", default="fulcrum")
     k.add_argument("--namespace", default=None)
-    k.add_argument("--image", default="fulcrum:latest", help="an image with fulcrum installed")
+    k.add_argument(
+        "--image", default=None,
+        help="an image with fulcrum installed (default: what `make image-cpu` builds, or `make image-cuda` with --gpus)",
+    )  # fmt: skip
     k.add_argument("--model", default="/models/model", help="the model as the container sees it")
+    k.add_argument(
+        "--models-claim", default="fulcrum-models",
+        help="a PersistentVolumeClaim holding the models, mounted read-only at /models in every pod ('' for none: a "
+        "model inside the image)",
+    )  # fmt: skip
     k.add_argument("--serve-arg", action="append", default=[], metavar="ARGS", help="for each `fulcrum serve`")
     k.add_argument("--replicas", type=int, default=1)
     k.add_argument("--min", dest="min_replicas", type=int, default=1)

@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from fulcrum.defaults import VERSION
+
 PORT = 8000
+# what `make image-cpu` / `make image-cuda` build (docker/Dockerfile.cpu, docker/Dockerfile.cuda)
+CPU_IMAGE, CUDA_IMAGE = f"fulcrum:{VERSION}-cpu", f"fulcrum:{VERSION}-cuda"
+MODELS_MOUNT = "/models"  # where the models volume is mounted in every pod
 KV_EVENTS_PORT, KV_REPLAY_PORT = 5557, 5558  # kv-events policy: each replica pod publishes there (vLLM's defaults)
 
 
@@ -18,8 +23,11 @@ KV_EVENTS_PORT, KV_REPLAY_PORT = 5557, 5558  # kv-events policy: each replica po
 class K8sConfig:
     name: str = "fulcrum"
     namespace: str | None = None
-    image: str = "fulcrum:latest"
+    image: str | None = None  # None: the image `make image-cpu` builds, or `make image-cuda`'s with gpus
     model: str = "/models/model"  # a path inside the image (or a mounted volume), or a Hub ID in its HF cache
+    # a PersistentVolumeClaim holding the models, mounted read-only at /models in every pod (None: none mounted; the
+    # model is in the image, as the bundled one is)
+    models_claim: str | None = "fulcrum-models"
     serve_args: list[str] = field(default_factory=list)
     replicas: int = 1
     min_replicas: int = 1
@@ -50,7 +58,7 @@ def _deployment(cfg: K8sConfig, name: str, component: str, command: list[str], r
     labels = {"app.kubernetes.io/name": cfg.name, "app.kubernetes.io/component": component}
     container = {
         "name": component,
-        "image": cfg.image,
+        "image": cfg.image or (CUDA_IMAGE if cfg.gpus else CPU_IMAGE),
         "command": command,
         "ports": [{"name": "http", "containerPort": PORT}, *ports],
         "readinessProbe": _probe("/health", 5),
@@ -58,6 +66,11 @@ def _deployment(cfg: K8sConfig, name: str, component: str, command: list[str], r
         "resources": resources,
     }
     pod_meta = {"labels": labels, "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(PORT)}}
+    pod = {"terminationGracePeriodSeconds": grace, "containers": [container]}
+    if cfg.models_claim:
+        container["volumeMounts"] = [{"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True}]
+        pod["volumes"] = [{"name": "models", "persistentVolumeClaim": {"claimName": cfg.models_claim,
+                                                                        "readOnly": True}}]  # fmt: skip
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -67,7 +80,7 @@ def _deployment(cfg: K8sConfig, name: str, component: str, command: list[str], r
             "selector": {"matchLabels": labels},
             "template": {
                 "metadata": pod_meta,
-                "spec": {"terminationGracePeriodSeconds": grace, "containers": [container]},
+                "spec": pod,
             },
         },
     }

@@ -7,9 +7,10 @@ import time
 import pytest
 
 from fulcrum import LLM, SamplingParams
+from fulcrum.config import DEFAULT_MODEL
 from tests.engine.conftest import DEVICES
 
-BUNDLED = "models/tiny-shakespeare-target"
+BUNDLED = str(DEFAULT_MODEL)
 PROMPTS = ["ROMEO:", "To be, or not to be", "KING HENRY:\nOnce more unto the breach, dear friends", "O"]
 
 

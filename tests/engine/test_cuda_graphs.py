@@ -5,13 +5,14 @@ import pytest
 import torch
 
 from fulcrum import LLM, SamplingParams
+from fulcrum.config import DEFAULT_MODEL
 from fulcrum.engine import cuda_graphs, step_inputs
 from fulcrum.engine.cuda_graphs import DecodeGraphs, bucket, capture_sizes, graphable, pad
 from fulcrum.engine.scheduler import SchedulerOutput
 from fulcrum.engine.step_inputs import StepInputs
 from fulcrum.kernels.triton import BACKEND_ENV
 
-BUNDLED = "models/tiny-shakespeare-target"
+BUNDLED = str(DEFAULT_MODEL)
 
 
 def test_capture_sizes_and_buckets():

@@ -5,6 +5,7 @@ prefills mixed with decodes in one step, and decode-only steps. Slow per token, 
 import pytest
 
 from fulcrum import LLM, SamplingParams
+from fulcrum.config import DEFAULT_MODEL
 from fulcrum.kernels.triton import BACKEND_ENV, decode_attention, prefill_attention
 
 KERNELS = {"decode": (decode_attention, "paged_decode"), "prefill": (prefill_attention, "paged_prefill")}
@@ -24,7 +25,7 @@ def count_kernel_calls(monkeypatch) -> dict[str, int]:
     return calls
 
 
-BUNDLED = "models/tiny-shakespeare-target"
+BUNDLED = str(DEFAULT_MODEL)
 PROMPTS = ["ROMEO:", "To be, or not to be, that is the question:", "KING HENRY:\nOnce more unto the breach"]
 
 

@@ -74,3 +74,21 @@ def test_kv_events_policy_publishes_on_each_pod_and_the_router_subscribes():
 
     cfg = router_config(build_parser().parse_args(route[1:]))
     assert cfg.policy == "kv-events" and _on_host("http://10.0.0.7:8000", cfg.kv_events_port) == "tcp://10.0.0.7:5557"
+
+
+@pytest.mark.parametrize("gpus, image", [(0, "fulcrum:{v}-cpu"), (1, "fulcrum:{v}-cuda")])
+def test_default_image_and_models_volume(gpus, image):
+    """Without --image the pods run what `make image-cpu` / `make image-cuda` build; the models claim is mounted
+    read-only at /models in replicas and router alike, and validates; --models-claim '' mounts none."""
+    from fulcrum import __version__
+
+    docs = render(K8sConfig(gpus=gpus))
+    for d in docs[0], docs[2]:
+        pod = d["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["image"] == image.format(v=__version__)
+        assert container["volumeMounts"] == [{"name": "models", "mountPath": "/models", "readOnly": True}]
+        assert pod["volumes"][0]["persistentVolumeClaim"] == {"claimName": "fulcrum-models", "readOnly": True}
+        kv.validate(d, K8S_VERSION, strict=True)
+    bare = render(K8sConfig(models_claim=None))[0]["spec"]["template"]["spec"]
+    assert "volumes" not in bare and "volumeMounts" not in bare["containers"][0]
