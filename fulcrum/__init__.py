@@ -3,7 +3,6 @@
 from fulcrum.defaults import VERSION as __version__  # noqa: F401  (the package's version)
 from fulcrum.utils import cpu_isa
 
-
 # Before any torch op: under FULCRUM_CPU_ISA, torch's own kernels (ATen, oneDNN, MKL) run at that level too
 cpu_isa.cap_torch()
 
