@@ -75,14 +75,17 @@ def token_slots() -> torch.Tensor | None:
 
 class LoRASlots(nn.Module):
     """A linear layer's adapter slots. `out_sizes`: the layer's output shards (one for a plain layer). A as
-    [slots, shards * max_rank, in] and B transposed as [slots, out, max_rank] (row o holds its shard's B row): the
-    layouts of a weight [out, in] that the CPU decode stack's GEMV reads (kernels/csrc/decode_stack.cpp)."""
+    [slots, shards * max_rank, in]; B twice: per shard as [slots, max_rank, shard's out] (the slots in use read as
+    one [slots * max_rank, out] matrix by the masked product), and transposed as [slots, out, max_rank] (row o holds
+    its shard's B row), the layout of a weight [out, in] that the CPU decode stack's GEMV reads
+    (kernels/csrc/decode_stack.cpp)."""
 
     def __init__(self, max_loras: int, max_rank: int, in_size: int, out_sizes: list[int], dtype, device=None):
         super().__init__()
         self.max_rank, self.out_sizes = max_rank, list(out_sizes)
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         self.a = torch.zeros(max_loras, len(out_sizes) * max_rank, in_size, dtype=dtype, device=device)
+        self.b = [torch.zeros(max_loras, max_rank, size, dtype=dtype, device=device) for size in out_sizes]
         self.bt = torch.zeros(max_loras, sum(out_sizes), max_rank, dtype=dtype, device=device)
 
     def set_slot(self, slot: int, shards: list[tuple[torch.Tensor, torch.Tensor] | None], scaling: float) -> None:
@@ -94,11 +97,15 @@ class LoRASlots(nn.Module):
                 a, b = ab
                 r = a.shape[0]
                 self.a[slot, i * R : i * R + r].copy_(a)
-                self.bt[slot, off : off + size, :r].copy_(b.float() * scaling)
+                scaled = b.float() * scaling
+                self.b[i][slot, :r].copy_(scaled.t())
+                self.bt[slot, off : off + size, :r].copy_(scaled)
 
     def clear_slot(self, slot: int) -> None:
         self.a[slot].zero_()
         self.bt[slot].zero_()
+        for b in self.b:
+            b[slot].zero_()
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out + each token's adapter delta (x: [T, in], out: [T, out]), in place."""
@@ -111,13 +118,14 @@ class LoRASlots(nn.Module):
             for slot, start, end in step.runs:
                 xa = x[start:end] @ self.a[slot].t()  # [n, S * R]
                 for i, (off, size) in enumerate(zip(self.offsets, self.out_sizes)):
-                    delta = xa[:, i * R : (i + 1) * R] @ self.bt[slot, off : off + size].t()
+                    delta = xa[:, i * R : (i + 1) * R] @ self.b[i][slot]
                     out[start:end, off : off + size] += delta.to(out.dtype)
             return out
         w = step.width  # every slot in use at once, each token's own kept by the mask
         xa = x @ self.a[:w].reshape(w * S * R, -1).t()  # [T, w * S * R]
-        xa = (xa.view(T, w, S, R) * step.mask(xa.dtype)[:, :, None, None]).permute(2, 1, 0, 3)  # [S, w, T, R]
+        xa = xa.view(T, w, S, R) * step.mask(xa.dtype)[:, :, None, None]
         for i, (off, size) in enumerate(zip(self.offsets, self.out_sizes)):
-            delta = torch.bmm(xa[i], self.bt[:w, off : off + size].transpose(1, 2)).sum(0)  # [T, size]
+            # one product over the slots in use: [T, w * R] (other slots' parts zero) @ [w * R, size]
+            delta = xa[:, :, i].reshape(T, w * R) @ self.b[i][:w].reshape(w * R, size)
             out[:, off : off + size] += delta.to(out.dtype)
         return out
