@@ -173,7 +173,7 @@ class AsyncLLM:
             raise EngineDeadError("the engine is not running")
         reply = await self.client.lora(op, name, path)
         if reply.error:
-            raise InvalidRequestError(reply.error, "lora_name" if "named" in reply.error else "lora_path")
+            raise InvalidRequestError(reply.error, reply.param)
         return reply.names
 
     def cut_all(self, error: Exception) -> list[tuple[str, int]]:

@@ -207,6 +207,17 @@ class EngineCore:
     def list_loras(self) -> list[str]:
         return self.runner.lora.names() if self.runner.lora is not None else []
 
+    def lora(self, op: str, name: str = "", path: str = "") -> list[str]:
+        """A LoRA call, as the engine-core protocol carries it (messages.LoRACall): "load", "unload" or "list";
+        the adapters loaded after it."""
+        if op == "load":
+            self.add_lora(name, path)
+        elif op == "unload":
+            self.remove_lora(name)
+        elif op != "list":
+            raise InvalidRequestError(f"unknown LoRA call {op!r}")
+        return self.list_loras()
+
     def _all_requests(self) -> list[Request]:
         reqs = list(self.scheduler.requests.values()) + list(self.compiling.requests())
         if self.kv_transfer is not None:

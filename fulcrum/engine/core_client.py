@@ -76,7 +76,7 @@ class CoreClient:
         self._ctx, self._out_ctx = zmq.Context(), out_ctx
         self._stopped = False
         self._call_ids = itertools.count()
-        self._replies: dict[int, list[CallReply]] = {}  # LoRA call -> the cores' replies so far
+        self._replies: dict[int, tuple[str, str, list[CallReply]]] = {}  # LoRA call -> (op, name, replies so far)
         try:
             configs = data_parallel_configs(config)
             for i, cfg in enumerate(configs):
@@ -164,7 +164,7 @@ class CoreClient:
         """Send a call to every core; `answered`: its replies are gathered (_reply)."""
         call_id = next(self._call_ids)
         if answered:
-            self._replies[call_id] = []
+            self._replies[call_id] = (op, name, [])
         frame = encoder.encode(LoRACall(call_id, op, name, path))
         for core in self.cores:
             core.inp.send_multipart([LORA, frame])
@@ -173,11 +173,13 @@ class CoreClient:
     def _reply(self, call_id: int) -> CallReply | None:
         """The call's answer once every core gave it: the first error, if any (a load that failed on one core is
         undone on the others)."""
-        got = self._replies.get(call_id, [])
+        op, name, got = self._replies.get(call_id, ("", "", []))
         if len(got) < len(self.cores):
             return None
         del self._replies[call_id]
         failed = next((r for r in got if r.error), None)
+        if failed and op == "load" and any(not r.error for r in got):  # only where it loaded: a name taken stays
+            self._send_lora("unload", name, answered=False)
         return failed or got[0]
 
     def _received(self, core: Core, payload: bytes) -> CoreOutputs:
@@ -185,7 +187,7 @@ class CoreClient:
         msg = decode_outputs(payload)
         for r in msg.replies:
             if r.call_id in self._replies:
-                self._replies[r.call_id].append(r)
+                self._replies[r.call_id][2].append(r)
         core.stats = msg.stats
         self.latest_stats = total_stats([c.stats for c in self.cores])
         self._release([o.request_id for o in msg.outputs if o.finish_reason is not None])
@@ -264,8 +266,6 @@ class SyncCoreClient(CoreClient):
                     self._early.extend(self._received(core, core.out.recv()).outputs)
             if (dead := self.dead_core()) is not None:
                 raise EngineDeadError(f"{dead.name} exited (code {dead.proc.exitcode})")
-        if reply.error and op == "load":
-            self._send_lora("unload", name, answered=False)  # those that loaded it let it go
         return reply
 
     def step(self) -> list[EngineCoreOutput]:
@@ -328,8 +328,6 @@ class AsyncCoreClient(CoreClient):
             reply = await future
         finally:
             self._calls.pop(call_id, None)
-        if reply.error and op == "load":
-            self._send_lora("unload", name, answered=False)
         return reply
 
     def _received(self, core: Core, payload: bytes) -> CoreOutputs:

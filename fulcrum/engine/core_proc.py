@@ -61,7 +61,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
         kv_transfer=core.kv_transfer.describe() if core.kv_transfer is not None else None,
         weights=getattr(core.runner, "weights_format", ""), weight_bytes=getattr(core.runner, "weight_bytes", 0),
         task=core.model_config.task, pooler=core.model_config.pooler,
-        hidden_size=core.model_config.hf_config.hidden_size, loras=core.list_loras(),
+        hidden_size=core.model_config.hf_config.hidden_size,
         max_loras=config.max_loras if config.enable_lora else 0,
     )  # fmt: skip
     push.send(encoder.encode(ready))
@@ -102,16 +102,10 @@ def _lora(core: EngineCore, payload: bytes) -> CallReply:
     try:
         call = decode_lora_call(payload)
         call_id = call.call_id
-        if call.op == "load":
-            core.add_lora(call.name, call.path)
-        elif call.op == "unload":
-            core.remove_lora(call.name)
-        elif call.op != "list":
-            raise InvalidRequestError(f"unknown LoRA call {call.op!r}")
-        return CallReply(call_id, names=core.list_loras())
+        return CallReply(call_id, names=core.lora(call.op, call.name, call.path))
     except (FulcrumError, msgspec.ValidationError, msgspec.DecodeError) as e:
         log.error("LoRA call failed: %s", e)
-        return CallReply(call_id, error=str(e), names=core.list_loras())
+        return CallReply(call_id, error=str(e), names=core.list_loras(), param=getattr(e, "param", None))
 
 
 def _loop(core: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:

@@ -147,14 +147,10 @@ class LLM:
     def _lora_call(self, op: str, name: str = "", path: str = "") -> list[str]:
         core = self._open_core()
         if isinstance(core, EngineCore):
-            if op == "load":
-                core.add_lora(name, path)
-            elif op == "unload":
-                core.remove_lora(name)
-            return core.list_loras()
+            return core.lora(op, name, path)
         reply = core.lora(op, name, path)
         if reply.error:
-            raise LoRAError(reply.error)
+            raise LoRAError(reply.error, reply.param or "lora_path")
         return reply.names
 
     def abort(self, request_id: str) -> None:

@@ -48,7 +48,7 @@ class LoRAManager:
     def add(self, name: str, path: str | Path) -> None:
         """Register an adapter (read and checked now: a bad one is refused before anything uses it)."""
         if name in self.paths:
-            raise LoRAError(f"an adapter named {name!r} is already loaded")
+            raise LoRAError(f"an adapter named {name!r} is already loaded", "lora_name")
         adapter = read_adapter(name, path, self.layers, self.max_rank)
         self.paths[name] = Path(path)
         self._keep(adapter)
@@ -57,7 +57,7 @@ class LoRAManager:
 
     def remove(self, name: str) -> None:
         if name not in self.paths:
-            raise LoRAError(f"no adapter named {name!r} is loaded")
+            raise LoRAError(f"no adapter named {name!r} is loaded", "lora_name")
         del self.paths[name]
         self.host.pop(name, None)
         if name in self.slots:

@@ -78,6 +78,7 @@ class CallReply(msgspec.Struct):
     call_id: int
     error: str | None = None  # why the call failed (a bad adapter, a name taken or unknown, adapters in use)
     names: list[str] = msgspec.field(default_factory=list)  # the adapters loaded after the call
+    param: str | None = None  # with an error: the request field at fault (lora_name, lora_path)
 
 
 class CoreReady(msgspec.Struct):
@@ -93,7 +94,6 @@ class CoreReady(msgspec.Struct):
     task: str = "generate"  # or "embed": the model serves embeddings (model_folder/pooling.py)
     pooler: PoolerConfig | None = None  # an embedding model's pooling
     hidden_size: int = 0  # an embedding's full length
-    loras: list[str] = msgspec.field(default_factory=list)  # LoRA adapters loaded at start (--lora-modules)
     max_loras: int = 0  # adapters in one step at most; 0: the engine serves no LoRA adapters
 
 

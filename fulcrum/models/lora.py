@@ -26,7 +26,12 @@ _REFUSED_TARGETS = ("embed_tokens", "lm_head")
 
 
 class LoRAError(ModelLoadError):
-    """An adapter that cannot be served on this model (HTTP 400 when loaded at run time)."""
+    """An adapter that cannot be served on this model (HTTP 400 when loaded at run time); `param`: the request field
+    at fault (lora_path: the adapter itself; lora_name: a name taken or unknown)."""
+
+    def __init__(self, message: str, param: str = "lora_path"):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass

@@ -173,3 +173,22 @@ def test_a_lora_request_needs_an_engine_with_lora(base_and_adapters):
     base, adapters = base_and_adapters
     with LLM(str(base), dtype="float32", kv_cache_memory=2**24) as llm, pytest.raises(InvalidRequestError):
         llm.generate([{"prompt_token_ids": SHORT}], GREEDY, lora_request=requests(adapters)[1], use_tqdm=False)
+
+
+def test_data_parallel_cores_load_and_refuse_alike(base_and_adapters, references):
+    """Two engine-core processes: an adapter answers as PEFT's merge on both; a refused load names its field and a
+    name already taken leaves the loaded adapter in place on every core."""
+    base, adapters = base_and_adapters
+    lr = requests(adapters)[1]
+    with LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=16, kv_cache_memory=2**24,
+             data_parallel_size=2) as llm:  # fmt: skip
+        llm.add_lora(lr)
+        with pytest.raises(LoRAError) as taken:
+            llm.add_lora(LoRARequest("a0", 9, str(adapters[1])))
+        assert taken.value.param == "lora_name"
+        with pytest.raises(LoRAError) as missing:
+            llm.add_lora(LoRARequest("m", 10, "/nonexistent/adapter"))
+        assert missing.value.param == "lora_path"
+        assert llm.list_loras() == ["a0"]
+        out = llm.generate([{"prompt_token_ids": SHORT}] * 4, GREEDY, lora_request=lr, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == [references[(1, len(SHORT))]] * 4
