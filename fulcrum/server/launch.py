@@ -30,7 +30,10 @@ def bind_port(host: str, port: int) -> socket.socket:
     uvicorn gets this very socket and listens on it once the engine is up (until then connections are refused, as
     before). Only another SO_REUSEADDR socket that is not listening yet, such as a second server starting at the
     same moment, can still bind the port meanwhile; whichever listens second then fails with the same message."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    # IPPROTO_TCP named, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets whose proto says
+    # TCP, and the connections accepted here take this socket's. With proto 0 an answer written as headers then body
+    # waited for the client's delayed ACK (~40 ms on a keep-alive connection), and so did each streamed chunk.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     # as uvicorn does: a restart may rebind while the last run's connections sit in TIME_WAIT
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
