@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import functools
 import math
 import os
 import signal
@@ -197,7 +198,7 @@ async def _serve(args, loads, spec, slo, text) -> int:
     import aiohttp
 
     from fulcrum.bench import report
-    from fulcrum.bench.client import Target, discover_model
+    from fulcrum.bench.client import Target, discover_model, server_histograms, server_means
     from fulcrum.bench.loadgen import LoadGenerator, until_stop
     from fulcrum.bench.metrics import summarize, summarize_by_tag
     from fulcrum.bench.workloads import sessions
@@ -236,7 +237,7 @@ async def _serve(args, loads, spec, slo, text) -> int:
         "runs": [],
     }
 
-    def record(run) -> dict:
+    def record(run, server=None) -> dict:
         kw = dict(slo=slo, price_per_hour=args.price_per_hour, replicas=args.replicas)
         entry = {
             "label": run.load.label,
@@ -248,8 +249,13 @@ async def _serve(args, loads, spec, slo, text) -> int:
             "by_tag": summarize_by_tag(run.results, run.duration, **kw),
             "requests": report.request_records(run.results),
         }
+        if server is not None:  # the server's own histograms over the point's measured requests
+            entry["server"] = server
         doc["runs"].append(entry)
         return entry
+
+    async def scrape(into: list) -> None:
+        into.append(await server_histograms(http, args.base_url, headers))
 
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
@@ -289,11 +295,14 @@ async def _serve(args, loads, spec, slo, text) -> int:
                         http, target, extra=extra, count_tokens=count, timeout=args.request_timeout,
                         read_timeout=args.read_timeout, on_result=on_result, seed=args.seed + i,
                     )  # fmt: skip
+                    scrapes: list = []  # the server's histograms after the warm-up and after the point
                     with _watchdog(console, gen.pulse, point, args.watchdog):
                         # each point of a sweep draws fresh prompts, so a prefix cache cannot serve one from another
-                        run = await gen.run(load, sessions(replace(spec, seed=spec.seed + i), text), stop)
+                        run = await gen.run(load, sessions(replace(spec, seed=spec.seed + i), text), stop,
+                                            functools.partial(scrape, scrapes))  # fmt: skip
+                    await scrape(scrapes)
                 gen = None
-                entry = record(run)
+                entry = record(run, server_means(*scrapes) if len(scrapes) == 2 else None)
                 report.print_run(report.console(), entry)
                 doc["partial"] = run.interrupted or i + 1 < len(loads)
                 doc["stopped_by"] = STOP_SIGNALS[signals[0]] if run.interrupted else None

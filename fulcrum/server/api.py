@@ -32,6 +32,7 @@ from fulcrum.server import anthropic_messages, embeddings, lora_routes, response
 from fulcrum.server.chat import create_chat_completion
 from fulcrum.server.completions import create_completion
 from fulcrum.server.limits import BodyLimit, off_loop
+from fulcrum.server.stages import StampArrival
 from fulcrum.server.state import ServerState
 
 OPEN_PATHS = {"/health", "/metrics", "/version", "/ping", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"}
@@ -78,6 +79,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await call_next(request)
 
     app.add_middleware(BodyLimit, max_bytes=state.max_body_bytes)
+    app.add_middleware(StampArrival)  # outside the body's reading: the clocks start when the request arrives
     if state.allowed_origins:  # added last, so outermost: a browser's preflight carries no API key
         app.add_middleware(
             CORSMiddleware, allow_origins=state.allowed_origins, allow_methods=["*"], allow_headers=["*"]
