@@ -49,6 +49,35 @@ def authorized(request: Request, api_key: str) -> bool:
     return (scheme.lower() == "bearer" and token.strip() == api_key) or request.headers.get("x-api-key") == api_key
 
 
+class Gate:
+    """ASGI middleware: the checks every API request passes before its body is read (key, shutdown, media type).
+    Plain ASGI, not Starlette's BaseHTTPMiddleware, which passes every streamed chunk through a memory stream
+    and a task switch of its own."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            refusal = self.refusal(Request(scope))
+            if refusal is not None:
+                return await refusal(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def refusal(self, request: Request) -> Response | None:
+        state = self.state
+        if state.api_key and not authorized(request, state.api_key):
+            if request.url.path.startswith("/v1/messages"):
+                return anthropic_messages.error(401, "invalid or missing API key")
+            return error(401, "invalid or missing API key")
+        if state.draining:
+            return error_of(ShuttingDownError("the server is shutting down; retry on another replica"))
+        content_type = request.headers.get("content-type")
+        if request.method == "POST" and content_type and not is_json(content_type):
+            return error(415, f"the request body must be application/json, not {content_type!r}")
+        return None
+
+
 def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -63,22 +92,8 @@ def build_app(state: ServerState) -> FastAPI:
     errors.install(app)
     app.openapi = lambda: errors.openapi_schema(app)
 
-    @app.middleware("http")
-    async def gate(request: Request, call_next):
-        """Checks every API request passes before its body is read: key, shutdown, media type."""
-        if request.url.path not in OPEN_PATHS:
-            if state.api_key and not authorized(request, state.api_key):
-                if request.url.path.startswith("/v1/messages"):
-                    return anthropic_messages.error(401, "invalid or missing API key")
-                return error(401, "invalid or missing API key")
-            if state.draining:
-                return error_of(ShuttingDownError("the server is shutting down; retry on another replica"))
-            content_type = request.headers.get("content-type")
-            if request.method == "POST" and content_type and not is_json(content_type):
-                return error(415, f"the request body must be application/json, not {content_type!r}")
-        return await call_next(request)
-
     app.add_middleware(BodyLimit, max_bytes=state.max_body_bytes)
+    app.add_middleware(Gate, state=state)  # before the body is read
     app.add_middleware(StampArrival)  # outside the body's reading: the clocks start when the request arrives
     if state.allowed_origins:  # added last, so outermost: a browser's preflight carries no API key
         app.add_middleware(

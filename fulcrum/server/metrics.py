@@ -46,9 +46,14 @@ class _Family:
         names = [f"fulcrum:{suffix}"] + ([VLLM_NAMES[suffix]] if compat else [])
         self.metrics = [kind(n, doc, ["model_name", *labels], registry=registry, **kw) for n in names]
         self.model = model
+        self._children: dict[tuple, list] = {}  # labels -> the labelled series (labels() locks and looks up)
 
     def _each(self, **labels):
-        return [m.labels(model_name=self.model, **labels) for m in self.metrics]
+        key = tuple(labels.items())
+        got = self._children.get(key)
+        if got is None:
+            got = self._children[key] = [m.labels(model_name=self.model, **labels) for m in self.metrics]
+        return got
 
     def set(self, v, **labels):
         for m in self._each(**labels):
