@@ -33,6 +33,7 @@ from fulcrum.server.chat import create_chat_completion
 from fulcrum.server.completions import create_completion
 from fulcrum.server.limits import BodyLimit, off_loop
 from fulcrum.server.state import ServerState
+from fulcrum.utils import web_page
 
 OPEN_PATHS = {"/health", "/metrics", "/version", "/ping", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"}
 
@@ -48,7 +49,9 @@ def authorized(request: Request, api_key: str) -> bool:
     return (scheme.lower() == "bearer" and token.strip() == api_key) or request.headers.get("x-api-key") == api_key
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, ui: bool = True) -> FastAPI:
+    """`ui`: the web page at / (fulcrum/server/ui/); `fulcrum serve --no-ui` leaves it out."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if state.engine.ready is None:
@@ -65,7 +68,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.middleware("http")
     async def gate(request: Request, call_next):
         """Checks every API request passes before its body is read: key, shutdown, media type."""
-        if request.url.path not in OPEN_PATHS:
+        if request.url.path not in OPEN_PATHS and not (ui and web_page.is_page_path(request.url.path)):
             if state.api_key and not authorized(request, state.api_key):
                 if request.url.path.startswith("/v1/messages"):
                     return anthropic_messages.error(401, "invalid or missing API key")
@@ -122,7 +125,9 @@ def build_app(state: ServerState) -> FastAPI:
         """OpenAI's embeddings, from an embedding model (fulcrum/server/embeddings.py)."""
         return await embeddings.create_embedding(state, request)
 
-    lora_routes.add(app, state)  # vLLM's load/unload routes, when runtime updating is allowed
+    lora_routes.add(app, state)
+    if ui:  # the page loads without the key; it asks for the key and sends it on its API calls
+        web_page.add_routes(app)  # vLLM's load/unload routes, when runtime updating is allowed
 
     @app.get("/health", responses={503: {"description": "the engine is not running, or the server is draining"}})
     async def health():
