@@ -368,15 +368,15 @@ def build_app(router: Router, autoscaler=None, ui: bool = True) -> FastAPI:
     async def metrics():
         return Response(generate_latest(router.metrics.collect()), media_type=CONTENT_TYPE_LATEST)
 
-    if autoscaler is not None:
-
-        @app.get("/autoscaler/decisions")
-        async def scaler_decisions():
-            """The autoscaler's scale events, oldest first, with wall-clock times (the page's dashboard lists them)."""
-            offset = time.time() - time.monotonic()
-            return {"decisions": [{"time": e.at + offset, "from": e.replicas + (-1 if e.kind == "up" else 1),
-                                   "to": e.replicas, "kind": e.kind, "reason": e.reason}
-                                  for e in autoscaler.events[-100:]]}  # fmt: skip
+    @app.get("/autoscaler/decisions")
+    async def scaler_decisions():
+        """The autoscaler's scale events, oldest first, with wall-clock times (the page's dashboard lists them)."""
+        if autoscaler is None:
+            return {"autoscaler": False, "decisions": []}
+        offset = time.time() - time.monotonic()
+        return {"autoscaler": True, "decisions": [
+            {"time": e.at + offset, "from": e.replicas + (-1 if e.kind == "up" else 1), "to": e.replicas,
+             "kind": e.kind, "reason": e.reason} for e in autoscaler.events[-100:]]}  # fmt: skip
 
     if ui:
         web_page.add_routes(app)

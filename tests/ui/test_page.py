@@ -68,6 +68,7 @@ def histogram_quantile(q: float, cumulative: list[tuple[float, float]]) -> float
 
 def open_page(d, url: str, tab: str = "chat"):
     d.get("about:blank")  # a fresh page: the same URL again would only move to its #fragment
+    console_errors(d)  # what an earlier page logged is not this one's
     d.get(f"{url}/#{tab}")
     wait_for(lambda: js(d, "return document.getElementById('model').options.length > 0"), what="the model list")
 
@@ -246,4 +247,42 @@ def test_the_page_works_behind_the_api_key(browser, tmp_path):
         errors = [e for e in console_errors(browser) if "401" not in e]  # the first, keyless call was refused
         assert errors == []
     finally:
+        browser.get("about:blank")  # no page left polling a server that stops
         s.stop()
+
+
+def test_n_answers_side_by_side_with_logprob_colours(server, browser):
+    open_page(browser, server.url)
+    set_fields(browser, max_tokens=10, n=2, seed=7)
+    js(browser, "document.getElementById('logprobs').checked = true")
+    send(browser, "Once more")
+    wait_for(lambda: js(browser, "return document.querySelector('.turn:last-child.done') !== null"))
+    answers = js(
+        browser,
+        """return [...document.querySelectorAll('.turn:last-child .answer')].map(a =>
+        ({index: a.dataset.index, tokens: a.dataset.tokens, text: a.querySelector('.text').textContent,
+          spans: [...a.querySelectorAll('.tok')].map(s => s.textContent).join(''),
+          coloured: [...a.querySelectorAll('.tok')].every(s => s.style.background.startsWith('rgb'))}))""",
+    )
+    assert [a["index"] for a in answers] == ["0", "1"]
+    for a in answers:  # every token's probability in its colour: the whole answer sits in coloured spans
+        assert a["tokens"] == "10" and a["text"] and a["spans"] == a["text"] and a["coloured"]
+
+
+def test_the_router_page_shows_its_replicas(server, browser, tmp_path):
+    from tests.router.conftest import router_process
+
+    with router_process(tmp_path, "--replica", server.url) as url:
+        for _ in range(2):
+            r = httpx.post(url + "/v1/completions", json={"prompt": "KING:", "max_tokens": 4}, timeout=60)
+            assert r.status_code == 200
+        open_page(browser, url, "dashboard")
+        row = f"#replica-table tr[data-replica='{server.url}']"
+        cells = wait_for(lambda: js(browser, f"const r = document.querySelector(\"{row}\"); "
+                                             "return r && [...r.cells].map(c => c.textContent)"))  # fmt: skip
+        assert cells[1] == "healthy" and cells[4] == "2" and cells[5] == "100.0 %"
+        m = metrics(url)
+        shown = js(browser, "return document.getElementById('r-requests').dataset.value")
+        assert float(shown) == total(m, "fulcrum_router:requests_total") == 2
+        assert js(browser, "return document.getElementById('engine-view').hidden") is True
+        assert console_errors(browser) == []

@@ -88,17 +88,25 @@ const Chat = (() => {
     return [];
   }
 
+  function tokenSpan(text, logprob, tip) {
+    const span = el("span", "tok", text);
+    span.style.background = colour(logprob);
+    span.title = tip;
+    return span;
+  }
+
   function addText(box, text, lp) {
     const target = box.querySelector(".text");
     const entries = logprobEntries(lp);
+    const tip = (e) => `${JSON.stringify(e.token)} p=${Math.exp(e.logprob).toFixed(3)}\n` +
+      e.top.map(([t, l]) => `  ${JSON.stringify(t)} ${Math.exp(l).toFixed(3)}`).join("\n");
     if (entries.length && entries.map((e) => e.token).join("") === text) {
-      for (const e of entries) {
-        const span = el("span", "tok", e.token);
-        span.style.background = colour(e.logprob);
-        span.title = `p=${Math.exp(e.logprob).toFixed(3)}\n` +
-          e.top.map(([t, l]) => `${JSON.stringify(t)} ${Math.exp(l).toFixed(3)}`).join("\n");
-        target.append(span);
-      }
+      for (const e of entries) target.append(tokenSpan(e.token, e.logprob, tip(e)));
+    } else if (entries.length && text) {
+      // the text of this chunk is not its tokens' strings laid end to end (a character split across tokens):
+      // one span, coloured by its least likely token
+      const worst = entries.reduce((a, b) => (b.logprob < a.logprob ? b : a));
+      target.append(tokenSpan(text, worst.logprob, entries.map(tip).join("\n")));
     } else if (text) {
       target.append(document.createTextNode(text));
     }

@@ -18,7 +18,6 @@ const Dashboard = (() => {
   let timer = null;
   let polls = 0;
   let busy = false;
-  let scalerRoute = true;
 
   // fulcrum's names, else vLLM's (fulcrum serve --metrics-compat vllm shows both)
   const name = (samples, suffix) =>
@@ -191,13 +190,13 @@ const Dashboard = (() => {
   }
 
   async function scalerDecisions() {
-    if (!scalerRoute) return;
     const r = await Api.call("/autoscaler/decisions");
-    if (r.status === 404) { scalerRoute = false; return; }
     if (!r.ok) return;
+    const answer = await r.json();
+    $("scaler").hidden = !answer.autoscaler;
     const body = $("scaler-table").tBodies[0];
     body.replaceChildren();
-    for (const d of (await r.json()).decisions.slice().reverse()) {
+    for (const d of answer.decisions.slice().reverse()) {
       const row = document.createElement("tr");
       for (const text of [new Date(d.time * 1000).toLocaleTimeString(), `${d.from} → ${d.to}`, d.reason]) {
         row.append(Object.assign(document.createElement("td"), { textContent: text }));
