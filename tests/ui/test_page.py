@@ -205,7 +205,7 @@ def drawn(d, canvas_id: str) -> int:
     )
 
 
-CHARTS = ("b-latency", "b-curve", "b-goodput", "b-cost")
+CHARTS = ("b-latency", "b-latency-token", "b-curve", "b-goodput", "b-cost")
 
 
 def test_a_bench_result_renders_its_charts_served_and_offline(server, browser, tmp_path):

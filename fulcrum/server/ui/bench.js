@@ -6,7 +6,8 @@
 const Bench = (() => {
   let loaded = []; // [{name, doc}]
 
-  const LATENCY = [["ttft_ms", "TTFT"], ["tpot_ms", "TPOT"], ["itl_ms", "ITL"]];
+  // per request and per token latencies differ by 10-100x: one chart each, so neither is flattened
+  const LATENCY = { "b-latency": [["ttft_ms", "TTFT"], ["e2e_ms", "E2E"]], "b-latency-token": [["tpot_ms", "TPOT"], ["itl_ms", "ITL"]] };
   const get = (summary, key, stat) => {
     const v = summary?.[key];
     const x = stat ? v?.[stat] : v;
@@ -50,10 +51,12 @@ const Bench = (() => {
 
   function charts() {
     const runs = loaded.flatMap((file) => file.doc.runs.map((run) => ({ file, run })));
-    const groups = [];
-    for (const [key, label] of LATENCY) for (const p of ["p50", "p90", "p99"]) groups.push([key, p, `${label} ${p}`]);
-    Charts.bars($("b-latency"), groups.map((g) => g[2]),
-      runs.slice(0, 8).map(({ file, run }) => ({ name: runName(file, run), values: groups.map(([k, p]) => get(run.summary, k, p)) })));
+    for (const [canvas, metrics] of Object.entries(LATENCY)) {
+      const groups = [];
+      for (const [key, label] of metrics) for (const p of ["p50", "p90", "p99"]) groups.push([key, p, `${label} ${p}`]);
+      Charts.bars($(canvas), groups.map((g) => g[2]), runs.slice(0, 8).map(({ file, run }) =>
+        ({ name: runName(file, run), values: groups.map(([k, p]) => get(run.summary, k, p)) })));
+    }
 
     Charts.lines($("b-curve"), loaded.map((file) => ({
       name: file.name,
