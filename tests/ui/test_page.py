@@ -5,6 +5,7 @@ charts (served, and offline from `fulcrum bench view`), and works behind --api-k
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -13,10 +14,14 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from selenium.webdriver.common.by import By
 
 from tests.servers import start_server
-from tests.ui.browser import console_errors
+from tests.ui.browser import console_errors, missing
+
+if why := missing():
+    pytest.skip(f"no headless browser: {why}", allow_module_level=True)
+
+from selenium.webdriver.common.by import By  # noqa: E402
 
 
 def wait_for(condition, timeout=20.0, every=0.05, what="the condition"):
@@ -253,7 +258,7 @@ def test_the_page_works_behind_the_api_key(browser, tmp_path):
 
 def test_n_answers_side_by_side_with_logprob_colours(server, browser):
     open_page(browser, server.url)
-    set_fields(browser, max_tokens=10, n=2, seed=7)
+    set_fields(browser, max_tokens=10, n=2, seed=7, extra='{"ignore_eos": true}')
     js(browser, "document.getElementById('logprobs').checked = true")
     send(browser, "Once more")
     wait_for(lambda: js(browser, "return document.querySelector('.turn:last-child.done') !== null"))
@@ -267,6 +272,27 @@ def test_n_answers_side_by_side_with_logprob_colours(server, browser):
     assert [a["index"] for a in answers] == ["0", "1"]
     for a in answers:  # every token's probability in its colour: the whole answer sits in coloured spans
         assert a["tokens"] == "10" and a["text"] and a["spans"] == a["text"] and a["coloured"]
+
+
+def test_completions_mode_and_the_json_schema_box(server, browser):
+    open_page(browser, server.url)
+    set_fields(browser, mode="completions", max_tokens=8, extra='{"ignore_eos": true}')
+    send(browser, "ROMEO:")
+    a = wait_for(lambda: (a := answer(browser)) and a["done"] and a, what="the completion")
+    assert a["tokens"] == "8" and a["finish"] == "length" and a["text"]
+    set_fields(browser, mode="chat", max_tokens=60, extra="", schema="{not json")
+    send(browser, "Art thou well?")
+    assert "the JSON schema is not valid JSON" in js(browser, "return document.getElementById('status').textContent")
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    set_fields(browser, schema=json.dumps(schema))
+    browser.find_element(By.ID, "send").click()
+    a = wait_for(lambda: (a := answer(browser)) and a["done"] and a, timeout=60, what="the structured answer")
+    assert isinstance(json.loads(a["text"])["ok"], bool)
 
 
 def test_the_router_page_shows_its_replicas(server, browser, tmp_path):

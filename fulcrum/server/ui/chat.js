@@ -160,15 +160,7 @@ const Chat = (() => {
     }
   }
 
-  async function send(prompt) {
-    const mode = $("mode").value;
-    let body;
-    try {
-      body = buildBody(mode, prompt);
-    } catch (e) {
-      setStatus(e.message, "error");
-      return;
-    }
+  async function send(mode, prompt, body) {
     setStatus("");
     const messages = $("messages");
     const turn = el("div", "turn");
@@ -236,8 +228,16 @@ const Chat = (() => {
       e.preventDefault();
       const prompt = $("prompt").value;
       if (!prompt.trim() || controller) return;
+      const mode = $("mode").value;
+      let body;
+      try {
+        body = buildBody(mode, prompt);
+      } catch (e) {
+        setStatus(e.message, "error"); // the message stays in the box, to send again once the field is fixed
+        return;
+      }
       $("prompt").value = "";
-      send(prompt);
+      send(mode, prompt, body);
     });
     $("prompt").addEventListener("keydown", (e) => {
       if (e.key === "Enter" && !e.shiftKey) {
