@@ -63,7 +63,7 @@ const Chat = (() => {
     box = el("div", "answer");
     box.dataset.index = index;
     if (n > 1) box.append(el("div", "label", `answer ${index + 1}`));
-    box.append(el("div", "text"), el("div", "tools"), el("div", "stats"));
+    box.append(el("div", "reasoning"), el("div", "text"), el("div", "tools"), el("div", "stats"));
     turn.querySelector(".answers").append(box);
     box.state = { first: null, last: null, chunks: 0, tokens: 0, text: "", finish: null, calls: [] };
     return box;
@@ -189,7 +189,9 @@ const Chat = (() => {
           const box = answerBox(turn, c.index, n);
           const text = mode === "chat" ? c.delta?.content || "" : c.text || "";
           const calls = mode === "chat" ? c.delta?.tool_calls : null;
-          if (text || calls?.length) {
+          const thought = mode === "chat" ? c.delta?.reasoning_content || "" : ""; // --reasoning-parser
+          if (thought) box.querySelector(".reasoning").append(document.createTextNode(thought));
+          if (text || calls?.length || thought) {
             if (box.state.first === null) box.state.first = now;
             box.state.last = now;
             box.state.chunks += 1;
