@@ -77,6 +77,12 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     c = verbs.add_parser("compare", help="compare `bench serve --out` results side by side, with ratios")
     c.add_argument("results", nargs="+", help="JSON files; ratios are against the first")
     c.set_defaults(func=run_compare)
+
+    v = verbs.add_parser("view", help="open `bench serve --out` results as charts in a browser (an offline page)")
+    v.add_argument("results", nargs="+", help="JSON files (several: compared, runs matched by load label)")
+    v.add_argument("--out", default=None, help="where to write the page (default: a new file in the temp folder)")
+    v.add_argument("--no-open", dest="open", action="store_false", help="write the page, do not open a browser")
+    v.set_defaults(func=run_view)
     return b
 
 
@@ -129,6 +135,33 @@ def run_compare(args: argparse.Namespace) -> int:
         return 2
     for t in tables:
         console().print(t)
+    return 0
+
+
+def run_view(args: argparse.Namespace) -> int:
+    """One self-contained HTML file (the page of fulcrum serve's /, its bench viewer, the results inside): it needs no
+    server and no network, so it can be mailed or attached to an issue as it is."""
+    import tempfile
+    import webbrowser
+
+    from fulcrum.bench.compare import load
+    from fulcrum.utils.web_page import offline_page
+
+    try:
+        docs = [(Path(p).stem, load(p)) for p in args.results]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.out:
+        out = Path(args.out)
+    else:
+        fd, name = tempfile.mkstemp(prefix="fulcrum-bench-", suffix=".html")
+        os.close(fd)
+        out = Path(name)
+    out.write_text(offline_page(docs))
+    print(out)
+    if args.open and not webbrowser.open(out.resolve().as_uri()):
+        print(f"no browser to open here: open {out} in one", file=sys.stderr)
     return 0
 
 
