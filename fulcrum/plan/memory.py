@@ -14,6 +14,7 @@ from fulcrum.plan.model_spec import (
     kv_bytes_per_sequence,
     kv_bytes_per_token,
     parameter_counts,
+    weight_bytes,
 )
 
 GPUS_PER_NODE = 8  # tensor parallelism stays inside one node's NVLink domain; beyond, pipeline stages
@@ -115,7 +116,7 @@ def plan_memory(
 ) -> MemoryPlan:
     params = parameter_counts(spec)
     wbytes = DTYPE_BYTES[weight_dtype]
-    weights = params.total * wbytes
+    weights = weight_bytes(spec, weight_dtype)
     kv_seq = kv_bytes_per_sequence(spec, context, kv_dtype)
     usable = hw.memory_bytes * a.memory_utilization
 

@@ -1,0 +1,234 @@
+"""Block-wise fp8 checkpoints (quant_method "fp8", weight_block_size, *.weight_scale_inv), as DeepSeek-V3/R1 and the
+Qwen3-*-FP8 releases ship them. A tiny random Qwen3, Qwen3-MoE or DeepSeek-V3 (MLA and experts) built by transformers
+has every linear weight quantized here to float8_e4m3fn with one fp32 scale per tile (the tile's largest magnitude
+over 448), saved with the quantization_config those releases write; the LM head, the embedding, the norms and the
+routers stay in full precision, as there. fulcrum's logits on that folder equal transformers' on the same weights
+dequantized (an ordinary fp32 checkpoint) to fp32 rounding, and its greedy tokens through the engine equal
+transformers'. A malformed checkpoint fails at load, naming what is wrong."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fulcrum import SamplingParams
+from fulcrum.config import ModelConfig
+from fulcrum.errors import ModelLoadError, WeightLoadError
+from fulcrum.models.loader import load_model
+from fulcrum.plan import roofline
+from fulcrum.plan.model_spec import kv_bytes_per_token, load_model_spec, weight_bytes
+from fulcrum.quant import describe, formats
+from tests.engine.hf_reference import hf_greedy
+from tests.engine.test_llm_parity import make_llm
+from tests.models.test_parity import hf_logits, max_diff, our_logits, prompts
+from tests.tiny_models import hf_model, save_tiny_model
+
+LENS = [1, 5, 17, 40]
+
+
+def release_config(block) -> dict:
+    """The quantization_config DeepSeek-V3 and the Qwen3 FP8 releases write."""
+    return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)}
+
+
+def is_linear(name: str) -> bool:
+    """A linear layer's weight (the projections, an expert's included), not the head, embedding, norms or router."""
+    parts = name.split(".")
+    return parts[-1] == "weight" and (parts[-2].endswith("_proj") or parts[-2] == "kv_a_proj_with_mqa")
+
+
+def write_fp8_checkpoint(src, dst, ref, block, config=None, skip=()):
+    """`dst`: `src` with every linear weight in block-wise fp8 (weight + weight_scale_inv) and `config` (the
+    releases' by default) as its quantization_config; `ref`: the same weights dequantized, an ordinary checkpoint."""
+    tensors = load_file(src / "model.safetensors")
+    quant, deq = {}, dict(tensors)
+    for name, t in tensors.items():
+        if is_linear(name) and not any(s in name for s in skip):
+            q, scale_inv = formats.quantize_fp8_blocks(t, block)
+            quant[name], quant[f"{name}_scale_inv"] = q, scale_inv
+            deq[name] = formats.dequantize_fp8_blocks(q, scale_inv, block)
+        else:
+            quant[name] = t
+    for folder, weights, qc in ((dst, quant, config or release_config(block)), (ref, deq, None)):
+        shutil.copytree(src, folder)
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+        if qc is not None:
+            cfg = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    return dst, ref
+
+
+def _load(folder, **kw):
+    return load_model(ModelConfig.from_path(folder, dtype="float32", **kw))
+
+
+CASES = {
+    # Qwen3's shapes with 32x32 tiles: every layer has several blocks of inputs (the scales applied per block)
+    "qwen3-32": ("qwen3", (32, 32), {}),
+    # 48x48 tiles over 64 hidden, 128 q outputs: tiles cut short at the edges, and q/k/v and gate/up shards whose
+    # boundaries fall inside a tile row
+    "qwen3-48": ("qwen3", (48, 48), {}),
+    # the releases' 128x128 on a model wide enough for two blocks of inputs (hidden 256, intermediate 384)
+    "qwen3-128": ("qwen3", (128, 128), dict(hidden_size=256, intermediate_size=384)),
+    # the releases' 128x128 where every layer has a single block of inputs: a scale per output channel
+    "qwen3-128-channel": ("qwen3", (128, 128), {}),
+    "qwen3-moe-16": ("qwen3-moe", (16, 16), {}),
+    "deepseek-v3-moe-16": ("deepseek-v3-moe", (16, 16), {}),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    made = {}
+
+    def make(case):
+        if case not in made:
+            family, block, sizes = CASES[case]
+            src = save_tiny_model(family, root / f"{case}-src", **sizes)
+            made[case] = write_fp8_checkpoint(src, root / case, root / f"{case}-ref", block)
+        return made[case]
+
+    return make
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_equal_transformers_on_the_dequantized_weights(checkpoints, case):
+    quant_dir, ref_dir = checkpoints(case)
+    ours = _load(quant_dir)
+    batch = prompts(2048, lens=LENS)
+    want = hf_logits(hf_model(ref_dir), batch)
+    assert max_diff(our_logits(ours, batch), want) <= 1e-4 * max(w.abs().max().item() for w in want)
+    # the weights stay fp8 in memory: one byte a weight, with their scales
+    layer = ours.model.layers[-1]
+    attn = layer.self_attn
+    first = attn.qkv_proj if hasattr(attn, "qkv_proj") else attn.q_a_proj
+    assert first.qweight.dtype == torch.float8_e4m3fn and not hasattr(first, "weight")
+    block = CASES[case][1]
+    rows, blocks = first.qweight.shape[0], -(-first.qweight.shape[1] // block[1])
+    # a scale per row and block of inputs, or per output channel where there is one block of inputs
+    assert tuple(first.scales.shape) == ((rows,) if blocks == 1 else (rows, blocks))
+    experts = getattr(layer.mlp, "experts", None)
+    if experts is not None:
+        assert experts.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+        assert experts.down_proj.weight_scale_inv.shape[-1] == -(-experts.down_proj.weight.shape[-1] // block[1])
+    assert ours.lm_head.weight.dtype == torch.float32  # the head stays in full precision, as the releases store it
+
+
+@pytest.mark.parametrize("case", ["qwen3-48", "qwen3-moe-16", "deepseek-v3-moe-16"])
+def test_greedy_tokens_through_the_engine_equal_transformers(checkpoints, case):
+    quant_dir, ref_dir = checkpoints(case)
+    llm = make_llm(quant_dir)
+    batch = prompts(2048, seed=5, lens=[3, 17, 40])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(ref_dir, p, 8)[0] for p in batch]
+
+
+def test_the_format_is_named_and_a_checkpoint_quantization_must_be_its_own(checkpoints):
+    quant_dir, _ = checkpoints("deepseek-v3-moe-16")
+    config = ModelConfig.from_path(quant_dir, dtype="float32")
+    assert config.quantization == "fp8-block"
+    line = describe(config.quantization, checkpoint=config.hf_config.quantization_config)
+    assert line.startswith("fp8 e4m3, block-wise (16x16 scales)")
+    assert ModelConfig.from_path(quant_dir, quantization="fp8").quantization == "fp8-block"  # the checkpoint's own
+    with pytest.raises(ModelLoadError, match="already quantized"):
+        ModelConfig.from_path(quant_dir, quantization="int8")
+
+
+def held_bytes(model) -> int:
+    """What the loaded model holds for its weights: parameters and buffers (MLA's W_UK and W_UV among them, which
+    replace kv_b_proj), not the rotary tables."""
+    tensors = [*model.parameters(), *(b for n, b in model.named_buffers() if not n.endswith((".cos", ".sin")))]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("case", ["qwen3-48", "qwen3-128", "qwen3-moe-16", "deepseek-v3-moe-16"])
+def test_plan_counts_the_weight_and_cache_bytes_the_engine_holds(checkpoints, case):
+    quant_dir, _ = checkpoints(case)
+    spec = load_model_spec(quant_dir)
+    assert (spec.weight_format, spec.weight_block) == ("fp8", CASES[case][1])
+    llm = make_llm(quant_dir)
+    runner = llm.core.runner
+    assert weight_bytes(spec, "fp8") == held_bytes(runner.model)
+    assert runner.bytes_per_block == runner.block_size * kv_bytes_per_token(spec, "fp32")
+    # a decode step reads every weight but the embedding table (and the experts no token routes to)
+    embedding = runner.model.model.embed_tokens.weight
+    read = roofline.weight_bytes_read(spec, "fp8", batch=10**6)  # so many tokens that every expert is read
+    assert read == pytest.approx(held_bytes(runner.model) - embedding.numel() * embedding.element_size())
+
+
+def test_modules_to_not_convert_stay_in_full_precision(checkpoints, tmp_path):
+    src = save_tiny_model("qwen3", tmp_path / "src")
+    config = {**release_config((32, 32)), "modules_to_not_convert": ["o_proj", "model.layers.1.mlp.down_proj"]}
+    quant_dir, ref_dir = write_fp8_checkpoint(
+        src, tmp_path / "q", tmp_path / "ref", (32, 32), config, skip=("o_proj", "layers.1.mlp.down_proj")
+    )
+    ours = _load(quant_dir)
+    batch = prompts(2048, lens=LENS)
+    assert max_diff(our_logits(ours, batch), hf_logits(hf_model(ref_dir), batch)) <= 1e-3
+    layers = ours.model.layers
+    assert layers[0].self_attn.o_proj.weight.dtype == torch.float32
+    assert layers[1].mlp.down_proj.weight.dtype == torch.float32
+    assert layers[0].mlp.down_proj.qweight.dtype == torch.float8_e4m3fn
+
+
+def rewrite(folder, dst, change_tensors=None, **config_changes):
+    shutil.copytree(folder, dst)
+    if change_tensors:
+        tensors = load_file(dst / "model.safetensors")
+        change_tensors(tensors)
+        save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    if config_changes:
+        cfg = json.loads((dst / "config.json").read_text())
+        qc = {k: v for k, v in {**cfg["quantization_config"], **config_changes}.items() if v is not None}
+        (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    return dst
+
+
+NAME = "model.layers.0.self_attn.k_proj.weight"
+EXPERT = "model.layers.1.mlp.experts.3.up_proj.weight"
+
+
+@pytest.mark.parametrize(
+    ("case", "change", "message"),
+    [
+        ("qwen3-32", lambda t: t.pop(f"{NAME}_scale_inv"), "lacks 1 tensor.*k_proj.weight_scale_inv"),
+        ("qwen3-moe-16", lambda t: t.pop(f"{EXPERT}_scale_inv"), "lacks 1 tensor.*experts.3.up_proj.weight_scale_inv"),
+        (
+            "qwen3-32",
+            lambda t: t.update({f"{NAME}_scale_inv": t[f"{NAME}_scale_inv"][:, :1].contiguous()}),
+            r"k_proj.weight_scale_inv: checkpoint shape \(2, 1\), model expects \(2, 2\)",
+        ),
+        (
+            "qwen3-moe-16",
+            lambda t: t.update({f"{EXPERT}_scale_inv": torch.ones(3, 3)}),
+            r"experts.3.up_proj.weight_scale_inv: checkpoint shape \(3, 3\), model expects \(3, 4\)",
+        ),
+        ("qwen3-32", lambda t: t.update({NAME: t[NAME].float()}), "k_proj.weight: dtype torch.float32.*float8_e4m3fn"),
+    ],
+)
+def test_malformed_tensors_fail_naming_them(checkpoints, tmp_path, case, change, message):
+    quant_dir, _ = checkpoints(case)
+    with pytest.raises(WeightLoadError, match=message):
+        _load(rewrite(quant_dir, tmp_path / "bad", change))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(activation_scheme="static"), "fp8 activation_scheme 'static' is not supported.*dynamic"),
+        (dict(weight_block_size=None), "without weight_block_size"),
+        (dict(weight_block_size=[128]), r"weight_block_size must be two positive whole numbers.*\[128\]"),
+        (dict(weight_block_size=[0, 128]), "weight_block_size must be two positive"),
+        (dict(fmt="e5m2"), "fp8 fmt 'e5m2' is not supported"),
+    ],
+)
+def test_unsupported_settings_fail_at_load_naming_them(checkpoints, tmp_path, changes, message):
+    quant_dir, _ = checkpoints("qwen3-32")
+    with pytest.raises(ModelLoadError, match=message):
+        _load(rewrite(quant_dir, tmp_path / "bad", **changes))
