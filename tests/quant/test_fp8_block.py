@@ -77,7 +77,8 @@ CASES = {
     # the releases' 128x128 where every layer has a single block of inputs: a scale per output channel
     "qwen3-128-channel": ("qwen3", (128, 128), {}),
     "qwen3-moe-16": ("qwen3-moe", (16, 16), {}),
-    "deepseek-v3-moe-16": ("deepseek-v3-moe", (16, 16), {}),
+    "deepseek-v3-moe-16": ("deepseek-v3-moe", (16, 16), {}),  # kv_a's 40 rows and q_a's 24 cut tiles short
+    "deepseek-v3-moe-8": ("deepseek-v3-moe", (8, 8), {}),  # every size a multiple of the tile
 }
 
 
@@ -119,7 +120,29 @@ def test_logits_equal_transformers_on_the_dequantized_weights(checkpoints, case)
     assert ours.lm_head.weight.dtype == torch.float32  # the head stays in full precision, as the releases store it
 
 
-@pytest.mark.parametrize("case", ["qwen3-48", "qwen3-moe-16", "deepseek-v3-moe-16"])
+@pytest.mark.parametrize("case", ["qwen3-32", "qwen3-moe-16", "deepseek-v3-moe-8"])
+def test_transformers_reads_the_fp8_checkpoint_itself_as_fulcrum_does(checkpoints, case):
+    """transformers' own fp8 integration (on CPU it dequantizes at load) on the same folder: the tiles, their
+    scales' direction (scale_inv multiplies) are read alike. (Its CPU path refuses tiles cut short at an edge,
+    which DeepSeek-V3's kv_a_proj_with_mqa has, 576 rows: the cases here have none.)"""
+    quant_dir, _ = checkpoints(case)
+    batch = prompts(2048, lens=LENS)
+    want = hf_logits(hf_model(quant_dir), batch)
+    assert max_diff(our_logits(_load(quant_dir), batch), want) <= 1e-4 * max(w.abs().max().item() for w in want)
+
+
+def test_bfloat16_logits_close_to_transformers_bfloat16_on_the_dequantized_weights(checkpoints):
+    """In bf16 each side rounds its activations in its own order: within 3% of the largest logit, the bound the
+    families' bf16 tests take (the weights widen from fp8 in fp32 and round once to bf16, as the dequantized
+    checkpoint's do when transformers loads it in bf16)."""
+    quant_dir, ref_dir = checkpoints("deepseek-v3-moe-16")
+    batch = prompts(2048, lens=LENS)
+    want = hf_logits(hf_model(ref_dir, torch.bfloat16), batch)
+    ours = load_model(ModelConfig.from_path(quant_dir, dtype="bfloat16"))
+    assert max_diff(our_logits(ours, batch), want) <= 0.03 * max(w.abs().max().item() for w in want)
+
+
+@pytest.mark.parametrize("case", ["qwen3-48", "qwen3-128-channel", "qwen3-moe-16", "deepseek-v3-moe-16"])
 def test_greedy_tokens_through_the_engine_equal_transformers(checkpoints, case):
     quant_dir, ref_dir = checkpoints(case)
     llm = make_llm(quant_dir)
@@ -232,3 +255,26 @@ def test_unsupported_settings_fail_at_load_naming_them(checkpoints, tmp_path, ch
     quant_dir, _ = checkpoints("qwen3-32")
     with pytest.raises(ModelLoadError, match=message):
         _load(rewrite(quant_dir, tmp_path / "bad", **changes))
+
+
+def test_tensor_parallel_splits_the_block_scales_with_the_weights(tmp_path):
+    """Two ranks: q/k/v, gate/up and the experts' gate/up split by rows (the widened scales with them), o_proj and
+    the down projections by inputs in whole blocks (8 here: the experts' 48 inputs are 24 a rank)."""
+    src = save_tiny_model("qwen3-moe", tmp_path / "src")
+    quant_dir, ref_dir = write_fp8_checkpoint(src, tmp_path / "q", tmp_path / "ref", (8, 8))
+    llm = make_llm(quant_dir, tensor_parallel_size=2, cpu_threads=1)
+    try:
+        batch = prompts(2048, seed=5, lens=[3, 17])
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        experts = llm.core.runner.model.model.layers[0].mlp.experts
+        assert experts.down_proj.weight_scale_inv.shape == (8, 64, 3)  # rank 0's 24 of the 48 inputs: 3 blocks
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(ref_dir, p, 8)[0] for p in batch]
+
+
+def test_a_tensor_parallel_split_inside_a_block_of_inputs_is_refused(checkpoints):
+    quant_dir, _ = checkpoints("qwen3-moe-16")  # the experts' 48 inputs: 24 a rank, not whole blocks of 16
+    with pytest.raises(ModelLoadError, match="24 per rank, not a multiple of the checkpoint's fp8 block of 16"):
+        make_llm(quant_dir, tensor_parallel_size=2, cpu_threads=1)
