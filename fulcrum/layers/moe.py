@@ -15,7 +15,7 @@ from fulcrum.kernels import cpu_gemv
 from fulcrum.kernels import triton as triton_kernels
 from fulcrum.layers.activation import SiluAndMul
 from fulcrum.layers.linear import LinearBase, divide
-from fulcrum.quant import formats
+from fulcrum.quant import formats, fp8_block
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 
@@ -165,10 +165,11 @@ class StackedExpertWeight(nn.Module):
         param.data[expert - first].narrow(0, offset, self.output_sizes[part]).copy_(loaded)
 
     def expert(self, index: int, dtype: torch.dtype) -> torch.Tensor:
-        """Local expert `index`'s weight [rows, inputs] for its GEMM (an fp8 one widened in fp32, then rounded once)."""
+        """Local expert `index`'s weight [rows, inputs] for its GEMM; an fp8 one widened to `dtype` in a buffer the
+        next call reuses (fp8_block.widen): use it at once."""
         if self.block is None:
             return self.weight[index]
-        return formats.dequantize_fp8_groups(self.weight[index], self.weight_scale_inv[index], self.block[1]).to(dtype)
+        return fp8_block.widen(self.weight[index], self.weight_scale_inv[index], self.block[1], dtype)
 
 
 class FusedExperts(nn.Module):
@@ -232,8 +233,9 @@ class FusedExperts(nn.Module):
             if not first <= expert < last:
                 start = end
                 continue
-            w13, w2 = self.gate_up_proj.expert(expert - first, x.dtype), self.down_proj.expert(expert - first, x.dtype)
-            h = cpu_gemv.linear(self.act(cpu_gemv.linear(xs[start:end], w13)), w2)
+            local = expert - first  # the down projection's weight is read after the gate/up GEMM is done with its own
+            h = self.act(cpu_gemv.linear(xs[start:end], self.gate_up_proj.expert(local, x.dtype)))
+            h = cpu_gemv.linear(h, self.down_proj.expert(local, x.dtype))
             ys[start:end] = h * slot_weights[start:end]  # the float32 weight, rounded with the product
             start = end
         # back to (token, choice) order; a token's k contributions summed in float32 and rounded once (index_add_

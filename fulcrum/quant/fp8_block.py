@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fulcrum.errors import ModelLoadError, WeightLoadError, WeightShapeError
-from fulcrum.kernels import cpu_gemv
+from fulcrum.kernels import cpu_gemv, cpu_qgemv
 from fulcrum.quant import formats
 from fulcrum.quant.checkpoint import FLOATS, CheckpointFormat, shard_index, unsupported
 from fulcrum.quant.online import Fp8Method
@@ -78,6 +78,25 @@ class BlockFp8Format(CheckpointFormat):
 
     def describe(self) -> str:
         return f"fp8 e4m3, block-wise ({self.block[0]}x{self.block[1]} scales), dynamic activations run unquantized"
+
+
+@functools.cache
+def _ones(rows: int) -> torch.Tensor:
+    return torch.ones(rows)
+
+
+def widen(q: torch.Tensor, scales: torch.Tensor, block_cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """q [O, I] float8_e4m3fn with scales [O, ceil(I / b1)] -> [O, I] in `dtype`, each weight q * its scale rounded
+    once. On CPU with the qgemv kernels: q widened to `dtype` by the kernel (exact: every fp8 e4m3 value is a bf16
+    and an fp32) in its reused buffer, then scaled in place (in fp32, rounded once): use the result at once, before
+    another widen or dequantized matmul reuses the buffer."""
+    out_f, in_f = q.shape
+    fits = q.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and in_f % block_cols == 0
+    if fits and cpu_qgemv.available():
+        w = cpu_qgemv.dequantize_int8(q, _ones(out_f), dtype)
+        w.view(out_f, -1, block_cols).mul_(scales[..., None])
+        return w
+    return formats.dequantize_fp8_groups(q, scales, block_cols).to(dtype)
 
 
 def full_rows(layer: nn.Module, index: int) -> int:
@@ -154,8 +173,8 @@ class BlockFp8Method(Fp8Method):
     def apply(self, layer, x, bias):
         if layer.scales.dim() == 1:
             return super().apply(layer, x, bias)
-        # the weight widened for this call in fp32 (one rounding to the input's dtype, as a dequantized model's)
-        return cpu_gemv.linear(x, self.dequantize(layer).to(x.dtype), bias)
+        # the weight widened for this call, each value rounded once to the input's dtype (a dequantized model's)
+        return cpu_gemv.linear(x, widen(layer.qweight, layer.scales, self.block[1], x.dtype), bias)
 
     def decode_stack_weight(self, layer):
         return super().decode_stack_weight(layer) if layer.scales.dim() == 1 else None
