@@ -131,7 +131,7 @@ class StackedExpertWeight(nn.Module):
                 )
             blocks = -(-local_input // block[1])
             self.weight_scale_inv = nn.Parameter(
-                torch.empty(local_experts, sum(self.output_sizes), blocks), requires_grad=False
+                torch.empty(local_experts, sum(self.output_sizes), blocks, dtype=torch.float32), requires_grad=False
             )
             self.weight_scale_inv.weight_loader = self.scale_loader
 

@@ -42,7 +42,7 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.
     [ceil(O / b0), ceil(I / b1)]), W ~ q * scale_inv of its tile. For tests: such checkpoints come quantized."""
     out_f, in_f = w.shape
     rows, cols = block
-    scale = torch.empty(-(-out_f // rows), -(-in_f // cols))
+    scale = torch.empty(-(-out_f // rows), -(-in_f // cols), dtype=torch.float32)
     q = torch.empty(out_f, in_f, dtype=torch.float8_e4m3fn)
     for i in range(scale.shape[0]):
         for j in range(scale.shape[1]):

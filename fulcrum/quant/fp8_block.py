@@ -82,7 +82,7 @@ class BlockFp8Format(CheckpointFormat):
 
 @functools.cache
 def _ones(rows: int) -> torch.Tensor:
-    return torch.ones(rows)
+    return torch.ones(rows, dtype=torch.float32)
 
 
 def widen(q: torch.Tensor, scales: torch.Tensor, block_cols: int, dtype: torch.dtype) -> torch.Tensor:
@@ -133,7 +133,9 @@ class BlockFp8Method(Fp8Method):
         )
         weight.weight_loader = functools.partial(self.load_weight, layer)
         layer.register_parameter("weight", weight)
-        scale = nn.Parameter(torch.zeros(sum(output_sizes), cdiv(input_size, cols)), requires_grad=False)
+        scale = nn.Parameter(
+            torch.zeros(sum(output_sizes), cdiv(input_size, cols), dtype=torch.float32), requires_grad=False
+        )
         scale.weight_loader = functools.partial(self.load_scale, layer)
         layer.register_parameter("weight_scale_inv", scale)
         layer.out_dtype = dtype
@@ -153,28 +155,55 @@ class BlockFp8Method(Fp8Method):
         layer.weight_loader(param, formats.fp8_block_rows(loaded, self.block[0], rows), shard_id)
 
     def process_weights_after_loading(self, layer):
-        scales = layer.weight_scale_inv.data
-        if scales.shape[1] == 1:  # one block of inputs: a scale per output channel, what the fp8 kernels read
-            scales = scales[:, 0]
-        layer.register_buffer("qweight", layer.weight.data)
-        layer.register_buffer("scales", scales.contiguous())
+        q, scales = layer.weight.data, layer.weight_scale_inv.data
         del layer.weight, layer.weight_scale_inv
+        if scales.shape[1] == 1:  # one block of inputs: a scale per output channel, what the fp8 kernels read
+            layer.register_buffer("qweight", q)
+            layer.register_buffer("scales", scales[:, 0].contiguous())
+            return
+        # block-major: [blocks, O, b1], each block of inputs an fp8 matrix with a scale per output channel, as the
+        # fp8 GEMV reads it; a last block cut short is padded with zeros (and so is the input)
+        out_f, in_f = q.shape
+        blocks, cols = scales.shape[1], self.block[1]
+        padded = torch.zeros(out_f, blocks * cols, dtype=q.dtype, device=q.device)
+        padded[:, :in_f] = q
+        layer.register_buffer("qweight", padded.view(out_f, blocks, cols).transpose(0, 1).contiguous())
+        layer.register_buffer("scales", scales.t().contiguous())
+        self.input_size = in_f
 
     def dequantize(self, layer):
-        if layer.scales.dim() == 1:
+        if layer.qweight.dim() == 2:
             return super().dequantize(layer)
-        return formats.dequantize_fp8_groups(layer.qweight, layer.scales, self.block[1])
+        blocks, out_f, cols = layer.qweight.shape
+        w = layer.qweight.float() * layer.scales[..., None]
+        return w.transpose(0, 1).reshape(out_f, blocks * cols)[:, : self.input_size].contiguous()
 
     def dequantize_rows(self, layer, rows):
-        if layer.scales.dim() == 1:
+        if layer.qweight.dim() == 2:
             return super().dequantize_rows(layer, rows)
-        return formats.dequantize_fp8_groups(layer.qweight[rows], layer.scales[rows], self.block[1])
+        return self.dequantize(layer)[rows]
 
     def apply(self, layer, x, bias):
-        if layer.scales.dim() == 1:
+        if layer.qweight.dim() == 2:
             return super().apply(layer, x, bias)
-        # the weight widened for this call, each value rounded once to the input's dtype (a dequantized model's)
-        return cpu_gemv.linear(x, widen(layer.qweight, layer.scales, self.block[1], x.dtype), bias)
+        q, scales = layer.qweight, layer.scales
+        blocks, out_f, cols = q.shape
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if blocks * cols != x2.shape[1]:
+            x2 = torch.nn.functional.pad(x2, (0, blocks * cols - x2.shape[1]))
+        xf = x2.float()
+        if cpu_qgemv.usable(xf):  # few rows on CPU: the fp8 GEMV per block of inputs, summed in fp32
+            y = cpu_qgemv.int8(xf[:, :cols].contiguous(), q[0], scales[0])
+            for j in range(1, blocks):
+                y += cpu_qgemv.int8(xf[:, j * cols : (j + 1) * cols].contiguous(), q[j], scales[j])
+            if bias is not None:
+                y += bias.float()
+            y = y.to(x.dtype)
+        else:  # many rows: the weight widened for this call (each value rounded once), then one dense matmul
+            w = widen(q.view(blocks * out_f, cols), scales.view(-1, 1), cols, x.dtype).view(blocks, out_f, cols)
+            y = cpu_gemv.linear(x2, w.transpose(0, 1).reshape(out_f, blocks * cols), bias)
+        return y.reshape(*lead, out_f)
 
     def decode_stack_weight(self, layer):
-        return super().decode_stack_weight(layer) if layer.scales.dim() == 1 else None
+        return super().decode_stack_weight(layer) if layer.qweight.dim() == 2 else None
