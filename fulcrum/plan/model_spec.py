@@ -411,3 +411,12 @@ def expert_bytes(s: ModelSpec, weight_dtype: str) -> float:
     if s.weight_block is not None and weight_dtype == s.weight_format:
         return fp8_block_bytes(s, fp8_block_matrices(s)[1], padded=False)
     return _mlp(s.hidden, m.expert_intermediate, m.biases) * DTYPE_BYTES[weight_dtype]
+
+
+def active_weight_bytes(s: ModelSpec, weight_dtype: str) -> float:
+    """What one token's forward pass reads of `weight_bytes`: all but the routed experts it does not use."""
+    if not s.moe:
+        return weight_bytes(s, weight_dtype)
+    m = s.moe
+    unused = (m.num_experts - m.experts_per_token) * (s.num_layers - m.dense_layers)
+    return weight_bytes(s, weight_dtype) - unused * expert_bytes(s, weight_dtype)

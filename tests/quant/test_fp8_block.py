@@ -19,9 +19,10 @@ from safetensors.torch import load_file, save_file
 from fulcrum import SamplingParams
 from fulcrum.config import ModelConfig
 from fulcrum.errors import ModelLoadError, WeightLoadError
+from fulcrum.layers.moe import FusedExperts
 from fulcrum.models.loader import load_model
 from fulcrum.plan import roofline
-from fulcrum.plan.model_spec import kv_bytes_per_token, load_model_spec, weight_bytes
+from fulcrum.plan.model_spec import active_weight_bytes, kv_bytes_per_token, load_model_spec, weight_bytes
 from fulcrum.quant import describe, formats
 from fulcrum.quant.fp8_block import BlockFp8Method
 from tests.engine.hf_reference import hf_greedy
@@ -221,6 +222,11 @@ def test_plan_counts_the_weight_and_cache_bytes_the_engine_holds(checkpoints, ca
     embedding = runner.model.model.embed_tokens.weight
     read = roofline.weight_bytes_read(spec, "fp8", batch=10**6)  # so many tokens that every expert is read
     assert read == pytest.approx(held_bytes(runner.model) - embedding.numel() * embedding.element_size())
+    # one token reads the routed experts it is sent to, each as the engine holds an expert (fp8 and its scales)
+    layers = [m for m in runner.model.modules() if isinstance(m, FusedExperts)]
+    held_experts = sum(t.numel() * t.element_size() for m in layers for t in m.parameters())
+    unused = 0 if spec.moe is None else held_experts * (1 - spec.moe.experts_per_token / spec.moe.num_experts)
+    assert active_weight_bytes(spec, "fp8") == pytest.approx(held_bytes(runner.model) - unused)
 
 
 def test_modules_to_not_convert_stay_in_full_precision(checkpoints, tmp_path):
