@@ -119,8 +119,6 @@ class BlockFp8Method(Fp8Method):
     and places each shard (q/k/v, gate/up): `weight` as stored, `weight_scale_inv` once widened to rows. After loading
     qweight is the fp8 weight and scales [O, ceil(I / b1)] (or [O] where there is one block of inputs)."""
 
-    from_checkpoint = True
-
     def __init__(self, block: tuple[int, int], prefix: str, shard_names: list[str]):
         self.block, self.prefix, self.shard_names = block, prefix, shard_names
 
