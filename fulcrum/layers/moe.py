@@ -98,9 +98,10 @@ class StackedExpertWeight(nn.Module):
     `tp_dim` 0 splits each part's rows across tensor-parallel ranks (gate/up), 1 the input columns (down). Under
     expert parallelism (`experts`, this rank's [first, last) of them) each rank holds its experts whole instead.
 
-    From a block-wise fp8 checkpoint (`block`, its weight_block_size) the weight stays float8_e4m3fn and
-    `weight_scale_inv` holds its tile scales widened to one per row and block of inputs, [E, rows, ceil(I / b1)]
-    (fulcrum.quant.fp8_block); `expert(e, dtype)` widens one expert's weight for its GEMM."""
+    From a block-wise fp8 checkpoint (`block`, its weight_block_size) the weight loads as float8_e4m3fn and
+    `weight_scale_inv` its tile scales widened to one per row and block of inputs, [E, rows, ceil(I / b1)]; once
+    loaded they go block-major (`qweight`, `scales`: fulcrum.quant.fp8_block.BlockFp8Experts). `linear(x, e)` is
+    expert e's GEMM either way."""
 
     def __init__(
         self, num_experts: int, input_size: int, output_sizes: list[int], tp_dim: int, dtype,
@@ -134,6 +135,7 @@ class StackedExpertWeight(nn.Module):
                 torch.empty(local_experts, sum(self.output_sizes), blocks, dtype=torch.float32), requires_grad=False
             )
             self.weight_scale_inv.weight_loader = self.scale_loader
+            self.quant_method = fp8_block.BlockFp8Experts(block)  # block-major once loaded (finish_loading)
 
     def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, int] | None = None) -> None:
         rows, cols = self.full_shapes[shard[1]] if shard is not None else (0, 0)
@@ -164,12 +166,17 @@ class StackedExpertWeight(nn.Module):
         offset = sum(self.output_sizes[:part])
         param.data[expert - first].narrow(0, offset, self.output_sizes[part]).copy_(loaded)
 
-    def expert(self, index: int, dtype: torch.dtype) -> torch.Tensor:
-        """Local expert `index`'s weight [rows, inputs] for its GEMM; an fp8 one widened to `dtype` in a buffer the
-        next call reuses (fp8_block.widen): use it at once."""
+    def linear(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """x @ W^T with local expert `index`'s weight W [rows, inputs]."""
+        if self.block is None:
+            return cpu_gemv.linear(x, self.weight[index])
+        return fp8_block.block_linear(x, self.qweight[index], self.scales[index])
+
+    def expert(self, index: int) -> torch.Tensor:
+        """Local expert `index`'s weight [rows, inputs], fp8 ones widened to fp32 (a reference for tests)."""
         if self.block is None:
             return self.weight[index]
-        return fp8_block.widen(self.weight[index], self.weight_scale_inv[index], self.block[1], dtype)
+        return fp8_block.widen_blocks(self.qweight[index], self.scales[index], torch.float32)[:, : self.input_size]
 
 
 class FusedExperts(nn.Module):
@@ -233,9 +240,8 @@ class FusedExperts(nn.Module):
             if not first <= expert < last:
                 start = end
                 continue
-            local = expert - first  # the down projection's weight is read after the gate/up GEMM is done with its own
-            h = self.act(cpu_gemv.linear(xs[start:end], self.gate_up_proj.expert(local, x.dtype)))
-            h = cpu_gemv.linear(h, self.down_proj.expert(local, x.dtype))
+            local = expert - first
+            h = self.down_proj.linear(self.act(self.gate_up_proj.linear(xs[start:end], local)), local)
             ys[start:end] = h * slot_weights[start:end]  # the float32 weight, rounded with the product
             start = end
         # back to (token, choice) order; a token's k contributions summed in float32 and rounded once (index_add_

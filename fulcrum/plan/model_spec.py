@@ -380,14 +380,14 @@ def fp8_block_matrices(s: ModelSpec) -> tuple[list[tuple[int, int]], list[tuple[
     return layers, expert
 
 
-def fp8_block_bytes(s: ModelSpec, matrices: list[tuple[int, int]], padded: bool = True) -> float:
-    """One byte per weight and an fp32 scale per row and block of inputs. A linear layer with several blocks of
-    inputs holds them block-major, a last block cut short padded to a whole one (`padded`); experts do not."""
+def fp8_block_bytes(s: ModelSpec, matrices: list[tuple[int, int]]) -> float:
+    """One byte per weight and an fp32 scale per row and block of inputs; a matrix with several blocks of inputs is
+    held block-major, a last block cut short padded to a whole one."""
     cols = s.weight_block[1]
     total = 0
     for o, i in matrices:
         blocks = -(-i // cols)
-        total += o * (blocks * cols if padded and blocks > 1 else i) + FP8_SCALE_BYTES * o * blocks
+        total += o * (blocks * cols if blocks > 1 else i) + FP8_SCALE_BYTES * o * blocks
     return total
 
 
@@ -401,7 +401,7 @@ def weight_bytes(s: ModelSpec, weight_dtype: str) -> float:
     sparse = s.num_layers - s.moe.dense_layers if s.moe else 0
     experts = s.moe.num_experts * sparse if s.moe else 0
     fp8_params = sum(o * i for o, i in layers) + experts * sum(o * i for o, i in expert)
-    fp8 = fp8_block_bytes(s, layers) + experts * fp8_block_bytes(s, expert, padded=False)
+    fp8 = fp8_block_bytes(s, layers) + experts * fp8_block_bytes(s, expert)
     return fp8 + (total - fp8_params) * DTYPE_BYTES[s.dtype]
 
 
@@ -409,7 +409,7 @@ def expert_bytes(s: ModelSpec, weight_dtype: str) -> float:
     """One routed expert of one layer, as `weight_bytes` counts it."""
     m = s.moe
     if s.weight_block is not None and weight_dtype == s.weight_format:
-        return fp8_block_bytes(s, fp8_block_matrices(s)[1], padded=False)
+        return fp8_block_bytes(s, fp8_block_matrices(s)[1])
     return _mlp(s.hidden, m.expert_intermediate, m.biases) * DTYPE_BYTES[weight_dtype]
 
 

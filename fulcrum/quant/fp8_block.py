@@ -9,10 +9,11 @@ blocks). The weights stay fp8 in memory. A layer with one block of inputs then h
 online fp8 method's layout, whose kernels (and the fused decode stack) run it unchanged. A layer with several is held
 block-major, [blocks, O, b1] with scales [blocks, O], so that each block of inputs is an fp8 matrix with per-channel
 scales: few rows run the fp8 GEMV once per block, summed in fp32; many rows widen the weight once per call through the
-same kernel and run one dense matmul (no kernel reads an fp8 scale per block of inputs yet). The experts
-(fulcrum.layers.moe) keep [E, rows, I] with their [E, rows, blocks] scales and widen one expert at a time (`widen`).
-Measured on this CPU (shared, 2 cores, AVX-512 BF16), a 4096 x 4096 layer in bf16: 1 row 1.2 ms against 0.5 ms for
-the same weights in bf16, 256 rows 35 ms against 20 ms; in fp32 1 row 1.2 ms against 1.6-1.9 ms.
+same kernel and run one dense matmul (no kernel reads an fp8 scale per block of inputs yet). The MoE experts
+(fulcrum.layers.moe) go block-major the same way, each expert's GEMM a `block_linear`. Measured on this CPU (shared
+with other jobs, 2 cores, AVX-512 BF16), bf16: a 4096 x 4096 layer takes 1.2 ms a row against 0.5 ms for the same
+weights in bf16, 256 rows 35 ms against 20 ms (fp32: 1.2 ms a row against 1.6-1.9 ms); an expert's 1536 x 2048
+gate/up 0.33 ms a row against 1.7 ms for widening it whole first.
 """
 
 from __future__ import annotations
@@ -85,23 +86,51 @@ class BlockFp8Format(CheckpointFormat):
         return f"fp8 e4m3, block-wise ({self.block[0]}x{self.block[1]} scales), dynamic activations run unquantized"
 
 
-@functools.cache
-def _ones(rows: int) -> torch.Tensor:
-    return torch.ones(rows, dtype=torch.float32)
+def to_block_major(q: torch.Tensor, scales: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [..., O, I] fp8 with scales [..., O, blocks] (one per row and block of `cols` inputs) -> ([..., blocks, O,
+    cols], [..., blocks, O]): each block of inputs an fp8 matrix with a scale per output channel, as the fp8 GEMV
+    reads one; a last block cut short padded with zeros (and so is the input, in `block_linear`), a single one not."""
+    *lead, out_f, in_f = q.shape
+    blocks = scales.shape[-1]
+    cols = in_f if blocks == 1 else cols  # one block: the whole row, nothing to pad
+    padded = torch.zeros(*lead, out_f, blocks * cols, dtype=q.dtype, device=q.device)
+    padded[..., :in_f] = q
+    return padded.view(*lead, out_f, blocks, cols).transpose(-3, -2).contiguous(), scales.transpose(-1, -2).contiguous()
 
 
-def widen(q: torch.Tensor, scales: torch.Tensor, block_cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """q [O, I] float8_e4m3fn with scales [O, ceil(I / b1)] -> [O, I] in `dtype`, each weight q * its scale rounded
-    once. On CPU with the qgemv kernels: q widened to `dtype` by the kernel (exact: every fp8 e4m3 value is a bf16
-    and an fp32) in its reused buffer, then scaled in place (in fp32, rounded once): use the result at once, before
-    another widen or dequantized matmul reuses the buffer."""
-    out_f, in_f = q.shape
-    fits = q.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and in_f % block_cols == 0
-    if fits and cpu_qgemv.available():
-        w = cpu_qgemv.dequantize_int8(q, _ones(out_f), dtype)
-        w.view(out_f, -1, block_cols).mul_(scales[..., None])
-        return w
-    return formats.dequantize_fp8_groups(q, scales, block_cols).to(dtype)
+def widen_blocks(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A block-major weight ([blocks, O, b1], scales [blocks, O]) as [O, blocks * b1] in `dtype`, each value
+    q * scale rounded once: each row of each block has one scale, so the fp8 kernel's per-channel widening does it
+    (then the blocks are laid side by side)."""
+    blocks, out_f, cols = q.shape
+    flat = q.view(blocks * out_f, cols)
+    if q.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_qgemv.available():
+        w = cpu_qgemv.dequantize_int8(flat, scales.reshape(-1), dtype)
+    else:
+        w = formats.dequantize_fp8(flat, scales.reshape(-1)).to(dtype)
+    return w.view(blocks, out_f, cols).transpose(0, 1).reshape(out_f, blocks * cols)
+
+
+def block_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+    """x [..., I] @ W^T + bias for a block-major fp8 weight (`to_block_major`). Few rows on CPU: the fp8 GEMV once
+    per block of inputs, summed in fp32 and rounded once; many rows: the weight widened for this call, then one dense
+    matmul."""
+    blocks, out_f, cols = q.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if blocks * cols != x2.shape[1]:
+        x2 = torch.nn.functional.pad(x2, (0, blocks * cols - x2.shape[1]))
+    xf = x2.float()
+    if cpu_qgemv.usable(xf):
+        y = cpu_qgemv.int8(xf[:, :cols].contiguous(), q[0], scales[0])
+        for j in range(1, blocks):
+            y += cpu_qgemv.int8(xf[:, j * cols : (j + 1) * cols].contiguous(), q[j], scales[j])
+        if bias is not None:
+            y += bias.float()
+        y = y.to(x.dtype)
+    else:
+        y = cpu_gemv.linear(x2, widen_blocks(q, scales, x.dtype), bias)
+    return y.reshape(*lead, out_f)
 
 
 def full_rows(layer: nn.Module, index: int) -> int:
@@ -164,22 +193,15 @@ class BlockFp8Method(Fp8Method):
             layer.register_buffer("qweight", q)
             layer.register_buffer("scales", scales[:, 0].contiguous())
             return
-        # block-major: [blocks, O, b1], each block of inputs an fp8 matrix with a scale per output channel, as the
-        # fp8 GEMV reads it; a last block cut short is padded with zeros (and so is the input)
-        out_f, in_f = q.shape
-        blocks, cols = scales.shape[1], self.block[1]
-        padded = torch.zeros(out_f, blocks * cols, dtype=q.dtype, device=q.device)
-        padded[:, :in_f] = q
-        layer.register_buffer("qweight", padded.view(out_f, blocks, cols).transpose(0, 1).contiguous())
-        layer.register_buffer("scales", scales.t().contiguous())
-        self.input_size = in_f
+        qweight, scales = to_block_major(q, scales, self.block[1])
+        layer.register_buffer("qweight", qweight)
+        layer.register_buffer("scales", scales)
+        self.input_size = q.shape[1]
 
     def dequantize(self, layer):
         if layer.qweight.dim() == 2:
             return super().dequantize(layer)
-        blocks, out_f, cols = layer.qweight.shape
-        w = layer.qweight.float() * layer.scales[..., None]
-        return w.transpose(0, 1).reshape(out_f, blocks * cols)[:, : self.input_size].contiguous()
+        return widen_blocks(layer.qweight, layer.scales, torch.float32)[:, : self.input_size].clone()
 
     def dequantize_rows(self, layer, rows):
         if layer.qweight.dim() == 2:
@@ -189,35 +211,24 @@ class BlockFp8Method(Fp8Method):
     def apply(self, layer, x, bias):
         if layer.qweight.dim() == 2:
             return super().apply(layer, x, bias)
-        q, scales = layer.qweight, layer.scales
-        blocks, out_f, cols = q.shape
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        if blocks * cols != x2.shape[1]:
-            x2 = torch.nn.functional.pad(x2, (0, blocks * cols - x2.shape[1]))
-        xf = x2.float()
-        if cpu_qgemv.usable(xf):  # few rows on CPU: the fp8 GEMV per block of inputs, summed in fp32
-            y = cpu_qgemv.int8(xf[:, :cols].contiguous(), q[0], scales[0])
-            for j in range(1, blocks):
-                y += cpu_qgemv.int8(xf[:, j * cols : (j + 1) * cols].contiguous(), q[j], scales[j])
-            if bias is not None:
-                y += bias.float()
-            y = y.to(x.dtype)
-        else:  # many rows: the weight widened for this call (each value rounded once), then one dense matmul
-            y = cpu_gemv.linear(x2, self.widen_blocks(q, scales, x.dtype), bias)
-        return y.reshape(*lead, out_f)
-
-    @staticmethod
-    def widen_blocks(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The block-major weight as [O, blocks * b1] in `dtype`: block-major, each row of each block has one scale,
-        so the fp8 kernel's per-channel widening does it (then the blocks are laid side by side)."""
-        blocks, out_f, cols = q.shape
-        flat = q.view(blocks * out_f, cols)
-        if q.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_qgemv.available():
-            w = cpu_qgemv.dequantize_int8(flat, scales.view(-1), dtype)
-        else:
-            w = formats.dequantize_fp8(flat, scales.view(-1)).to(dtype)
-        return w.view(blocks, out_f, cols).transpose(0, 1).reshape(out_f, blocks * cols)
+        return block_linear(x, layer.qweight, layer.scales, bias)
 
     def decode_stack_weight(self, layer):
         return super().decode_stack_weight(layer) if layer.qweight.dim() == 2 else None
+
+
+class BlockFp8Experts:
+    """The `quant_method` of a StackedExpertWeight (fulcrum.layers.moe) from a block-wise fp8 checkpoint: once loaded,
+    its weight [E, rows, I] and widened scales [E, rows, blocks] go block-major, each expert's as a linear layer's
+    (`to_block_major`), and each expert's GEMM is `block_linear`."""
+
+    def __init__(self, block: tuple[int, int]):
+        self.block = block
+
+    def process_weights_after_loading(self, module: nn.Module) -> None:
+        q, scales = module.weight.data, module.weight_scale_inv.data
+        del module.weight, module.weight_scale_inv
+        qweight, scales = to_block_major(q, scales, self.block[1])
+        module.register_buffer("qweight", qweight)
+        module.register_buffer("scales", scales)
+        module.input_size = q.shape[-1]

@@ -121,8 +121,10 @@ def test_logits_equal_transformers_on_the_dequantized_weights(checkpoints, case)
         assert (first.qweight.shape, first.scales.shape) == ((blocks, rows, block[1]), (blocks, rows))
     experts = getattr(layer.mlp, "experts", None)
     if experts is not None:
-        assert experts.gate_up_proj.weight.dtype == torch.float8_e4m3fn
-        assert experts.down_proj.weight_scale_inv.shape[-1] == -(-experts.down_proj.weight.shape[-1] // block[1])
+        down = experts.down_proj  # block-major too: [E, blocks, rows, b1], a scale per row of each block
+        blocks = -(-down.input_size // block[1])
+        assert down.qweight.dtype == torch.float8_e4m3fn and not hasattr(down, "weight")
+        assert (down.qweight.shape[:3], down.scales.shape) == ((8, blocks, 64), (8, blocks, 64))
     assert ours.lm_head.weight.dtype == torch.float32  # the head stays in full precision, as the releases store it
 
 
@@ -175,9 +177,9 @@ def test_bfloat16_layers_compute_the_dequantized_product(checkpoints):
     for t in range(40):
         for k in range(2):
             e = int(ids[t, k])
-            w13 = experts.gate_up_proj.expert(e, torch.float32).clone()
+            w13 = experts.gate_up_proj.expert(e)
             gate, up = (x[t].float() @ w13.T).chunk(2)
-            want[t] += weights[t, k] * (experts.down_proj.expert(e, torch.float32) @ (F.silu(gate) * up))
+            want[t] += weights[t, k] * (experts.down_proj.expert(e) @ (F.silu(gate) * up))
     assert (experts(x, weights, ids).float() - want).abs().max() <= 0.01 * want.abs().max()
 
 
@@ -224,7 +226,7 @@ def test_plan_counts_the_weight_and_cache_bytes_the_engine_holds(checkpoints, ca
     assert read == pytest.approx(held_bytes(runner.model) - embedding.numel() * embedding.element_size())
     # one token reads the routed experts it is sent to, each as the engine holds an expert (fp8 and its scales)
     layers = [m for m in runner.model.modules() if isinstance(m, FusedExperts)]
-    held_experts = sum(t.numel() * t.element_size() for m in layers for t in m.parameters())
+    held_experts = sum(t.numel() * t.element_size() for m in layers for t in [*m.parameters(), *m.buffers()])
     unused = 0 if spec.moe is None else held_experts * (1 - spec.moe.experts_per_token / spec.moe.num_experts)
     assert active_weight_bytes(spec, "fp8") == pytest.approx(held_bytes(runner.model) - unused)
 
@@ -305,11 +307,11 @@ def test_unsupported_settings_fail_at_load_naming_them(checkpoints, tmp_path, ch
     ("family", "block", "sizes", "down_scales"),
     [
         # the experts' 48 inputs are 24 a rank: 3 blocks of 8
-        ("qwen3-moe", (8, 8), {}, (8, 64, 3)),
+        ("qwen3-moe", (8, 8), {}, (8, 3, 64)),
         # one KV head for two ranks: k and v replicated, each rank reading the same rows and scales
         ("qwen3", (32, 32), dict(num_key_value_heads=1), None),
         # MLA: q_b and kv_b split by heads, q_a and kv_a replicated; experts' 32 inputs 16 a rank
-        ("deepseek-v3-moe", (8, 8), {}, (8, 64, 2)),
+        ("deepseek-v3-moe", (8, 8), {}, (8, 2, 64)),
     ],
 )
 def test_tensor_parallel_splits_the_block_scales_with_the_weights(tmp_path, family, block, sizes, down_scales):
@@ -324,7 +326,7 @@ def test_tensor_parallel_splits_the_block_scales_with_the_weights(tmp_path, fami
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         experts = getattr(llm.core.runner.model.model.layers[-1].mlp, "experts", None)
         if down_scales:  # rank 0's share of the experts' inputs, in whole blocks
-            assert tuple(experts.down_proj.weight_scale_inv.shape) == down_scales
+            assert tuple(experts.down_proj.scales.shape) == down_scales
     finally:
         llm.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(ref_dir, p, 8)[0] for p in batch]
