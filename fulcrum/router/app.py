@@ -280,6 +280,24 @@ class Router:
             await asyncio.sleep(5)
 
 
+class KeyGate:
+    """ASGI middleware: the API key on every API route, as the server asks it (health, metrics, the docs and the
+    web page stay open). Plain ASGI: Starlette's BaseHTTPMiddleware would pass every proxied chunk through a memory
+    stream and a task of its own."""
+
+    def __init__(self, app, key: str | None, ui: bool = True):
+        self.app, self.key, self.ui = app, key, ui
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if (scope["type"] == "http" and self.key and path not in OPEN_PATHS
+                and not (self.ui and web_page.is_page_path(path))):  # fmt: skip
+            scheme, _, token = Request(scope).headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or token.strip() != self.key:
+                return await error(401, "invalid or missing API key")(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def build_app(router: Router, autoscaler=None, ui: bool = True) -> FastAPI:
     """`autoscaler` (fulcrum/router/autoscaler.py) runs beside the router and owns the pool's replicas; `ui`: the
     web page at / (its dashboard shows the replicas and the autoscaler's decisions)."""
@@ -304,15 +322,7 @@ def build_app(router: Router, autoscaler=None, ui: bool = True) -> FastAPI:
     http_errors.install(app)  # the server's error layer: every error in OpenAI's shape, never {"detail": ...}
     app.openapi = lambda: http_errors.openapi_schema(app)
 
-    @app.middleware("http")
-    async def gate(request: Request, call_next):
-        """The API key on every API route, as the server asks it (health, metrics and the docs stay open)."""
-        path = request.url.path
-        if router.cfg.api_key and path not in OPEN_PATHS and not (ui and web_page.is_page_path(path)):
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or token.strip() != router.cfg.api_key:
-                return error(401, "invalid or missing API key")
-        return await call_next(request)
+    app.add_middleware(KeyGate, key=router.cfg.api_key, ui=ui)
 
     async def generate(request: Request, path: str, endpoint: str, schema):
         raw = await request.body()
