@@ -31,6 +31,8 @@ BINDINGS = {
         "fulcrum_qgemv_int4": (None, I64, *[PTR] * 6, I64, I64, I64, I64),
         "fulcrum_qgemv_int8g": (None, I64, *[PTR] * 6, I64, I64, I64, I64),
         "fulcrum_dequant_int8g": (None, I64, PTR, PTR, PTR, PTR, I64, I64, I64),
+        "fulcrum_qgemv_fp8g": (None, I64, *[PTR] * 5, I64, I64, I64, I64),
+        "fulcrum_dequant_fp8g": (None, I64, PTR, PTR, PTR, I64, I64, I64),
         "fulcrum_qgemv_int5": (None, I64, *[PTR] * 7, I64, I64, I64),
         "fulcrum_dequant_int5": (None, I64, *[PTR] * 5, I64, I64),
         "fulcrum_dequant_int8": (None, I64, I64, PTR, PTR, PTR, I64, I64),
@@ -47,7 +49,8 @@ def _module():
     return {"int8": lib.fulcrum_qgemv_int8, "int4": lib.fulcrum_qgemv_int4, "int8g": lib.fulcrum_qgemv_int8g,
             "dequant_int8": lib.fulcrum_dequant_int8, "dequant_int4": lib.fulcrum_dequant_int4,
             "dequant_int8g": lib.fulcrum_dequant_int8g, "int5": lib.fulcrum_qgemv_int5,
-            "dequant_int5": lib.fulcrum_dequant_int5}  # fmt: skip
+            "dequant_int5": lib.fulcrum_dequant_int5, "fp8g": lib.fulcrum_qgemv_fp8g,
+            "dequant_fp8g": lib.fulcrum_dequant_fp8g}  # fmt: skip
 
 
 def available() -> bool:
@@ -59,13 +62,14 @@ def max_rows(dtype: torch.dtype) -> int:
     return (MAX_ROWS if cpu_ext.at_least("avx512_bf16") else MAX_ROWS_NO_NATIVE_BF16).get(dtype, 0)
 
 
-def usable(x: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """CPU, fp32/bf16 input of few rows, a bias (if any) of the input's dtype."""
+def usable(x: torch.Tensor, bias: torch.Tensor | None = None, most_rows: int | None = None) -> bool:
+    """CPU, fp32/bf16 input of few rows (`most_rows`, by default max_rows of its dtype), a bias (if any) of the
+    input's dtype."""
     return (
         x.device.type == "cpu"
         and x.dim() == 2
         and x.dtype in _DTYPES
-        and 1 <= x.shape[0] <= max_rows(x.dtype)
+        and 1 <= x.shape[0] <= (max_rows(x.dtype) if most_rows is None else most_rows)
         and (bias is None or bias.dtype == x.dtype)
         and available()
     )
@@ -177,6 +181,27 @@ def dequantize_int8g(
     out = _scratch(tuple(w.shape), dtype)
     _module()["dequant_int8g"](dtype == torch.bfloat16, w.data_ptr(), scale.data_ptr(), _ptr(offset), out.data_ptr(),
                                w.shape[0], w.shape[1], group_size)  # fmt: skip
+    return out
+
+
+FP8G_MULTIPLE = 16  # an fp8 group spans whole vectors at every level (AVX-512: 16 floats)
+
+
+def fp8g(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, group_size: int, bias: torch.Tensor | None = None):
+    """x [M, I] @ W^T + bias, W fp8 e4m3 [O, I] with a scale per row and group of `group_size` inputs (scale [O,
+    I / G] fp32; G a multiple of FP8G_MULTIPLE): block-wise fp8 checkpoints' weights, read as stored."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    _module()["fp8g"](x.dtype == torch.bfloat16, x.data_ptr(), w.data_ptr(), scale.data_ptr(), _ptr(bias),
+                      y.data_ptr(), x.shape[0], x.shape[1], w.shape[0], group_size)  # fmt: skip
+    return y
+
+
+def dequantize_fp8g(w: torch.Tensor, scale: torch.Tensor, group_size: int, dtype=torch.float32) -> torch.Tensor:
+    """fp8g's weight as [O, I] in `dtype`, in a reused buffer like dequantize_int8's."""
+    out = _scratch(tuple(w.shape), dtype)
+    _module()["dequant_fp8g"](dtype == torch.bfloat16, w.data_ptr(), scale.data_ptr(), out.data_ptr(), w.shape[0],
+                              w.shape[1], group_size)  # fmt: skip
     return out
 
 

@@ -100,8 +100,8 @@ class StackedExpertWeight(nn.Module):
 
     From a block-wise fp8 checkpoint (`block`, its weight_block_size) the weight loads as float8_e4m3fn and
     `weight_scale_inv` its tile scales widened to one per row and block of inputs, [E, rows, ceil(I / b1)]; once
-    loaded they go block-major (`qweight`, `scales`: fulcrum.quant.fp8_block.BlockFp8Experts). `linear(x, e)` is
-    expert e's GEMM either way."""
+    loaded they take fp8_block's row-block layout (`qweight`, `scales`: fulcrum.quant.fp8_block.BlockFp8Experts).
+    `linear(x, e)` is expert e's GEMM either way."""
 
     def __init__(
         self, num_experts: int, input_size: int, output_sizes: list[int], tp_dim: int, dtype,
@@ -135,7 +135,7 @@ class StackedExpertWeight(nn.Module):
                 torch.empty(local_experts, sum(self.output_sizes), blocks, dtype=torch.float32), requires_grad=False
             )
             self.weight_scale_inv.weight_loader = self.scale_loader
-            self.quant_method = fp8_block.BlockFp8Experts(block)  # block-major once loaded (finish_loading)
+            self.quant_method = fp8_block.BlockFp8Experts(block)  # fp8_block's layout once loaded (finish_loading)
 
     def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, int] | None = None) -> None:
         rows, cols = self.full_shapes[shard[1]] if shard is not None else (0, 0)
@@ -176,7 +176,9 @@ class StackedExpertWeight(nn.Module):
         """Local expert `index`'s weight [rows, inputs], fp8 ones widened to fp32 (a reference for tests)."""
         if self.block is None:
             return self.weight[index]
-        return fp8_block.widen_blocks(self.qweight[index], self.scales[index], torch.float32)[:, : self.input_size]
+        return fp8_block.widen_blocks(self.qweight[index], self.scales[index], torch.float32)[
+            :, : self.input_size
+        ].clone()
 
 
 class FusedExperts(nn.Module):

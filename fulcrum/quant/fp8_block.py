@@ -6,14 +6,11 @@ run unquantized: the weights are what is read).
 The tile scales widen at load to one per weight row and block of b1 inputs: exact, and it lets q/k/v or gate/up
 shards whose sizes are not multiples of b0 stack, and tensor parallelism cut rows anywhere (inputs only in whole
 blocks). The weights stay fp8 in memory. A layer with one block of inputs then has a scale per output channel: the
-online fp8 method's layout, whose kernels (and the fused decode stack) run it unchanged. A layer with several is held
-block-major, [blocks, O, b1] with scales [blocks, O], so that each block of inputs is an fp8 matrix with per-channel
-scales: few rows run the fp8 GEMV once per block, summed in fp32; many rows widen the weight once per call through the
-same kernel and run one dense matmul (no kernel reads an fp8 scale per block of inputs yet). The MoE experts
-(fulcrum.layers.moe) go block-major the same way, each expert's GEMM a `block_linear`. Measured on this CPU (shared
-with other jobs, 2 cores, AVX-512 BF16), bf16: a 4096 x 4096 layer takes 1.2 ms a row against 0.5 ms for the same
-weights in bf16, 256 rows 35 ms against 20 ms (fp32: 1.2 ms a row against 1.6-1.9 ms); an expert's 1536 x 2048
-gate/up 0.33 ms a row against 1.7 ms for widening it whole first.
+online fp8 method's layout, whose kernels (and the fused decode stack) run it unchanged. A layer with several keeps
+its [O, I] bytes (padded to whole blocks) with scales [O, blocks]: few rows run the fp8g CPU kernel
+(kernels/csrc/qgemv.cpp), which reads the fp8 bytes and applies each block's scale to its partial sums; many rows
+widen the weight once per call and run one dense matmul. The MoE experts (fulcrum.layers.moe) are held the same
+way, each expert's GEMM a `block_linear`.
 """
 
 from __future__ import annotations
@@ -30,6 +27,12 @@ from fulcrum.quant.checkpoint import FLOATS, CheckpointFormat, shard_index, unsu
 from fulcrum.quant.online import Fp8Method
 
 ACTIVATION_SCHEMES = ("dynamic",)
+# the fp8g kernel up to this many rows, in fp32 and bf16 alike, then the widened weight. Past ~16 rows widening is
+# faster (a 4096 x 4096 layer in bf16 on 2 AVX-512 BF16 cores loaded by other jobs: 8.8 / 16.7 / 25.5 / 50 ms at
+# 8 / 16 / 32 / 64 rows in the kernel, 16.2 / 17.8 / 16.4 / 24.6 ms widened), but in bf16 it rounds the weight, and
+# with it MoE experts' prefill rows (a few to a few dozen each) lost the accuracy that keeps the bf16 logits as close
+# to the fp32 reference as transformers' own bf16 run (tests/quant/test_fp8_block.py)
+KERNEL_MAX_ROWS = 64
 FP8_FORMATS = ("e4m3",)
 
 
@@ -86,48 +89,45 @@ class BlockFp8Format(CheckpointFormat):
         return f"fp8 e4m3, block-wise ({self.block[0]}x{self.block[1]} scales), dynamic activations run unquantized"
 
 
-def to_block_major(q: torch.Tensor, scales: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [..., O, I] fp8 with scales [..., O, blocks] (one per row and block of `cols` inputs) -> ([..., blocks, O,
-    cols], [..., blocks, O]): each block of inputs an fp8 matrix with a scale per output channel, as the fp8 GEMV
-    reads one; a last block cut short padded with zeros (and so is the input, in `block_linear`), a single one not."""
+def to_row_blocks(q: torch.Tensor, scales: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [..., O, I] fp8 with scales [..., O, blocks] (one per row and block of `cols` inputs) as the fp8g kernel
+    reads them: q padded with zeros to [..., O, blocks * cols] where a last block is cut short (so is the input, in
+    `block_linear`), the scales contiguous."""
     *lead, out_f, in_f = q.shape
     blocks = scales.shape[-1]
-    cols = in_f if blocks == 1 else cols  # one block: the whole row, nothing to pad
-    padded = torch.zeros(*lead, out_f, blocks * cols, dtype=q.dtype, device=q.device)
-    padded[..., :in_f] = q
-    return padded.view(*lead, out_f, blocks, cols).transpose(-3, -2).contiguous(), scales.transpose(-1, -2).contiguous()
+    if blocks * cols != in_f:
+        padded = torch.zeros(*lead, out_f, blocks * cols, dtype=q.dtype, device=q.device)
+        padded[..., :in_f] = q
+        q = padded
+    return q.contiguous(), scales.contiguous()
+
+
+def _kernel_reads(q: torch.Tensor, cols: int) -> bool:
+    return q.device.type == "cpu" and cols % cpu_qgemv.FP8G_MULTIPLE == 0 and cpu_qgemv.available()
 
 
 def widen_blocks(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A block-major weight ([blocks, O, b1], scales [blocks, O]) as [O, blocks * b1] in `dtype`, each value
-    q * scale rounded once: each row of each block has one scale, so the fp8 kernel's per-channel widening does it
-    (then the blocks are laid side by side)."""
-    blocks, out_f, cols = q.shape
-    flat = q.view(blocks * out_f, cols)
-    if q.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_qgemv.available():
-        w = cpu_qgemv.dequantize_int8(flat, scales.reshape(-1), dtype)
-    else:
-        w = formats.dequantize_fp8(flat, scales.reshape(-1)).to(dtype)
-    return w.view(blocks, out_f, cols).transpose(0, 1).reshape(out_f, blocks * cols)
+    """A weight in `to_row_blocks`' layout as [O, blocks * cols] in `dtype`, each value q * its scale rounded once.
+    On CPU the result lies in a buffer the next call reuses: use it at once (or clone it)."""
+    out_f, width = q.shape
+    cols = width // scales.shape[1]
+    if _kernel_reads(q, cols) and dtype in (torch.float32, torch.bfloat16):
+        return cpu_qgemv.dequantize_fp8g(q, scales, cols, dtype)
+    return (q.float().view(out_f, -1, cols) * scales.float()[..., None]).view(out_f, width).to(dtype)
 
 
 def block_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
-    """x [..., I] @ W^T + bias for a block-major fp8 weight (`to_block_major`). Few rows on CPU: the fp8 GEMV once
-    per block of inputs, summed in fp32 and rounded once; many rows: the weight widened for this call, then one dense
-    matmul."""
-    blocks, out_f, cols = q.shape
+    """x [..., I] @ W^T + bias for a weight in `to_row_blocks`' layout. Few rows on CPU: the fp8g kernel, which reads
+    the fp8 bytes and each block's scale as stored; many rows (or a block the kernel cannot step through): the
+    weight widened for this call, then one dense matmul."""
+    out_f, width = q.shape
+    cols = width // scales.shape[1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if blocks * cols != x2.shape[1]:
-        x2 = torch.nn.functional.pad(x2, (0, blocks * cols - x2.shape[1]))
-    xf = x2.float()
-    if cpu_qgemv.usable(xf):
-        y = cpu_qgemv.int8(xf[:, :cols].contiguous(), q[0], scales[0])
-        for j in range(1, blocks):
-            y += cpu_qgemv.int8(xf[:, j * cols : (j + 1) * cols].contiguous(), q[j], scales[j])
-        if bias is not None:
-            y += bias.float()
-        y = y.to(x.dtype)
+    if width != x2.shape[1]:
+        x2 = torch.nn.functional.pad(x2, (0, width - x2.shape[1]))
+    if _kernel_reads(q, cols) and cpu_qgemv.usable(x2, bias, KERNEL_MAX_ROWS):
+        y = cpu_qgemv.fp8g(x2, q, scales, cols, bias)
     else:
         y = cpu_gemv.linear(x2, widen_blocks(q, scales, x.dtype), bias)
     return y.reshape(*lead, out_f)
@@ -193,34 +193,34 @@ class BlockFp8Method(Fp8Method):
             layer.register_buffer("qweight", q)
             layer.register_buffer("scales", scales[:, 0].contiguous())
             return
-        qweight, scales = to_block_major(q, scales, self.block[1])
+        qweight, scales = to_row_blocks(q, scales, self.block[1])
         layer.register_buffer("qweight", qweight)
         layer.register_buffer("scales", scales)
         self.input_size = q.shape[1]
 
     def dequantize(self, layer):
-        if layer.qweight.dim() == 2:
+        if layer.scales.dim() == 1:
             return super().dequantize(layer)
         return widen_blocks(layer.qweight, layer.scales, torch.float32)[:, : self.input_size].clone()
 
     def dequantize_rows(self, layer, rows):
-        if layer.qweight.dim() == 2:
+        if layer.scales.dim() == 1:
             return super().dequantize_rows(layer, rows)
         return self.dequantize(layer)[rows]
 
     def apply(self, layer, x, bias):
-        if layer.qweight.dim() == 2:
+        if layer.scales.dim() == 1:
             return super().apply(layer, x, bias)
         return block_linear(x, layer.qweight, layer.scales, bias)
 
     def decode_stack_weight(self, layer):
-        return super().decode_stack_weight(layer) if layer.qweight.dim() == 2 else None
+        return super().decode_stack_weight(layer) if layer.scales.dim() == 1 else None
 
 
 class BlockFp8Experts:
     """The `quant_method` of a StackedExpertWeight (fulcrum.layers.moe) from a block-wise fp8 checkpoint: once loaded,
-    its weight [E, rows, I] and widened scales [E, rows, blocks] go block-major, each expert's as a linear layer's
-    (`to_block_major`), and each expert's GEMM is `block_linear`."""
+    its weight [E, rows, I] and widened scales [E, rows, blocks] take `to_row_blocks`' layout, each expert's as a
+    linear layer's, and each expert's GEMM is `block_linear`."""
 
     def __init__(self, block: tuple[int, int]):
         self.block = block
@@ -228,7 +228,7 @@ class BlockFp8Experts:
     def process_weights_after_loading(self, module: nn.Module) -> None:
         q, scales = module.weight.data, module.weight_scale_inv.data
         del module.weight, module.weight_scale_inv
-        qweight, scales = to_block_major(q, scales, self.block[1])
+        qweight, scales = to_row_blocks(q, scales, self.block[1])
         module.register_buffer("qweight", qweight)
         module.register_buffer("scales", scales)
         module.input_size = q.shape[-1]

@@ -1,5 +1,9 @@
 """The quantized GEMV computes x @ dequant(W)^T + b, the dequantized weight being the formats' reference."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -156,3 +160,36 @@ def test_vnni_int8_and_int4_match_the_dequantized_weight_on_the_quantized_input(
     assert close(cpu_qgemv_vnni.int4(x, packed, s, m, group, b), ref, tol)
     assert cpu_qgemv_vnni.usable(x) and not cpu_qgemv_vnni.usable(x.float()) and not cpu_qgemv_vnni.usable(x[:, :32])
     assert not cpu_qgemv_vnni.usable(x.repeat(cpu_qgemv_vnni.MAX_ROWS + 1, 1))  # more rows: the dense matmul
+
+
+FP8G_CHECK = """
+import torch
+from fulcrum.kernels import cpu_qgemv
+g = torch.Generator().manual_seed(1)
+for group, (o, i) in [(16, (96, 64)), (128, (130, 512)), (48, (7, 4848))]:
+    q = torch.randn(o, i, generator=g).to(torch.float8_e4m3fn)
+    q.view(torch.uint8)[0, :4] = torch.tensor([0, 0x80, 0x01, 0x87], dtype=torch.uint8)  # zeros and subnormals
+    scale = torch.rand(o, i // group, generator=g) + 0.25
+    w = (q.float().view(o, -1, group) * scale[..., None]).view(o, i)
+    assert torch.equal(cpu_qgemv.dequantize_fp8g(q, scale, group), w)
+    assert torch.equal(cpu_qgemv.dequantize_fp8g(q, scale, group, torch.bfloat16), w.bfloat16())
+    for dtype, tol in [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)]:
+        for rows in (1, 3, 4, 7, 16):
+            x, b = torch.randn(rows, i, generator=g).to(dtype), torch.randn(o, generator=g).to(dtype)
+            ref = x.float() @ w.T + b.float()
+            got = cpu_qgemv.fp8g(x, q, scale, group, b)
+            assert got.dtype == dtype and ((got.float() - ref).abs() / (ref.abs() + 1)).max() < tol, (group, rows)
+print(cpu_qgemv.level())
+"""
+
+
+@pytest.mark.parametrize("level", [None, "avx2"])
+def test_fp8_with_a_scale_per_block_of_inputs_matches_the_widened_weight(level):
+    """Block-wise fp8 checkpoints' layout (a scale per row and block of inputs) at this CPU's level and forced to
+    AVX2: the kernel reads fp8 zeros and subnormals as the format defines them, and its widening is exact."""
+    env = {k: v for k, v in os.environ.items() if k != "FULCRUM_CPU_ISA"}
+    if level:
+        env["FULCRUM_CPU_ISA"] = level
+    res = subprocess.run([sys.executable, "-c", FP8G_CHECK], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == (level or cpu_qgemv.level())

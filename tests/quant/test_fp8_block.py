@@ -117,14 +117,14 @@ def test_logits_equal_transformers_on_the_dequantized_weights(checkpoints, case)
     rows, blocks = sum(first.output_sizes), -(-first.input_size // block[1])
     if blocks == 1:  # one block of inputs: a scale per output channel, the online fp8 layout
         assert (first.qweight.shape, first.scales.shape) == ((rows, first.input_size), (rows,))
-    else:  # block-major, a scale per output channel of each block of inputs
-        assert (first.qweight.shape, first.scales.shape) == ((blocks, rows, block[1]), (blocks, rows))
+    else:  # the bytes as stored (padded to whole blocks), a scale per row and block of inputs
+        assert (first.qweight.shape, first.scales.shape) == ((rows, blocks * block[1]), (rows, blocks))
     experts = getattr(layer.mlp, "experts", None)
     if experts is not None:
-        down = experts.down_proj  # block-major too: [E, blocks, rows, b1], a scale per row of each block
+        down = experts.down_proj  # the same per expert: [E, rows, blocks * b1], a scale per row and block
         blocks = -(-down.input_size // block[1])
         assert down.qweight.dtype == torch.float8_e4m3fn and not hasattr(down, "weight")
-        assert (down.qweight.shape[:3], down.scales.shape) == ((8, blocks, 64), (8, blocks, 64))
+        assert (down.qweight.shape, down.scales.shape) == ((8, 64, blocks * block[1]), (8, 64, blocks))
     assert ours.lm_head.weight.dtype == torch.float32  # the head stays in full precision, as the releases store it
 
 
@@ -307,11 +307,11 @@ def test_unsupported_settings_fail_at_load_naming_them(checkpoints, tmp_path, ch
     ("family", "block", "sizes", "down_scales"),
     [
         # the experts' 48 inputs are 24 a rank: 3 blocks of 8
-        ("qwen3-moe", (8, 8), {}, (8, 3, 64)),
+        ("qwen3-moe", (8, 8), {}, (8, 64, 3)),
         # one KV head for two ranks: k and v replicated, each rank reading the same rows and scales
         ("qwen3", (32, 32), dict(num_key_value_heads=1), None),
         # MLA: q_b and kv_b split by heads, q_a and kv_a replicated; experts' 32 inputs 16 a rank
-        ("deepseek-v3-moe", (8, 8), {}, (8, 2, 64)),
+        ("deepseek-v3-moe", (8, 8), {}, (8, 64, 2)),
     ],
 )
 def test_tensor_parallel_splits_the_block_scales_with_the_weights(tmp_path, family, block, sizes, down_scales):

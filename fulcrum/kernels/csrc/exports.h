@@ -52,6 +52,9 @@ void fulcrum_qgemv_int8g(int64_t bf16, const void* x, const void* w, const void*
                          const void* bias, void* y, int64_t M, int64_t I, int64_t O, int64_t G);
 void fulcrum_dequant_int8g(int64_t bf16, const void* w, const void* scale, const void* offset, void* out, int64_t O,
                            int64_t I, int64_t G);
+void fulcrum_qgemv_fp8g(int64_t bf16, const void* x, const void* w, const void* scale, const void* bias, void* y,
+                        int64_t M, int64_t I, int64_t O, int64_t G);
+void fulcrum_dequant_fp8g(int64_t bf16, const void* w, const void* scale, void* out, int64_t O, int64_t I, int64_t G);
 void fulcrum_qgemv_int5(int64_t bf16, const void* x, const void* w, const void* high, const void* scale,
                         const void* offset, const void* bias, void* y, int64_t M, int64_t I, int64_t O);
 void fulcrum_dequant_int5(int64_t bf16, const void* w, const void* high, const void* scale, const void* offset,

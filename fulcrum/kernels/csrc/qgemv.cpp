@@ -150,8 +150,9 @@ static void rows_i45(const float* x, const uint8_t* w, const uint8_t* high, cons
   }
 }
 
-// int8 in groups of G (16 or 32) with a scale each and optionally an offset: per group, s * sum(q * x) + m * sum(x)
-template <int M, typename T>
+// int8 in groups of G (16 or 32) with a scale each and optionally an offset: per group, s * sum(q * x) + m * sum(x);
+// FP8: fp8 e4m3 with a scale per group of G (a multiple of the vector width; block-wise fp8 checkpoints: G = 128)
+template <int M, bool FP8, typename T>
 static void rows_i8g(const float* x, const int8_t* w, const float* scale, const float* offset, const float* xsum,
                      const T* bias, T* y, int64_t I, int64_t O, int64_t G, int64_t begin, int64_t end) {
   const int64_t ng = I / G;
@@ -166,10 +167,10 @@ static void rows_i8g(const float* x, const int8_t* w, const float* scale, const 
       for (int m = 0; m < M; ++m) gacc[m] = vzero();
       for (int64_t c = g * G; c < (g + 1) * G; c += VW) {
         prefetch_span<VW>(wr + c, c);
-        const vf wv = vload_i8(wr + c);
+        const vf wv = vload_w<FP8>(wr + c);
         for (int m = 0; m < M; ++m) gacc[m] = vfmadd(wv, vload(x + m * I + c), gacc[m]);
       }
-      const vf s = vset1(sr[g]);
+      const vf s = vset1(FP8 ? sr[g] * 256.f : sr[g]);
       for (int m = 0; m < M; ++m) acc[m] = vfmadd(gacc[m], s, acc[m]);
       if (offset)
         for (int m = 0; m < M; ++m) macc[m] += offset[o * ng + g] * xsum[m * ng + g];
@@ -229,7 +230,7 @@ static void qgemv_i45(const T* x_in, const uint8_t* w, const uint8_t* high, cons
   });
 }
 
-template <typename T>
+template <bool FP8, typename T>
 static void qgemv_i8g(const T* x_in, const int8_t* w, const float* scale, const float* offset, const T* bias, T* y,
                       int64_t M, int64_t I, int64_t O, int64_t G) {
   const int64_t ng = I / G;
@@ -244,10 +245,10 @@ static void qgemv_i8g(const T* x_in, const int8_t* w, const float* scale, const 
     const float* xs = xsum.data() + (offset ? m0 * ng : 0);
     T* ym = y + m0 * O;
     switch (n) {
-      case 1: rows_i8g<1>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
-      case 2: rows_i8g<2>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
-      case 3: rows_i8g<3>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
-      default: rows_i8g<4>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
+      case 1: rows_i8g<1, FP8>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
+      case 2: rows_i8g<2, FP8>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
+      case 3: rows_i8g<3, FP8>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
+      default: rows_i8g<4, FP8>(xm, w, scale, offset, xs, bias, ym, I, O, G, o, oe); break;
     }
   });
 }
@@ -283,8 +284,8 @@ extern "C" void fulcrum_qgemv_int8g(int64_t bf16, const void* x, const void* w, 
   using B = c10::BFloat16;
   const int8_t* q = (const int8_t*)w;
   const float *s = (const float*)scale, *m = (const float*)offset;
-  if (bf16) qgemv_i8g((const B*)x, q, s, m, (const B*)bias, (B*)y, M, I, O, G);
-  else qgemv_i8g((const float*)x, q, s, m, (const float*)bias, (float*)y, M, I, O, G);
+  if (bf16) qgemv_i8g<false>((const B*)x, q, s, m, (const B*)bias, (B*)y, M, I, O, G);
+  else qgemv_i8g<false>((const float*)x, q, s, m, (const float*)bias, (float*)y, M, I, O, G);
 }
 
 extern "C" void fulcrum_qgemv_int4(int64_t bf16, const void* x, const void* w, const void* scale,
@@ -356,15 +357,15 @@ extern "C" void fulcrum_dequant_int4(int64_t bf16, const void* w, const void* sc
   else dequant_i45<false>(q, nullptr, s, m, (float*)out, O, I, G);
 }
 
-template <typename T>
+template <bool FP8, typename T>
 static void dequant_i8g(const int8_t* q, const float* s, const float* m, T* y, int64_t O, int64_t I, int64_t G) {
   const int64_t ng = I / G;
   at::parallel_for(0, O, std::max<int64_t>(1, 65536 / I), [&](int64_t b, int64_t e) {
     for (int64_t o = b; o < e; ++o)
       for (int64_t g = 0; g < ng; ++g) {
-        const vf sv = vset1(s[o * ng + g]), mv = vset1(m ? m[o * ng + g] : 0.f);
+        const vf sv = vset1(FP8 ? s[o * ng + g] * 256.f : s[o * ng + g]), mv = vset1(m ? m[o * ng + g] : 0.f);
         for (int64_t c = g * G; c < (g + 1) * G; c += VW)
-          vstore_as(y + o * I + c, vfmadd(vload_i8(q + o * I + c), sv, mv));
+          vstore_as(y + o * I + c, vfmadd(vload_w<FP8>(q + o * I + c), sv, mv));
       }
   });
 }
@@ -373,8 +374,27 @@ extern "C" void fulcrum_dequant_int8g(int64_t bf16, const void* w, const void* s
                                       int64_t O, int64_t I, int64_t G) {
   const int8_t* q = (const int8_t*)w;
   const float *s = (const float*)scale, *m = (const float*)offset;
-  if (bf16) dequant_i8g(q, s, m, (c10::BFloat16*)out, O, I, G);
-  else dequant_i8g(q, s, m, (float*)out, O, I, G);
+  if (bf16) dequant_i8g<false>(q, s, m, (c10::BFloat16*)out, O, I, G);
+  else dequant_i8g<false>(q, s, m, (float*)out, O, I, G);
+}
+
+// fp8 e4m3 w [O, I] with a scale per row and group of G inputs, scale [O, I / G] (block-wise fp8 checkpoints, their
+// tile scales widened to rows); G a multiple of 16
+extern "C" void fulcrum_qgemv_fp8g(int64_t bf16, const void* x, const void* w, const void* scale, const void* bias,
+                                   void* y, int64_t M, int64_t I, int64_t O, int64_t G) {
+  using B = c10::BFloat16;
+  const int8_t* q = (const int8_t*)w;
+  const float* s = (const float*)scale;
+  if (bf16) qgemv_i8g<true>((const B*)x, q, s, nullptr, (const B*)bias, (B*)y, M, I, O, G);
+  else qgemv_i8g<true>((const float*)x, q, s, nullptr, (const float*)bias, (float*)y, M, I, O, G);
+}
+
+extern "C" void fulcrum_dequant_fp8g(int64_t bf16, const void* w, const void* scale, void* out, int64_t O, int64_t I,
+                                     int64_t G) {
+  const int8_t* q = (const int8_t*)w;
+  const float* s = (const float*)scale;
+  if (bf16) dequant_i8g<true>(q, s, nullptr, (c10::BFloat16*)out, O, I, G);
+  else dequant_i8g<true>(q, s, nullptr, (float*)out, O, I, G);
 }
 
 
