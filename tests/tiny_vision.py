@@ -3,15 +3,19 @@ and model classes with their real field names and saved with `save_pretrained`, 
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import torch
+from PIL import Image
 from transformers import (
     AutoModelForImageTextToText,
+    AutoTokenizer,
     Gemma3Config,
     Gemma3ForConditionalGeneration,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLImageProcessor,
 )
 
 from fulcrum.config import DEFAULT_MODEL
@@ -34,15 +38,20 @@ def _gemma3(**text):
     )  # fmt: skip
 
 
+# Qwen2.5-VL's special tokens, added to the bundled tokenizer (ids 2048 ..) as Qwen's tokenizer has them
+QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_START, QWEN_END, QWEN_IMAGE, QWEN_VIDEO = 2048, 2049, 2050, 2051
+
+
 def _qwen2_5_vl(**text):
     return Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig(
-        text_config=dict(COMMON, rope_scaling=dict(type="mrope", mrope_section=[2, 3, 3]), **text),
+        text_config=dict(COMMON, vocab_size=2056, rope_scaling=dict(type="mrope", mrope_section=[2, 3, 3]), **text),
         vision_config=dict(
             depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=COMMON["hidden_size"],
             patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[0],
         ),
-        image_token_id=IMAGE_TOKEN, video_token_id=2003, vision_start_token_id=START_TOKEN,
-        vision_end_token_id=END_TOKEN, tie_word_embeddings=False,
+        image_token_id=QWEN_IMAGE, video_token_id=QWEN_VIDEO, vision_start_token_id=QWEN_START,
+        vision_end_token_id=QWEN_END, tie_word_embeddings=False,
     )  # fmt: skip
 
 
@@ -62,7 +71,31 @@ def save_tiny_vision_model(family: str, folder: Path, seed: int = 0, **text) -> 
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     copy_tokenizer(DEFAULT_MODEL, folder)
+    if family == "qwen2_5-vl":
+        save_qwen_processor(folder)
     return folder
+
+
+def save_qwen_processor(folder: Path) -> None:
+    """Qwen2.5-VL's two processor parts: the tokenizer with its vision tokens, and Qwen2-VL's image processor at a
+    tiny size (56 x 56 to 112 x 112 pixels: 4 to 16 image tokens). Not the Qwen2_5_VLProcessor class itself:
+    transformers 5.25 wants a video processor with it, which needs torchvision (not installed)."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VISION_TOKENS})
+    assert tokenizer.convert_tokens_to_ids(QWEN_VISION_TOKENS) == [QWEN_START, QWEN_END, QWEN_IMAGE, QWEN_VIDEO]
+    tokenizer.save_pretrained(folder)
+    Qwen2VLImageProcessor(
+        size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112}, patch_size=14, temporal_patch_size=2, merge_size=2
+    ).save_pretrained(folder)
+
+
+def png(seed: int, size: tuple[int, int] = (60, 80)) -> bytes:
+    """A random RGB image as a PNG file's bytes."""
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (*size, 3), generator=g, dtype=torch.uint8).numpy()
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
 
 
 def hf_vision_model(folder: Path):
