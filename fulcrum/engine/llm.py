@@ -153,7 +153,9 @@ class LLM:
                 continue
             raw = p["multi_modal_data"].get("image", [])
             raw = [raw] if isinstance(raw, bytes) else list(raw)
-            ids, image_input = self._image_prompter(p.get("prompt", ""), raw, "multi_modal_data")
+            text = p.get("prompt", "")
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids, image_input = self._image_prompter(ids, raw, "multi_modal_data")
             out.append({"prompt": p.get("prompt"), "prompt_token_ids": ids})
             images.append(image_input)
         return out, images

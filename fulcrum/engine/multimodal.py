@@ -152,27 +152,26 @@ class ImageEncoder:
         return MultiModalInput(embeds, token_rows, spans, positions, delta)
 
 
-def image_input(image_processor, tokenizer, text: str, images: list, raw: list[bytes], mm_config, field: str):
-    """(prompt token ids, ImageInput) for `text` with one image placeholder (`<|image_pad|>`, as Qwen's chat
-    template writes it) per image: the image processor's pixel rows and grids, each placeholder expanded to its
-    image's merged patch count, as Qwen2.5-VL's processor does (built here from its two parts: transformers'
-    processor class wants a video processor, which needs torchvision)."""
-    pad = tokenizer.convert_ids_to_tokens(mm_config.image_token_id)
-    parts = text.split(pad)
-    if len(parts) - 1 != len(images):
-        raise InvalidRequestError(f"{field}: the prompt has {len(parts) - 1} image placeholders for {len(images)} "
-                                  "images", field)  # fmt: skip
+def image_input(image_processor, prompt: list[int], images: list, raw: list[bytes], mm_config, field: str):
+    """(prompt token ids, ImageInput) for a prompt with one image token (`<|image_pad|>`, as Qwen's chat template
+    writes it) per image: the image processor's pixel rows and grids, each image token repeated for its image's
+    merged patch count, as Qwen2.5-VL's processor expands it (built here from its parts: transformers' processor
+    class wants a video processor, which needs torchvision)."""
+    pad = mm_config.image_token_id
+    if prompt.count(pad) != len(images):
+        raise InvalidRequestError(f"{field}: the prompt has {prompt.count(pad)} image placeholders for "
+                                  f"{len(images)} images", field)  # fmt: skip
     out = image_processor(images=images, return_tensors="pt")
     grids = out["image_grid_thw"].tolist()
     merge = mm_config.vision_config.spatial_merge_size
-    expanded = parts[0] + "".join(pad * (t * h * w // merge**2) + part for (t, h, w), part in zip(grids, parts[1:]))
-    ids = tokenizer(expanded, add_special_tokens=False)["input_ids"]
+    counts = iter(t * h * w // merge**2 for t, h, w in grids)
+    ids = [x for token in prompt for x in ([pad] * next(counts) if token == pad else [token])]
     pixels = out["pixel_values"].float().contiguous()
     return ids, ImageInput(pixels.numpy().tobytes(), pixels.shape[1], grids, [image_hash(b) for b in raw])
 
 
-def open_images(raw: list[bytes], field: str) -> list:
-    """PIL images from image files' bytes; one that is not an image is an InvalidRequestError naming `field`."""
+def open_images(raw: list[bytes], fields: list[str]) -> list:
+    """PIL images from image files' bytes; one that is not an image is an InvalidRequestError naming its field."""
     from PIL import Image, UnidentifiedImageError
 
     images = []
@@ -181,6 +180,7 @@ def open_images(raw: list[bytes], field: str) -> list:
             image = Image.open(io.BytesIO(data))
             image.load()
         except (UnidentifiedImageError, OSError, ValueError) as e:
+            field = fields[i]
             raise InvalidRequestError(f"{field}: image {i} is not an image file PIL can read ({e})", field) from None
         images.append(image.convert("RGB"))
     return images
@@ -202,15 +202,19 @@ class ImagePrompts:
         ids = [mm.vision_start_token_id, mm.image_token_id, mm.vision_end_token_id]
         return "".join(self.tokenizer.convert_ids_to_tokens(ids))
 
-    def __call__(self, text: str, raw: list[bytes], field: str) -> tuple[list[int], ImageInput]:
+    def __call__(
+        self, prompt: list[int], raw: list[bytes], field: str, image_fields: list[str] | None = None
+    ) -> tuple[list[int], ImageInput]:
+        """`prompt`: token ids with one image token per image (the placeholder's); `field` names the request's
+        images in errors, `image_fields` each image (default: field)."""
         mm = self.model_config.multimodal_config
         if mm is None:
-            raise InvalidRequestError(f"model {self.model_config.path.name} takes no image input", field)
+            raise InvalidRequestError(f"{field}: model {self.model_config.path.name} takes no image input", field)
         if len(raw) > MAX_IMAGES:
             raise InvalidRequestError(f"{field}: {len(raw)} images; at most {MAX_IMAGES} per request", field)
         if self.image_processor is None:
             from transformers import AutoImageProcessor
 
             self.image_processor = AutoImageProcessor.from_pretrained(self.model_config.path, local_files_only=True)
-        images = open_images(raw, field)
-        return image_input(self.image_processor, self.tokenizer, text, images, raw, mm, field)
+        images = open_images(raw, image_fields or [field] * len(raw))
+        return image_input(self.image_processor, prompt, images, raw, mm, field)

@@ -31,8 +31,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     lora_name = state.check_model(req.model)
     tok = state.engine.tokenizer
     tools = ToolCalling.of(req, state.tool_call_parser)
-    ids = await off_loop(
-        state.chat_ids, req.messages, req.add_generation_prompt, tools.tools if tools else None,
+    ids, images = await off_loop(
+        state.chat_prompt, req.messages, req.add_generation_prompt, tools.tools if tools else None,
         req.chat_template_kwargs,
     )  # fmt: skip
     # a reasoning model's thought goes to reasoning_content; the rendered prompt's tail says if a block is open
@@ -58,7 +58,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         )
     check_kv_transfer_request(req.kv_transfer_params, 1, req.stream)
     run = await StartedRequest.start(
-        generate_prompts(state.engine, [(None, ids)], params, req.priority, req.kv_transfer_params, lora_name)
+        generate_prompts(state.engine, [(None, ids)], params, req.priority, req.kv_transfer_params, lora_name, images)
     )
     rid = random_id("chatcmpl")
 
