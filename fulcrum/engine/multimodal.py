@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from fulcrum.errors import InvalidRequestError, ModelLoadError
 
+IMAGE_MODEL_TYPES = ("qwen2_5_vl",)  # the vision-language models whose image input fulcrum implements
 IMAGE_CACHE_SIZE = 64  # image embeddings kept by content hash
 MAX_IMAGES = 8  # per request
 
@@ -96,7 +97,7 @@ class ImageEncoder:
     def __init__(self, mm_config, path, device, dtype: torch.dtype):
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
-        if mm_config.model_type != "qwen2_5_vl":
+        if mm_config.model_type not in IMAGE_MODEL_TYPES:
             raise ModelLoadError(f"image input is implemented for Qwen2.5-VL only, not {mm_config.model_type}")
         self.image_token = mm_config.image_token_id
         self.merge = mm_config.vision_config.spatial_merge_size
@@ -199,6 +200,8 @@ class ImagePrompts:
     def placeholder(self) -> str:
         """What stands for one image in a prompt's text."""
         mm = self.model_config.multimodal_config
+        if mm.model_type not in IMAGE_MODEL_TYPES:
+            return ""
         ids = [mm.vision_start_token_id, mm.image_token_id, mm.vision_end_token_id]
         return "".join(self.tokenizer.convert_ids_to_tokens(ids))
 
@@ -210,6 +213,9 @@ class ImagePrompts:
         mm = self.model_config.multimodal_config
         if mm is None:
             raise InvalidRequestError(f"{field}: model {self.model_config.path.name} takes no image input", field)
+        if mm.model_type not in IMAGE_MODEL_TYPES:  # Gemma 3: its text path runs, its image path is not built yet
+            raise InvalidRequestError(f"{field}: image input is implemented for Qwen2.5-VL, not {mm.model_type}",
+                                      field)  # fmt: skip
         if len(raw) > MAX_IMAGES:
             raise InvalidRequestError(f"{field}: {len(raw)} images; at most {MAX_IMAGES} per request", field)
         if self.image_processor is None:

@@ -213,7 +213,7 @@ class LlamaModel(nn.Module):
         """`hidden`: the previous pipeline stage's output, in place of the embedding after the first stage.
         `image_rows` (rows, embeddings): a vision-language prompt's image tokens, whose rows take the image's."""
         x = self.embed(input_ids) if self.first_stage else hidden
-        if image_rows is not None:
+        if image_rows is not None and self.first_stage:
             x = x.index_copy(0, image_rows[0], image_rows[1].to(x.dtype))
         rope = self.ropes(positions, x.dtype)
         stack = self._decode_stack(meta, x)

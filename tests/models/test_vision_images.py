@@ -112,3 +112,11 @@ def test_an_image_for_a_text_only_model_is_refused(tmp_path):
     with pytest.raises(InvalidRequestError, match="takes no image input"):
         llm.generate([image_prompt(png(1), text="<|image_pad|>")], GREEDY, use_tqdm=False)
     llm.close()
+
+
+def test_an_image_for_gemma3_is_refused_by_name_and_its_text_runs(tmp_path):
+    llm = LLM(str(save_tiny_vision_model("gemma3-vl", tmp_path / "g")), dtype="float32")
+    with pytest.raises(InvalidRequestError, match="implemented for Qwen2.5-VL, not gemma3"):
+        llm.generate([image_prompt(png(1), text="<|image_pad|>")], GREEDY, use_tqdm=False)
+    assert len(llm.generate(["to be"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+    llm.close()
