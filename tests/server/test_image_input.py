@@ -33,9 +33,9 @@ def data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
-def chat(url: str, parts: list, model: str = "vl") -> httpx.Response:
+def chat(url: str, parts: list, model: str = "vl", ignore_eos: bool = True) -> httpx.Response:
     body = {"model": model, "messages": [{"role": "user", "content": parts}], "max_tokens": 6, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+            "ignore_eos": ignore_eos}  # fmt: skip
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
 
 
@@ -87,3 +87,29 @@ def test_an_image_for_a_text_only_model_is_a_400(server):
     assert "takes no image input" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "messages[0].content[0].image_url"
     assert chat(server.url, [{"type": "text", "text": "hi"}], model="shakespeare").status_code == 200
+
+
+def test_responses_and_messages_routes_take_the_same_image(vl_server):
+    """Responses' input_image and Anthropic's base64 image block mean the chat route's image_url part."""
+    server, _ = vl_server
+    image = png(9, size=(84, 56))
+    b64 = base64.b64encode(image).decode()
+    parts = [{"type": "text", "text": "see "}, {"type": "image_url", "image_url": {"url": data_url(image)}}]
+    chat_text = chat(server.url, parts, ignore_eos=False)  # the other routes take no ignore_eos
+    want = chat_text.json()["choices"][0]["message"]["content"]
+    assert want  # text to compare (not an answer cut at once by the end-of-sequence token)
+    responses = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "model": "vl", "max_output_tokens": 6, "temperature": 0,
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "see "},
+                                               {"type": "input_image", "image_url": data_url(image)}]}],
+    })  # fmt: skip
+    assert responses.status_code == 200, responses.text[:600]
+    assert responses.json()["output"][-1]["content"][0]["text"] == want
+    messages = httpx.post(server.url + "/v1/messages", timeout=60, json={
+        "model": "vl", "max_tokens": 6, "temperature": 0,
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "see "},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}]}],
+    })  # fmt: skip
+    assert messages.status_code == 200, messages.text
+    assert messages.json()["content"][0]["text"] == want
