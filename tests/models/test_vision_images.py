@@ -120,3 +120,17 @@ def test_an_image_for_gemma3_is_refused_by_name_and_its_text_runs(tmp_path):
         llm.generate([image_prompt(png(1), text="<|image_pad|>")], GREEDY, use_tqdm=False)
     assert len(llm.generate(["to be"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
     llm.close()
+
+
+def test_text_and_image_prompts_in_one_batch_answer_as_alone(folder, llm):
+    """A step mixing a text prompt (its three M-RoPE streams equal) with an image prompt, either order; each image
+    new to the prefix cache, so its prefill runs in the mixed step."""
+    text = [17, 400, 23, 99, 5, 61]
+    alone_text = llm.generate([text], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    for k, image_first in enumerate([False, True]):
+        image = png(32 + k)
+        batch = [image_prompt(image), text] if image_first else [text, image_prompt(image)]
+        outs = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+        image_out, text_out = outs if image_first else outs[::-1]
+        assert text_out == alone_text
+        assert image_out == transformers_tokens(folder, PROMPT, [image], 8)
