@@ -413,7 +413,8 @@ class TextPart(OpenAIBase):
 
 class ImageUrl(StrictPart):
     url: str  # a data URL (data:image/png;base64,...): fulcrum downloads nothing
-    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; the model's processor sets the resolution
+    # the model's image processor sets the resolution: OpenAI's "low" and "high" are not implemented (a 400)
+    detail: Literal["auto"] | None = None
 
 
 class ImageUrlPart(OpenAIBase):

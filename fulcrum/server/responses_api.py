@@ -52,7 +52,7 @@ class InputImagePart(Strict):
 
     type: Literal["input_image"]
     image_url: str
-    detail: Literal["auto", "low", "high"] | None = None
+    detail: Literal["auto"] | None = None  # the model's image processor sets the resolution ("low"/"high": a 400)
 
 
 class MessageItem(Strict):

@@ -113,3 +113,12 @@ def test_responses_and_messages_routes_take_the_same_image(vl_server):
     })  # fmt: skip
     assert messages.status_code == 200, messages.text
     assert messages.json()["content"][0]["text"] == want
+
+
+def test_an_unimplemented_detail_is_a_400(vl_server):
+    server, _ = vl_server
+    part = {"type": "image_url", "image_url": {"url": data_url(png(1)), "detail": "low"}}
+    r = chat(server.url, [part])
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages.0.content")
+    part["image_url"]["detail"] = "auto"
+    assert chat(server.url, [part]).status_code == 200
