@@ -381,6 +381,7 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_origins=args.allowed_origins,
         max_body_mb=args.max_request_body_mb,
         header_timeout=args.header_timeout,
+        ui=args.ui,
     )
 
 
@@ -454,6 +455,12 @@ def build_parser() -> argparse.ArgumentParser:
         "default: none (CORS off)",
     )
     s.add_argument("--log-level", default="info")
+    s.add_argument(
+        "--no-ui",
+        dest="ui",
+        action="store_false",
+        help="no web page at / (chat playground, live dashboard, benchmark viewer)",
+    )
     s.add_argument(
         "--tool-call-parser",
         choices=sorted(TOOL_PARSERS),

@@ -17,6 +17,7 @@ from fulcrum.defaults import (  # noqa: F401  (re-exported: the engine imports t
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_MODEL,
+    FP8_BLOCK,
     INT4_GROUP_SIZES,
     KV_CACHE_DTYPES,
     ONLINE_QUANTIZATIONS,
@@ -153,12 +154,15 @@ def checkpoint_quantization(hf_config: PretrainedConfig, asked: str | None) -> s
             )
         return asked
     method = str(stated.get("quant_method", "")).lower().replace("_", "-")
+    named = method
+    if method == "fp8":  # a checkpoint's fp8 (block-wise scales), read as FP8_BLOCK; online fp8 is another format
+        method = FP8_BLOCK
     if method not in CHECKPOINT_QUANTIZATIONS:
         raise ModelLoadError(
             f"config.json's quantization_config has quant_method {method or None!r}, which fulcrum cannot read "
             f"(supported: {', '.join(CHECKPOINT_QUANTIZATIONS)})"
         )
-    if asked not in (None, method):
+    if asked not in (None, method, named):
         raise ModelLoadError(
             f"the checkpoint is already quantized ({method}), so quantization {asked!r} cannot apply: "
             f"drop it or give {method!r}"

@@ -36,6 +36,8 @@ def test_the_wheel_holds_the_models_and_kernel_sources(dist):
             assert f"fulcrum/bundled/{model}/{f}" in names
     assert "fulcrum/kernels/csrc/decode_stack.cpp" in names and "fulcrum/kernels/csrc/exports.h" in names
     assert any(n.startswith("fulcrum/plan/") and n.endswith(".json") for n in names)
+    for f in ("index.html", "app.js", "style.css"):  # the web page at /
+        assert f"fulcrum/server/ui/{f}" in names
 
 
 def test_the_installed_wheel_serves_outside_the_source_tree(dist, tmp_path):

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import functools
 import math
 import os
 import signal
@@ -76,6 +77,12 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     c = verbs.add_parser("compare", help="compare `bench serve --out` results side by side, with ratios")
     c.add_argument("results", nargs="+", help="JSON files; ratios are against the first")
     c.set_defaults(func=run_compare)
+
+    v = verbs.add_parser("view", help="open `bench serve --out` results as charts in a browser (an offline page)")
+    v.add_argument("results", nargs="+", help="JSON files (several: compared, runs matched by load label)")
+    v.add_argument("--out", default=None, help="where to write the page (default: a new file in the temp folder)")
+    v.add_argument("--no-open", dest="open", action="store_false", help="write the page, do not open a browser")
+    v.set_defaults(func=run_view)
     return b
 
 
@@ -128,6 +135,33 @@ def run_compare(args: argparse.Namespace) -> int:
         return 2
     for t in tables:
         console().print(t)
+    return 0
+
+
+def run_view(args: argparse.Namespace) -> int:
+    """One self-contained HTML file (the page of fulcrum serve's /, its bench viewer, the results inside): it needs no
+    server and no network, so it can be mailed or attached to an issue as it is."""
+    import tempfile
+    import webbrowser
+
+    from fulcrum.bench.compare import load
+    from fulcrum.utils.web_page import offline_page
+
+    try:
+        docs = [(Path(p).stem, load(p)) for p in args.results]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.out:
+        out = Path(args.out)
+    else:
+        fd, name = tempfile.mkstemp(prefix="fulcrum-bench-", suffix=".html")
+        os.close(fd)
+        out = Path(name)
+    out.write_text(offline_page(docs))
+    print(out)
+    if args.open and not webbrowser.open(out.resolve().as_uri()):
+        print(f"no browser to open here: open {out} in one", file=sys.stderr)
     return 0
 
 
@@ -197,7 +231,7 @@ async def _serve(args, loads, spec, slo, text) -> int:
     import aiohttp
 
     from fulcrum.bench import report
-    from fulcrum.bench.client import Target, discover_model
+    from fulcrum.bench.client import Target, discover_model, server_histograms, server_means
     from fulcrum.bench.loadgen import LoadGenerator, until_stop
     from fulcrum.bench.metrics import summarize, summarize_by_tag
     from fulcrum.bench.workloads import sessions
@@ -236,7 +270,7 @@ async def _serve(args, loads, spec, slo, text) -> int:
         "runs": [],
     }
 
-    def record(run) -> dict:
+    def record(run, server=None) -> dict:
         kw = dict(slo=slo, price_per_hour=args.price_per_hour, replicas=args.replicas)
         entry = {
             "label": run.load.label,
@@ -248,8 +282,13 @@ async def _serve(args, loads, spec, slo, text) -> int:
             "by_tag": summarize_by_tag(run.results, run.duration, **kw),
             "requests": report.request_records(run.results),
         }
+        if server is not None:  # the server's own histograms over the point's measured requests
+            entry["server"] = server
         doc["runs"].append(entry)
         return entry
+
+    async def scrape(into: list) -> None:
+        into.append(await server_histograms(http, args.base_url, headers))
 
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
@@ -289,11 +328,14 @@ async def _serve(args, loads, spec, slo, text) -> int:
                         http, target, extra=extra, count_tokens=count, timeout=args.request_timeout,
                         read_timeout=args.read_timeout, on_result=on_result, seed=args.seed + i,
                     )  # fmt: skip
+                    scrapes: list = []  # the server's histograms after the warm-up and after the point
                     with _watchdog(console, gen.pulse, point, args.watchdog):
                         # each point of a sweep draws fresh prompts, so a prefix cache cannot serve one from another
-                        run = await gen.run(load, sessions(replace(spec, seed=spec.seed + i), text), stop)
+                        run = await gen.run(load, sessions(replace(spec, seed=spec.seed + i), text), stop,
+                                            functools.partial(scrape, scrapes))  # fmt: skip
+                    await scrape(scrapes)
                 gen = None
-                entry = record(run)
+                entry = record(run, server_means(*scrapes) if len(scrapes) == 2 else None)
                 report.print_run(report.console(), entry)
                 doc["partial"] = run.interrupted or i + 1 < len(loads)
                 doc["stopped_by"] = STOP_SIGNALS[signals[0]] if run.interrupted else None

@@ -226,3 +226,42 @@ def _error_message(body: str | dict) -> str:
         return str(err.get("message", err) if isinstance(err, dict) else err)[:300]
     except (ValueError, AttributeError):
         return str(body)[:300]
+
+
+SERVER_HISTOGRAMS = {"ttft": "time_to_first_token_seconds", "e2e": "e2e_request_latency_seconds"}
+
+
+async def server_histograms(session: aiohttp.ClientSession, base_url: str, headers: dict) -> dict | None:
+    """The server's own TTFT and end-to-end histograms, (sum of seconds, count) each, from its /metrics: fulcrum's
+    names, else vLLM's, summed over their labels; None when the server shows neither."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        url = f"{normalize_base_url(base_url)}/metrics"
+        async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+        totals: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                totals[s.name] = totals.get(s.name, 0.0) + s.value
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError):
+        return None
+    for prefix in ("fulcrum:", "vllm:"):  # a histogram shows no series before its first request: zeros then
+        if any(name.startswith(prefix) for name in totals):
+            return {key: (totals.get(f"{prefix}{name}_sum", 0.0), totals.get(f"{prefix}{name}_count", 0.0))
+                    for key, name in SERVER_HISTOGRAMS.items()}  # fmt: skip
+    return None
+
+
+def server_means(before: dict | None, after: dict | None) -> dict | None:
+    """The server's mean TTFT and E2E (ms) over the requests it finished between two scrapes, and their count."""
+    if before is None or after is None:
+        return None
+    out: dict[str, float | None] = {}
+    for key in SERVER_HISTOGRAMS:
+        total, n = (a - b for a, b in zip(after[key], before[key]))
+        out[f"{key}_mean_ms"] = total / n * 1e3 if n > 0 else None
+    out["requests"] = after["ttft"][1] - before["ttft"][1]
+    return out

@@ -11,7 +11,7 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -136,10 +136,17 @@ class LoadGenerator:
         self.results: list[RequestResult] = []  # the measured requests so far, for `partial()`
         self.t0: float | None = None
 
-    async def run(self, load: LoadSpec, sessions: Iterable[Session], stop: asyncio.Event | None = None) -> RunResult:
+    async def run(
+        self,
+        load: LoadSpec,
+        sessions: Iterable[Session],
+        stop: asyncio.Event | None = None,
+        before_measuring: Callable[[], Awaitable[None]] | None = None,
+    ) -> RunResult:
         """Warm up, then run `load` until `num_prompts` sessions are done or `duration` is up (no new session starts
         after it). On `stop` the requests in flight are cancelled and recorded as interrupted, so a partial run is
-        kept; `partial()` gives it also when the run itself was cancelled."""
+        kept; `partial()` gives it also when the run itself was cancelled. `before_measuring` is awaited between
+        the warm-up and the measured requests."""
         it = iter(sessions)
         self.load, self.results, self.t0 = load, [], None
         if load.warmup:
@@ -149,6 +156,8 @@ class LoadGenerator:
             self.pulse.phase, self.pulse.total = "sending", source.requests
             if await until_stop(self._closed(warm, source, [], self.clock(), None, report=False), stop):
                 return RunResult(load, 0.0, 0, True)
+        if before_measuring is not None:
+            await before_measuring()
         self.pulse.reset("drawing sessions", None, "requests")
         source = SessionSource(it, load.num_prompts)
         self.pulse.phase, self.pulse.total = "sending", source.requests

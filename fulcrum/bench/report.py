@@ -73,6 +73,12 @@ def print_run(console: Console, run: dict) -> None:
             f" ms, ITL p50 {_ms(ts['itl_ms']['p50'])} p99 {_ms(ts['itl_ms']['p99'])} ms,"
             f" TPOT p50 {_ms(ts['tpot_ms']['p50'])} ms"
         )
+    server = run.get("server")
+    if server and server.get("ttft_mean_ms") is not None:
+        console.print(
+            f"  the server's own histograms ({server['requests']:.0f} req): TTFT mean {_ms(server['ttft_mean_ms'])} ms"
+            f" (here {_ms(s['ttft_ms']['mean'])}), E2E mean {_ms(server['e2e_mean_ms'])} ms (here {_ms(s['e2e_ms']['mean'])})"
+        )
     if run.get("interrupted"):
         console.print("  [bold yellow]interrupted: partial result[/]")
 

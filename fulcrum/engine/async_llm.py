@@ -89,17 +89,20 @@ class AsyncLLM:
         priority: int = 0,
         kv_transfer_params: dict | None = None,
         lora_name: str | None = None,
+        arrival_time: float | None = None,
         images: ImageInput | None = None,
     ) -> AsyncIterator[tuple[RequestOutput, dict[int, str]]]:
         """Stream (output so far, new text per sample) once per engine step until finished.
         Leaving the iteration early (client gone) aborts the request and frees its blocks.
-        `kv_transfer_params`: vLLM's P/D handshake, checked here (engine/kv_transfer/config.py)."""
+        `kv_transfer_params`: vLLM's P/D handshake, checked here (engine/kv_transfer/config.py).
+        `arrival_time` (time.time()): when the request arrived (the server's HTTP arrival), where its TTFT, end-to-end
+        and queue clocks start; now when not given."""
         if not self.healthy:
             raise EngineDeadError("the engine is not running")
         if self.num_waiting() >= self.max_waiting_requests:
             raise EngineOverloadedError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
         rid = request_id or f"req-{next(self._ids)}"
-        now = time.time()
+        now = arrival_time or time.time()
         check_task(params, self.ready.task)
         params = check_request(prompt_ids, params, priority, self.ready.max_model_len, self.ready.vocab_size)
         if kv_transfer_params is not None:
@@ -135,11 +138,15 @@ class AsyncLLM:
                 await self.abort(rid)
 
     async def encode(
-        self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams, priority: int = 0
+        self,
+        prompts: list[tuple[str | None, list[int]]],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
     ) -> list[RequestOutput]:
         """Embedding requests (`params.pooling`), one per prompt, sent to the core in one message so that they are
         scheduled together (one step when they fit its budget); their finished outputs, in order. Leaving early (the
-        client gone) aborts those not finished."""
+        client gone) aborts those not finished. `arrival_time`: as generate's."""
         if not self.healthy:
             raise EngineDeadError("the engine is not running")
         if self.num_waiting() + len(prompts) > self.max_waiting_requests:
@@ -149,7 +156,7 @@ class AsyncLLM:
         check_task(params, self.ready.task)
         checked = [check_request(ids, params, priority, self.ready.max_model_len, self.ready.vocab_size)
                    for _, ids in prompts]  # fmt: skip
-        base, now = f"emb-{next(self._ids)}", time.time()
+        base, now = f"emb-{next(self._ids)}", arrival_time or time.time()
         rids = [f"{base}-{i}" for i in range(len(prompts))]
         queue: asyncio.Queue = asyncio.Queue()
         samples = []

@@ -348,11 +348,13 @@ class AsyncCoreClient(CoreClient):
     async def _read(self, core: Core) -> None:
         try:
             while True:
-                if not await core.out.poll(WATCH_MS):
-                    if not core.proc.is_alive():
-                        raise EngineDeadError(f"{core.name} exited (code {core.proc.exitcode})")
+                try:  # a message already there is taken at once; a poll (which costs more) only waits for one
+                    payload = await core.out.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    if not await core.out.poll(WATCH_MS) and not core.proc.is_alive():
+                        raise EngineDeadError(f"{core.name} exited (code {core.proc.exitcode})") from None
                     continue
-                self._outputs.put_nowait(self._received(core, await core.out.recv()))
+                self._outputs.put_nowait(self._received(core, payload))
         except asyncio.CancelledError:
             raise
         except Exception as e:

@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from fulcrum.distributed.parallel_state import expert_parallel, tp_all_reduce, tp_rank, tp_size
-from fulcrum.errors import WeightLoadError, WeightShapeError
+from fulcrum.errors import ModelLoadError, WeightLoadError, WeightShapeError
 from fulcrum.kernels import cpu_gemv
 from fulcrum.kernels import triton as triton_kernels
 from fulcrum.layers.activation import SiluAndMul
 from fulcrum.layers.linear import LinearBase, divide
+from fulcrum.quant import formats, fp8_block
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 
@@ -95,11 +96,16 @@ class StackedExpertWeight(nn.Module):
     """One projection of every expert, stacked: weight [num_experts, sum(output_sizes), input_size], filled from the
     checkpoint's per-expert tensors (loader shard id (expert, part): part indexes output_sizes, gate 0 and up 1).
     `tp_dim` 0 splits each part's rows across tensor-parallel ranks (gate/up), 1 the input columns (down). Under
-    expert parallelism (`experts`, this rank's [first, last) of them) each rank holds its experts whole instead."""
+    expert parallelism (`experts`, this rank's [first, last) of them) each rank holds its experts whole instead.
+
+    From a block-wise fp8 checkpoint (`block`, its weight_block_size) the weight loads as float8_e4m3fn and
+    `weight_scale_inv` its tile scales widened to one per row and block of inputs, [E, rows, ceil(I / b1)]; once
+    loaded they go block-major (`qweight`, `scales`: fulcrum.quant.fp8_block.BlockFp8Experts). `linear(x, e)` is
+    expert e's GEMM either way."""
 
     def __init__(
         self, num_experts: int, input_size: int, output_sizes: list[int], tp_dim: int, dtype,
-        experts: tuple[int, int] | None = None,
+        experts: tuple[int, int] | None = None, block: tuple[int, int] | None = None,
     ):  # fmt: skip
         super().__init__()
         self.tp_dim, self.tp_rank, self.tp_size = tp_dim, tp_rank(), tp_size()
@@ -110,20 +116,48 @@ class StackedExpertWeight(nn.Module):
         self.output_sizes = [divide(s, split) for s in output_sizes] if tp_dim == 0 else list(output_sizes)
         local_input = divide(input_size, split) if tp_dim == 1 else input_size
         local_experts = self.experts[1] - self.experts[0]
+        self.block = block
         self.weight = nn.Parameter(
-            torch.empty(local_experts, sum(self.output_sizes), local_input, dtype=dtype), requires_grad=False
+            torch.empty(
+                local_experts, sum(self.output_sizes), local_input, dtype=torch.float8_e4m3fn if block else dtype
+            ),
+            requires_grad=False,
         )
         self.weight.weight_loader = self.weight_loader
+        if block:
+            if tp_dim == 1 and split > 1 and local_input % block[1]:
+                raise ModelLoadError(
+                    f"tensor parallel {split} splits the experts' {input_size} inputs into {local_input} per rank, not "
+                    f"a multiple of the checkpoint's fp8 block of {block[1]} inputs; use a size that divides the blocks"
+                )
+            blocks = -(-local_input // block[1])
+            self.weight_scale_inv = nn.Parameter(
+                torch.empty(local_experts, sum(self.output_sizes), blocks, dtype=torch.float32), requires_grad=False
+            )
+            self.weight_scale_inv.weight_loader = self.scale_loader
+            self.quant_method = fp8_block.BlockFp8Experts(block)  # block-major once loaded (finish_loading)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, int] | None = None) -> None:
+    def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, int] | None = None) -> None:
+        rows, cols = self.full_shapes[shard[1]] if shard is not None else (0, 0)
+        expected = (-(-rows // self.block[0]), -(-cols // self.block[1]))
+        if shard is not None and tuple(loaded.shape) != expected:  # one scale per [b0, b1] tile
+            raise WeightShapeError(expected, tuple(loaded.shape))
+        self.weight_loader(param, formats.fp8_block_rows(loaded, self.block[0], rows), shard, (rows, expected[1]))
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, int] | None = None, full=None
+    ) -> None:
         if shard is None:
             raise WeightLoadError(
                 f"a stacked tensor {tuple(loaded.shape)} for all experts; fulcrum loads one tensor per expert "
                 "(experts.<e>.<proj>.weight, as transformers saves them)"
             )
         expert, part = shard
-        if tuple(loaded.shape) != self.full_shapes[part]:  # checked whole, before a rank's slice hides the size
-            raise WeightShapeError(self.full_shapes[part], tuple(loaded.shape))
+        full = full or self.full_shapes[part]
+        if tuple(loaded.shape) != full:  # checked whole, before a rank's slice hides the size
+            raise WeightShapeError(full, tuple(loaded.shape))
+        if param.dtype == torch.float8_e4m3fn and loaded.dtype != param.dtype:
+            raise WeightLoadError(f"dtype {loaded.dtype}, a block-wise fp8 checkpoint stores it as float8_e4m3fn")
         first, last = self.experts
         if not first <= expert < last:
             return  # another expert-parallel rank's
@@ -131,6 +165,18 @@ class StackedExpertWeight(nn.Module):
             loaded = loaded.chunk(self.split, self.tp_dim)[self.tp_rank]
         offset = sum(self.output_sizes[:part])
         param.data[expert - first].narrow(0, offset, self.output_sizes[part]).copy_(loaded)
+
+    def linear(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """x @ W^T with local expert `index`'s weight W [rows, inputs]."""
+        if self.block is None:
+            return cpu_gemv.linear(x, self.weight[index])
+        return fp8_block.block_linear(x, self.qweight[index], self.scales[index])
+
+    def expert(self, index: int) -> torch.Tensor:
+        """Local expert `index`'s weight [rows, inputs], fp8 ones widened to fp32 (a reference for tests)."""
+        if self.block is None:
+            return self.weight[index]
+        return fp8_block.widen_blocks(self.qweight[index], self.scales[index], torch.float32)[:, : self.input_size]
 
 
 class FusedExperts(nn.Module):
@@ -142,7 +188,16 @@ class FusedExperts(nn.Module):
     Every rank has every token (attention's all-reduce left them replicated), so no dispatch is needed: each computes
     its experts' share and the block's all-reduce sums the shares, as it sums the slices under plain TP."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype=None):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype=None,
+        block: tuple[int, int] | None = None,
+    ):
+        """`block`: a block-wise fp8 checkpoint's weight_block_size (fulcrum.quant.expert_format), None for full
+        precision."""
         super().__init__()
         dtype = dtype or torch.get_default_dtype()
         self.num_experts = num_experts
@@ -154,15 +209,16 @@ class FusedExperts(nn.Module):
             first = tp_rank() * base + min(tp_rank(), extra)
             self.local = (first, first + base + (tp_rank() < extra))
         self.gate_up_proj = StackedExpertWeight(
-            num_experts, hidden_size, [intermediate_size, intermediate_size], 0, dtype, self.local
+            num_experts, hidden_size, [intermediate_size, intermediate_size], 0, dtype, self.local, block
         )
-        self.down_proj = StackedExpertWeight(num_experts, intermediate_size, [hidden_size], 1, dtype, self.local)
+        self.down_proj = StackedExpertWeight(num_experts, intermediate_size, [hidden_size], 1, dtype, self.local, block)
+        self.block = block
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] -> sum over each token's k experts of weight * expert(x), [T, H] (under
         tensor parallelism this rank's partial sum, which the caller all-reduces)."""
-        if triton_kernels.usable(x) and self.local is None:
+        if triton_kernels.usable(x) and self.local is None and self.block is None:
             # both GEMMs as grouped Triton kernels over the expert-sorted slots, with no host sync (CUDA graphs)
             from fulcrum.kernels.triton import moe as triton_moe
 
@@ -176,7 +232,6 @@ class FusedExperts(nn.Module):
         slot_weights = topk_weights.flatten()[order, None]
         first, last = self.local or (0, self.num_experts)
         ys = torch.empty_like(xs) if self.local is None else torch.zeros_like(xs)  # others' slots add nothing here
-        w13, w2 = self.gate_up_proj.weight, self.down_proj.weight
         start = 0
         for expert, n in enumerate(counts):
             if not n:
@@ -185,7 +240,8 @@ class FusedExperts(nn.Module):
             if not first <= expert < last:
                 start = end
                 continue
-            h = cpu_gemv.linear(self.act(cpu_gemv.linear(xs[start:end], w13[expert - first])), w2[expert - first])
+            local = expert - first
+            h = self.down_proj.linear(self.act(self.gate_up_proj.linear(xs[start:end], local)), local)
             ys[start:end] = h * slot_weights[start:end]  # the float32 weight, rounded with the product
             start = end
         # back to (token, choice) order; a token's k contributions summed in float32 and rounded once (index_add_

@@ -23,6 +23,7 @@ from fulcrum.layers.rotary import RotaryEmbedding, apply_rotary
 from fulcrum.models.llama import LlamaForCausalLM, LlamaMLP
 from fulcrum.models.mixtral import check_silu
 from fulcrum.models.qwen_moe import with_intermediate_size
+from fulcrum.quant import expert_format
 
 # transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default, not config.rms_norm_eps
 LATENT_NORM_EPS = 1e-6
@@ -135,7 +136,9 @@ class DeepseekDecoderLayer(nn.Module):
                 shared = LlamaMLP(shared_cfg, bias, dtype, quant, f"{prefix}.shared_experts")
             self.mlp = SparseMoeBlock(
                 family.router(cfg, dtype),
-                FusedExperts(n, cfg.hidden_size, cfg.moe_intermediate_size, dtype),
+                FusedExperts(
+                    n, cfg.hidden_size, cfg.moe_intermediate_size, dtype, expert_format(quant, f"{prefix}.experts")
+                ),
                 shared_expert=shared,
                 shared_expert_name="shared_experts",
             )

@@ -14,6 +14,7 @@ from fulcrum.errors import ModelLoadError
 from fulcrum.layers.layernorm import RMSNorm
 from fulcrum.layers.moe import FusedExperts, SparseMoeBlock, TopKRouter, expert_params_mapping
 from fulcrum.models.llama import LlamaAttention, LlamaForCausalLM
+from fulcrum.quant import expert_format
 
 
 def check_silu(cfg: PretrainedConfig) -> None:
@@ -30,7 +31,13 @@ class MixtralDecoderLayer(nn.Module):
         n = cfg.num_local_experts
         self.block_sparse_moe = SparseMoeBlock(
             TopKRouter(cfg.hidden_size, n, cfg.num_experts_per_tok, renormalize=True, dtype=dtype),
-            FusedExperts(n, cfg.hidden_size, cfg.intermediate_size, dtype),
+            FusedExperts(
+                n,
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                dtype,
+                expert_format(quant, f"model.layers.{layer_idx}.block_sparse_moe.experts"),
+            ),  # fmt: skip
         )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)

@@ -16,6 +16,7 @@ from fulcrum.layers.layernorm import RMSNorm
 from fulcrum.layers.moe import FusedExperts, SparseMoeBlock, TopKRouter
 from fulcrum.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from fulcrum.models.mixtral import MixtralForCausalLM, check_silu
+from fulcrum.quant import expert_format
 
 
 def is_sparse_layer(cfg: PretrainedConfig, layer_idx: int) -> bool:
@@ -50,7 +51,9 @@ class QwenMoeDecoderLayer(nn.Module):
                 shared = LlamaMLP(shared_cfg, False, dtype, quant, f"{prefix}.shared_expert")
             self.mlp = SparseMoeBlock(
                 TopKRouter(cfg.hidden_size, n, cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob, dtype=dtype),
-                FusedExperts(n, cfg.hidden_size, cfg.moe_intermediate_size, dtype),
+                FusedExperts(
+                    n, cfg.hidden_size, cfg.moe_intermediate_size, dtype, expert_format(quant, f"{prefix}.experts")
+                ),
                 shared_expert=shared,
                 shared_expert_name="shared_expert",
                 shared_expert_gate=shared is not None,

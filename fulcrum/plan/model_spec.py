@@ -72,6 +72,9 @@ class ModelSpec:
     # what a pre-quantized checkpoint stores its linear weights as (quantization_config), in plan's names
     weight_format: str | None = None
     norms_per_layer: int = 2  # RMSNorms around attention and MLP: Gemma 2/3 have four (before and after each)
+    # a block-wise fp8 checkpoint's weight_block_size (quant_method "fp8": DeepSeek-V3, Qwen3-FP8): its linear
+    # weights are counted as the engine holds them (`weight_bytes`), not every parameter at weight_format
+    weight_block: tuple[int, int] | None = None
 
     @property
     def attention_kind(self) -> str:
@@ -105,6 +108,8 @@ def checkpoint_weight_format(cfg: dict) -> str | None:
     for another or none. Every parameter is then counted at it, the LM head and ignored modules too (a few %)."""
     q = cfg.get("quantization_config") or {}
     method = str(q.get("quant_method", "")).lower().replace("_", "-")
+    if method == "fp8" and q.get("weight_block_size"):
+        return "fp8"
     if method in ("gptq", "awq"):
         return {4: "int4", 8: "int8"}.get(q.get("bits") or q.get("w_bit") or 4)
     if method == "compressed-tensors":
@@ -159,7 +164,7 @@ def from_config(cfg: dict, name: str = "model") -> ModelSpec:
     if not isinstance(cfg, dict):
         raise ValueError("config.json must hold a JSON object")
     weight_format = checkpoint_weight_format(cfg)
-    cfg = cfg.get("text_config", cfg)  # multimodal configs keep the language model's fields there
+    cfg_outer, cfg = cfg, cfg.get("text_config", cfg)  # multimodal configs keep the language model's fields there
     check_config(cfg)
     ns = SimpleNamespace(**cfg)
     mla = None
@@ -210,8 +215,16 @@ def from_config(cfg: dict, name: str = "model") -> ModelSpec:
         moe=moe,
         max_position_embeddings=cfg.get("max_position_embeddings"),
         weight_format=weight_format,
+        weight_block=_weight_block(cfg_outer),
         norms_per_layer=4 if model_type in ("gemma2", "gemma3", "gemma3_text") else 2,
     )
+
+
+def _weight_block(cfg: dict) -> tuple[int, int] | None:
+    q = cfg.get("quantization_config") or {}
+    block = q.get("weight_block_size") if str(q.get("quant_method", "")).lower() == "fp8" else None
+    ok = isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)
+    return (block[0], block[1]) if ok else None
 
 
 def _dense_moe_layers(cfg: dict) -> int:
@@ -327,3 +340,83 @@ def kv_bytes_per_sequence(s: ModelSpec, length: int, kv_dtype: str = "bf16") -> 
     """One sequence of `length` tokens; sliding-window layers keep only their window."""
     per = kv_bytes_per_token_layer(s, kv_dtype)
     return sum(per * min(length, w or length) for w in s.windows)
+
+
+# -- resident weight bytes -------------------------------------------------------------------------
+
+
+FP8_SCALE_BYTES = 4  # a block-wise fp8 checkpoint's scales, fp32, widened by the engine to one per row and block
+
+
+def fp8_block_matrices(s: ModelSpec) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(out, in) of the linear weights a block-wise fp8 checkpoint stores in fp8: (every layer's, one routed expert's
+    three). Not the LM head, embedding, norms or routers (full precision there), nor MLA's kv_b_proj, which the
+    engine widens to the model's dtype at load (its W_UK and W_UV)."""
+    h = s.hidden
+    attn: list[tuple[int, int]] = []
+    if s.mla:
+        m = s.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = [(m.q_lora_rank, h), (s.num_heads * qk, m.q_lora_rank)] if m.q_lora_rank else [(s.num_heads * qk, h)]
+        attn = [*q, (m.kv_lora_rank + m.qk_rope_head_dim, h), (h, s.num_heads * m.v_head_dim)]
+    else:
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        attn = [(q, h), (kv, h), (kv, h), (h, q)]
+
+    def mlp(i: int) -> list[tuple[int, int]]:
+        return [(i, h), (i, h), (h, i)]
+
+    layers = attn * s.num_layers
+    expert: list[tuple[int, int]] = []
+    if s.moe:
+        m = s.moe
+        layers += mlp(s.intermediate) * m.dense_layers
+        sparse = s.num_layers - m.dense_layers
+        if m.shared_intermediate:
+            layers += mlp(m.shared_intermediate) * sparse
+        expert = mlp(m.expert_intermediate)
+    else:
+        layers += mlp(s.intermediate) * s.num_layers
+    return layers, expert
+
+
+def fp8_block_bytes(s: ModelSpec, matrices: list[tuple[int, int]]) -> float:
+    """One byte per weight and an fp32 scale per row and block of inputs; a matrix with several blocks of inputs is
+    held block-major, a last block cut short padded to a whole one."""
+    cols = s.weight_block[1]
+    total = 0
+    for o, i in matrices:
+        blocks = -(-i // cols)
+        total += o * (blocks * cols if blocks > 1 else i) + FP8_SCALE_BYTES * o * blocks
+    return total
+
+
+def weight_bytes(s: ModelSpec, weight_dtype: str) -> float:
+    """Bytes the weights take in memory: every parameter at `weight_dtype`; a block-wise fp8 checkpoint read as it
+    is (weight_dtype its fp8), its fp8 linear weights with their scales and the rest at the model's dtype."""
+    total = parameter_counts(s).total
+    if s.weight_block is None or weight_dtype != s.weight_format:
+        return total * DTYPE_BYTES[weight_dtype]
+    layers, expert = fp8_block_matrices(s)
+    sparse = s.num_layers - s.moe.dense_layers if s.moe else 0
+    experts = s.moe.num_experts * sparse if s.moe else 0
+    fp8_params = sum(o * i for o, i in layers) + experts * sum(o * i for o, i in expert)
+    fp8 = fp8_block_bytes(s, layers) + experts * fp8_block_bytes(s, expert)
+    return fp8 + (total - fp8_params) * DTYPE_BYTES[s.dtype]
+
+
+def expert_bytes(s: ModelSpec, weight_dtype: str) -> float:
+    """One routed expert of one layer, as `weight_bytes` counts it."""
+    m = s.moe
+    if s.weight_block is not None and weight_dtype == s.weight_format:
+        return fp8_block_bytes(s, fp8_block_matrices(s)[1])
+    return _mlp(s.hidden, m.expert_intermediate, m.biases) * DTYPE_BYTES[weight_dtype]
+
+
+def active_weight_bytes(s: ModelSpec, weight_dtype: str) -> float:
+    """What one token's forward pass reads of `weight_bytes`: all but the routed experts it does not use."""
+    if not s.moe:
+        return weight_bytes(s, weight_dtype)
+    m = s.moe
+    unused = (m.num_experts - m.experts_per_token) * (s.num_layers - m.dense_layers)
+    return weight_bytes(s, weight_dtype) - unused * expert_bytes(s, weight_dtype)

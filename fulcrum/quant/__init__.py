@@ -43,6 +43,13 @@ def method_factory(
     return lambda prefix: Int4Method(group_size)
 
 
+def expert_format(quant: Callable, prefix: str) -> tuple[int, int] | None:
+    """How a MoE layer's routed experts at `prefix` ("model.layers.3.mlp.experts") are stored: a block-wise fp8
+    checkpoint's weight_block_size, or None for full precision (every other format quantizes linear layers only)."""
+    experts = getattr(quant, "experts", None)
+    return experts(prefix) if experts is not None else None
+
+
 def describe(quantization: str | None, group_size: int = 128, checkpoint: dict | None = None) -> str:
     """One line for the startup log: "int4 (group 128)", "gptq int4 (group 128, desc_act)" (a checkpoint's
     format needs its quantization_config, `checkpoint`, for the details)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fulcrum.config import INT4_GROUP_SIZES
+from fulcrum.config import FP8_BLOCK, INT4_GROUP_SIZES
 from fulcrum.errors import ModelLoadError, WeightLoadError, WeightShapeError
 from fulcrum.quant import formats
 from fulcrum.quant.online import Int4Method, Int8Method
@@ -249,6 +249,8 @@ def checkpoint_format(quantization: str, config: dict) -> CheckpointFormat:
         from fulcrum.quant.gptq import GPTQFormat as fmt
     elif quantization == "awq":
         from fulcrum.quant.awq import AWQFormat as fmt
+    elif quantization == FP8_BLOCK:
+        from fulcrum.quant.fp8_block import BlockFp8Format as fmt
     else:
         from fulcrum.quant.compressed_tensors import CompressedTensorsFormat as fmt
     return fmt(config)
@@ -278,4 +280,6 @@ def checkpoint_factory(
             )
         return None if schemes[0] is None else fmt.method(schemes[0], prefix, names)
 
+    if hasattr(fmt, "experts"):  # a format that stores MoE experts quantized (fulcrum.quant.expert_format)
+        quant.experts = fmt.experts
     return quant

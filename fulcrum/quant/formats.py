@@ -36,6 +36,45 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 e4m3 with one fp32 scale per [block[0], block[1]] tile (the last ones cut short where a size is not a
+    multiple), as DeepSeek-V3 and Qwen3-FP8 checkpoints store them: (q [O, I] float8_e4m3fn, scale_inv
+    [ceil(O / b0), ceil(I / b1)]), W ~ q * scale_inv of its tile. For tests: such checkpoints come quantized."""
+    out_f, in_f = w.shape
+    rows, cols = block
+    scale = torch.empty(-(-out_f // rows), -(-in_f // cols), dtype=torch.float32)
+    q = torch.empty(out_f, in_f, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            tile = w[i * rows : (i + 1) * rows, j * cols : (j + 1) * cols].float()
+            s = tile.abs().amax().clamp(min=1e-12) / FP8_MAX
+            scale[i, j] = s
+            q[i * rows : (i + 1) * rows, j * cols : (j + 1) * cols] = (tile / s).clamp(-FP8_MAX, FP8_MAX).to(q.dtype)
+    return q, scale
+
+
+def fp8_block_rows(scale_inv: torch.Tensor, block_rows: int, out_f: int) -> torch.Tensor:
+    """[ceil(O / b0), n] tile scales -> [O, n]: each weight row's scale per block of inputs (exact: a row's scales
+    are its tile row's)."""
+    return scale_inv.float().repeat_interleave(block_rows, dim=0)[:out_f]
+
+
+def dequantize_fp8_groups(q: torch.Tensor, scales: torch.Tensor, block_cols: int) -> torch.Tensor:
+    """q [O, I] float8_e4m3fn with scales [O, ceil(I / b1)], one per row and block of inputs -> fp32 [O, I]."""
+    out_f, in_f = q.shape
+    blocks = scales.shape[1]
+    w = q.float()
+    if blocks * block_cols != in_f:  # the last block is cut short
+        w = torch.nn.functional.pad(w, (0, blocks * block_cols - in_f))
+    w = (w.view(out_f, blocks, block_cols) * scales[..., None]).view(out_f, -1)
+    return w if w.shape[1] == in_f else w[:, :in_f].contiguous()
+
+
+def dequantize_fp8_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """A block-wise fp8 checkpoint tensor (quantize_fp8_blocks' layout) as fp32 [O, I]."""
+    return dequantize_fp8_groups(q, fp8_block_rows(scale_inv, block[0], q.shape[0]), block[1])
+
+
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric group-wise int4 (a zero point per group, as GPTQ and AWQ store it): q in 0..15 with
     W ~ q * scale + offset per group of `group_size` inputs. Returns (packed [O, I/2] uint8, scale, offset [O, I/G])."""

@@ -10,6 +10,7 @@ import functools
 import json
 import logging
 import socket
+import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from fulcrum.router.metrics import RouterMetrics
 from fulcrum.router.policies import NEEDS_TOKENS, POLICIES, Decision
 from fulcrum.router.pool import Pool, Replica
 from fulcrum.router.tokens import PromptTokenizer, hasher
+from fulcrum.utils import web_page
 
 log = logging.getLogger("fulcrum.router")
 OPEN_PATHS = {"/health", "/ping", "/metrics", "/version", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"}
@@ -278,8 +280,27 @@ class Router:
             await asyncio.sleep(5)
 
 
-def build_app(router: Router, autoscaler=None) -> FastAPI:
-    """`autoscaler` (fulcrum/router/autoscaler.py) runs beside the router and owns the pool's replicas."""
+class KeyGate:
+    """ASGI middleware: the API key on every API route, as the server asks it (health, metrics, the docs and the
+    web page stay open). Plain ASGI: Starlette's BaseHTTPMiddleware would pass every proxied chunk through a memory
+    stream and a task of its own."""
+
+    def __init__(self, app, key: str | None, ui: bool = True):
+        self.app, self.key, self.ui = app, key, ui
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if (scope["type"] == "http" and self.key and path not in OPEN_PATHS
+                and not (self.ui and web_page.is_page_path(path))):  # fmt: skip
+            scheme, _, token = Request(scope).headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or token.strip() != self.key:
+                return await error(401, "invalid or missing API key")(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def build_app(router: Router, autoscaler=None, ui: bool = True) -> FastAPI:
+    """`autoscaler` (fulcrum/router/autoscaler.py) runs beside the router and owns the pool's replicas; `ui`: the
+    web page at / (its dashboard shows the replicas and the autoscaler's decisions)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -301,14 +322,7 @@ def build_app(router: Router, autoscaler=None) -> FastAPI:
     http_errors.install(app)  # the server's error layer: every error in OpenAI's shape, never {"detail": ...}
     app.openapi = lambda: http_errors.openapi_schema(app)
 
-    @app.middleware("http")
-    async def gate(request: Request, call_next):
-        """The API key on every API route, as the server asks it (health, metrics and the docs stay open)."""
-        if router.cfg.api_key and request.url.path not in OPEN_PATHS:
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or token.strip() != router.cfg.api_key:
-                return error(401, "invalid or missing API key")
-        return await call_next(request)
+    app.add_middleware(KeyGate, key=router.cfg.api_key, ui=ui)
 
     async def generate(request: Request, path: str, endpoint: str, schema):
         raw = await request.body()
@@ -364,4 +378,16 @@ def build_app(router: Router, autoscaler=None) -> FastAPI:
     async def metrics():
         return Response(generate_latest(router.metrics.collect()), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/autoscaler/decisions")
+    async def scaler_decisions():
+        """The autoscaler's scale events, oldest first, with wall-clock times (the page's dashboard lists them)."""
+        if autoscaler is None:
+            return {"autoscaler": False, "decisions": []}
+        offset = time.time() - time.monotonic()
+        return {"autoscaler": True, "decisions": [
+            {"time": e.at + offset, "from": e.replicas + (-1 if e.kind == "up" else 1), "to": e.replicas,
+             "kind": e.kind, "reason": e.reason} for e in autoscaler.events[-100:]]}  # fmt: skip
+
+    if ui:
+        web_page.add_routes(app)
     return app

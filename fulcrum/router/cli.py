@@ -32,6 +32,12 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="forward fields fulcrum's schemas refuse (a vLLM or SGLang pool)")  # fmt: skip
     g.add_argument("--api-key", default=None)
     g.add_argument("--log-level", default="info")
+    g.add_argument(
+        "--no-ui",
+        dest="ui",
+        action="store_false",
+        help="no web page at / (the dashboard of the replicas, a chat playground, a benchmark viewer)",
+    )
     k = p.add_argument_group("KV-cache events (kv-events policy; weighted uses them when given)")
     k.add_argument("--kv-events-endpoint", action="append", default=[], metavar="ENDPOINT",
                    help="a replica's ZeroMQ events endpoint, e.g. tcp://host:5557: one per --replica, in order")  # fmt: skip
@@ -80,13 +86,13 @@ def _router(args) -> int:
     from fulcrum.router.pool import Pool
 
     if args.prefill or args.decode:
-        app = build_app(_pd_router(args))
+        app = build_app(_pd_router(args), ui=args.ui)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
         return 0
     if not args.replica and not args.discover:
         raise SystemExit("fulcrum router: give --replica URL (one or more) or --discover HOST:PORT")
     pool = Pool(args.replica or [], interval=args.scrape_interval, stale_after=args.stale_after)
-    app = build_app(Router(pool, router_config(args)))
+    app = build_app(Router(pool, router_config(args)), ui=args.ui)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -187,7 +193,7 @@ def _autoscale(args) -> int:
                          "replica's --serve-arg '--kv-events-config ...' on that port (one replica per node)")  # fmt: skip
     router = Router(pool, router_config(args, backend_events=args.backend == "local"))
     autoscaler = Autoscaler(pool, make_backend(args, router.cfg), cfg)
-    uvicorn.run(build_app(router, autoscaler), host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(build_app(router, autoscaler, ui=args.ui), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 

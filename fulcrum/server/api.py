@@ -32,7 +32,9 @@ from fulcrum.server import anthropic_messages, embeddings, lora_routes, response
 from fulcrum.server.chat import create_chat_completion
 from fulcrum.server.completions import create_completion
 from fulcrum.server.limits import BodyLimit, off_loop
+from fulcrum.server.stages import StampArrival
 from fulcrum.server.state import ServerState
+from fulcrum.utils import web_page
 
 OPEN_PATHS = {"/health", "/metrics", "/version", "/ping", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"}
 
@@ -48,7 +50,39 @@ def authorized(request: Request, api_key: str) -> bool:
     return (scheme.lower() == "bearer" and token.strip() == api_key) or request.headers.get("x-api-key") == api_key
 
 
-def build_app(state: ServerState) -> FastAPI:
+class Gate:
+    """ASGI middleware: the checks every API request passes before its body is read (key, shutdown, media type);
+    the web page's files (`ui`) are open, as the page asks for the key itself. Plain ASGI, not Starlette's
+    BaseHTTPMiddleware, which passes every streamed chunk through a memory stream and a task switch of its own."""
+
+    def __init__(self, app, state: ServerState, ui: bool = True):
+        self.app, self.state, self.ui = app, state, ui
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path not in OPEN_PATHS and not (self.ui and web_page.is_page_path(path)):
+            refusal = self.refusal(Request(scope))
+            if refusal is not None:
+                return await refusal(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def refusal(self, request: Request) -> Response | None:
+        state = self.state
+        if state.api_key and not authorized(request, state.api_key):
+            if request.url.path.startswith("/v1/messages"):
+                return anthropic_messages.error(401, "invalid or missing API key")
+            return error(401, "invalid or missing API key")
+        if state.draining:
+            return error_of(ShuttingDownError("the server is shutting down; retry on another replica"))
+        content_type = request.headers.get("content-type")
+        if request.method == "POST" and content_type and not is_json(content_type):
+            return error(415, f"the request body must be application/json, not {content_type!r}")
+        return None
+
+
+def build_app(state: ServerState, ui: bool = True) -> FastAPI:
+    """`ui`: the web page at / (fulcrum/server/ui/); `fulcrum serve --no-ui` leaves it out."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if state.engine.ready is None:
@@ -62,22 +96,9 @@ def build_app(state: ServerState) -> FastAPI:
     errors.install(app)
     app.openapi = lambda: errors.openapi_schema(app)
 
-    @app.middleware("http")
-    async def gate(request: Request, call_next):
-        """Checks every API request passes before its body is read: key, shutdown, media type."""
-        if request.url.path not in OPEN_PATHS:
-            if state.api_key and not authorized(request, state.api_key):
-                if request.url.path.startswith("/v1/messages"):
-                    return anthropic_messages.error(401, "invalid or missing API key")
-                return error(401, "invalid or missing API key")
-            if state.draining:
-                return error_of(ShuttingDownError("the server is shutting down; retry on another replica"))
-            content_type = request.headers.get("content-type")
-            if request.method == "POST" and content_type and not is_json(content_type):
-                return error(415, f"the request body must be application/json, not {content_type!r}")
-        return await call_next(request)
-
     app.add_middleware(BodyLimit, max_bytes=state.max_body_bytes)
+    app.add_middleware(Gate, state=state, ui=ui)  # before the body is read
+    app.add_middleware(StampArrival)  # outside the body's reading: the clocks start when the request arrives
     if state.allowed_origins:  # added last, so outermost: a browser's preflight carries no API key
         app.add_middleware(
             CORSMiddleware, allow_origins=state.allowed_origins, allow_methods=["*"], allow_headers=["*"]
@@ -122,7 +143,9 @@ def build_app(state: ServerState) -> FastAPI:
         """OpenAI's embeddings, from an embedding model (fulcrum/server/embeddings.py)."""
         return await embeddings.create_embedding(state, request)
 
-    lora_routes.add(app, state)  # vLLM's load/unload routes, when runtime updating is allowed
+    lora_routes.add(app, state)
+    if ui:  # the page loads without the key; it asks for the key and sends it on its API calls
+        web_page.add_routes(app)  # vLLM's load/unload routes, when runtime updating is allowed
 
     @app.get("/health", responses={503: {"description": "the engine is not running, or the server is draining"}})
     async def health():

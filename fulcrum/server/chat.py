@@ -20,6 +20,7 @@ from fulcrum.protocol import (
 from fulcrum.server.limits import off_loop
 from fulcrum.server.logprobs import chat_logprobs, prompt_logprobs
 from fulcrum.server.reasoning import make_parser
+from fulcrum.server.stages import StageClock
 from fulcrum.server.state import ServerState, sampling_params
 from fulcrum.server.streaming import StartedRequest, check_kv_transfer_request, generate_prompts, usage_of
 from fulcrum.server.tools import ToolCalling, delta_calls, response_calls
@@ -28,6 +29,8 @@ from fulcrum.server.tools import ToolCalling, delta_calls, response_calls
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request, stream_as=None):
     """The chat completion, whole or streamed as SSE; `stream_as` (another API on this path, such as Anthropic's
     messages): a function of the chunk events that returns the response to stream instead."""
+    clock = StageClock(request, state.metrics.frontend)
+    clock.mark("receive")
     lora_name = state.check_model(req.model)
     tok = state.engine.tokenizer
     tools = ToolCalling.of(req, state.tool_call_parser)
@@ -35,6 +38,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         state.chat_prompt, req.messages, req.add_generation_prompt, tools.tools if tools else None,
         req.chat_template_kwargs,
     )  # fmt: skip
+    clock.mark("tokenize")
     # a reasoning model's thought goes to reasoning_content; the rendered prompt's tail says if a block is open
     prompt_tail = tok.decode(ids[-8:]) if state.reasoning_parser else ""
 
@@ -57,9 +61,11 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             skip_special_tokens=params.skip_special_tokens and tools.skip_special_tokens,
         )
     check_kv_transfer_request(req.kv_transfer_params, 1, req.stream)
+    clock.mark("params")
     run = await StartedRequest.start(
-        generate_prompts(state.engine, [(None, ids)], params, req.priority, req.kv_transfer_params, lora_name, images)
-    )
+        generate_prompts(state.engine, [(None, ids)], params, req.priority, req.kv_transfer_params, lora_name,
+                         clock.arrival, images)
+    )  # fmt: skip
     rid = random_id("chatcmpl")
 
     if req.stream:

@@ -10,11 +10,14 @@ from fulcrum.errors import InvalidRequestError
 from fulcrum.protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
 from fulcrum.server.limits import off_loop
 from fulcrum.server.logprobs import completion_logprobs, echo_logprobs, joined, prompt_logprobs
+from fulcrum.server.stages import StageClock
 from fulcrum.server.state import ServerState, sampling_params
 from fulcrum.server.streaming import StartedRequest, check_kv_transfer_request, generate_prompts, usage_of
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request):
+    clock = StageClock(request, state.metrics.frontend)
+    clock.mark("receive")
     lora_name = state.check_model(req.model)
     if req.best_of not in (None, req.n):
         raise InvalidRequestError("best_of other than n is not supported", param="best_of")
@@ -22,6 +25,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         raise InvalidRequestError("max_tokens 0 (scoring the prompt) is not supported with stream", "max_tokens")
     tok = state.engine.tokenizer
     prompts = await off_loop(tokenize_prompts, req.prompt, tok)
+    clock.mark("tokenize")
     k = req.logprobs
     score_echo = req.echo and k is not None
     wanted = [x for x in (req.prompt_logprobs, k if score_echo else None) if x is not None]
@@ -30,8 +34,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     # off the event loop: checking a grammar builds it
     params = await off_loop(sampling_params, req, 1 if zero else req.max_tokens, k, max(wanted) if wanted else None)
     check_kv_transfer_request(req.kv_transfer_params, len(prompts), req.stream)
+    clock.mark("params")
     run = await StartedRequest.start(
-        generate_prompts(state.engine, prompts, params, req.priority, req.kv_transfer_params, lora_name)
+        generate_prompts(state.engine, prompts, params, req.priority, req.kv_transfer_params, lora_name, clock.arrival)
     )
     echo = [(p if p is not None else tok.decode(ids)) if req.echo else "" for p, ids in prompts]
     rid, n = random_id("cmpl"), req.n

@@ -19,6 +19,7 @@ from fulcrum.errors import InvalidRequestError
 from fulcrum.http_errors import validation_message
 from fulcrum.sampling_params import SamplingParams
 from fulcrum.server.limits import json_body, off_loop
+from fulcrum.server.stages import arrival_of
 from fulcrum.server.streaming import until_done
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
@@ -77,7 +78,7 @@ async def create_embedding(state, request: Request):
     pooling = resolve_pooling(ready.pooler, ready.hidden_size, None, req.normalize, req.dimensions)
     params = SamplingParams(max_tokens=1, pooling=pooling)
     try:
-        outputs = await until_done(engine.encode(prompts, params, req.priority), request)
+        outputs = await until_done(engine.encode(prompts, params, req.priority, arrival_of(request)), request)
     except InvalidRequestError as e:  # the engine's checks name a prompt; here it is an input
         if e.param == "prompt":
             e.param = "input"

@@ -30,7 +30,10 @@ def bind_port(host: str, port: int) -> socket.socket:
     uvicorn gets this very socket and listens on it once the engine is up (until then connections are refused, as
     before). Only another SO_REUSEADDR socket that is not listening yet, such as a second server starting at the
     same moment, can still bind the port meanwhile; whichever listens second then fails with the same message."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    # IPPROTO_TCP named, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets whose proto says
+    # TCP, and the connections accepted here take this socket's. With proto 0 an answer written as headers then body
+    # waited for the client's delayed ACK (~40 ms on a keep-alive connection), and so did each streamed chunk.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     # as uvicorn does: a restart may rebind while the last run's connections sit in TIME_WAIT
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -70,6 +73,7 @@ def serve(
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
     reasoning_parser: str | None = None,
+    ui: bool = True,
 ) -> int:
     try:
         sock = bind_port(host, port)
@@ -91,6 +95,7 @@ def serve(
             max_body_mb,
             header_timeout,
             reasoning_parser,
+            ui,
         )
 
 
@@ -108,6 +113,7 @@ def _run(
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
     reasoning_parser: str | None = None,
+    ui: bool = True,
 ) -> int:
     host, port = sock.getsockname()[:2]  # the port is the system's choice under --port 0
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -124,7 +130,7 @@ def _run(
     state.reasoning_parser = reasoning_parser
     state.allowed_origins = list(allowed_origins or [])
     state.max_body_bytes = int(max_body_mb * 2**20)
-    app = build_app(state)
+    app = build_app(state, ui=ui)
     # our own drain runs first (DrainingServer.shutdown); uvicorn's grace is for the answers it leaves
     uvicorn_config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=ANSWER_GRACE_S, access_log=False,
@@ -148,7 +154,8 @@ def _run(
             f"{ready.block_size} tokens = {ready.num_blocks * ready.block_size} tokens ({ready.kv_cache_dtype}) | "
             f"max_model_len {ready.max_model_len}"
             + (f" | weights: {ready.weights}, {ready.weight_bytes / 2**20:.1f} MiB" if ready.weights else "")
-            + (_embedding_line(ready) if ready.task == "embed" else ""),
+            + (_embedding_line(ready) if ready.task == "embed" else "")
+            + (f" | web page: {url}/" if ui else ""),
             flush=True,
         )
         await server.serve(sockets=[sock])

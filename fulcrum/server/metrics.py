@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from fulcrum.engine.kv_offload.offload import LATENCY_BUCKETS
 from fulcrum.engine.messages import CoreOutputs, CoreReady, SchedulerStats
 from fulcrum.engine.spec.stats import acceptance_rate, mean_accepted_length
+from fulcrum.server.stages import STAGE_BUCKETS
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
@@ -45,9 +46,14 @@ class _Family:
         names = [f"fulcrum:{suffix}"] + ([VLLM_NAMES[suffix]] if compat else [])
         self.metrics = [kind(n, doc, ["model_name", *labels], registry=registry, **kw) for n in names]
         self.model = model
+        self._children: dict[tuple, list] = {}  # labels -> the labelled series (labels() locks and looks up)
 
     def _each(self, **labels):
-        return [m.labels(model_name=self.model, **labels) for m in self.metrics]
+        key = tuple(labels.items())
+        got = self._children.get(key)
+        if got is None:
+            got = self._children[key] = [m.labels(model_name=self.model, **labels) for m in self.metrics]
+        return got
 
     def set(self, v, **labels):
         for m in self._each(**labels):
@@ -174,6 +180,11 @@ class ServerMetrics:
         self.queue = _Family(
             Histogram, "request_queue_time_seconds", "Time waiting before first scheduled", r, m, c, buckets=E2E_BUCKETS
         )
+        # the frontend's stages before the engine (server/stages.py): where the HTTP arrival's time goes
+        self.frontend = _Family(
+            Histogram, "frontend_stage_seconds", "Frontend time per stage, HTTP arrival to the engine", r, m, False,
+            labels=("stage",), buckets=STAGE_BUCKETS,
+        )  # fmt: skip
         # data parallel: what each engine core was given and runs now (labelled by its index)
         self.engine_requests = _Family(
             Counter, "engine_requests", "Requests (samples) sent to each engine core", r, m, False, labels=("engine",)
@@ -268,6 +279,9 @@ class ServerMetrics:
             )
 
     def record(self, msg: CoreOutputs, now: float) -> None:
+        """A core's message, received by the frontend at `now`. TTFT and end-to-end latency run from the request's
+        arrival (over HTTP, server/stages.py) to `now`, when the frontend has the token, as the user will; the
+        queue time to the core's first scheduling of it."""
         s = msg.stats
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
@@ -309,8 +323,8 @@ class ServerMetrics:
                 last = self._last_token_time.get(rid)
                 if last is None:
                     self.prompt_tokens.inc(o.num_prompt_tokens)
-                    if o.first_token_time:
-                        self.ttft.observe(o.first_token_time - o.arrival_time)
+                    if o.first_token_time:  # the frontend's clock (`now`), as vLLM's: the token has reached it
+                        self.ttft.observe(now - o.arrival_time)
                 else:
                     self.itl.observe(now - last)
                     self.tpot.observe(now - last)
@@ -319,6 +333,6 @@ class ServerMetrics:
                 self._last_token_time.pop(rid, None)
                 self.success.inc(finished_reason=o.finish_reason)
                 if o.finish_time:
-                    self.e2e.observe(o.finish_time - o.arrival_time)
+                    self.e2e.observe(now - o.arrival_time)
                 if o.first_scheduled_time:
                     self.queue.observe(o.first_scheduled_time - o.arrival_time)

@@ -32,12 +32,14 @@ async def generate_prompts(
     priority: int,
     kv_transfer_params: dict | None = None,
     lora_name: str | None = None,
+    arrival_time: float | None = None,
     images: ImageInput | None = None,
 ) -> AsyncIterator[PromptStep]:
-    """StartedRequest every prompt concurrently; yield items as steps land. `lora_name`: the LoRA adapter they run
-    with (None: the base model)."""
+    """Run every prompt concurrently; yield items as steps land. `lora_name`: the LoRA adapter they run with (None:
+    the base model); `arrival_time`: when the HTTP request arrived (server/stages.py)."""
     gens = [engine.generate(p, ids, params, priority=priority, kv_transfer_params=kv_transfer_params,
-                            lora_name=lora_name, images=images) for p, ids in prompts]  # fmt: skip
+                            lora_name=lora_name, arrival_time=arrival_time, images=images)
+            for p, ids in prompts]  # fmt: skip
     if len(gens) == 1:
         async for ro, deltas in gens[0]:
             yield 0, ro, deltas

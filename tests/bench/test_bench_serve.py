@@ -202,3 +202,17 @@ def test_ctrl_c_while_the_server_does_not_answer(tmp_path):
         proc.communicate(timeout=30)
         conn.close()
         assert proc.returncode == 130 and time.time() - t0 < 5
+
+
+def test_the_servers_own_histograms_beside_the_clients(server, tmp_path, capsys):
+    """Each point records the server's TTFT and E2E means over its measured requests (the warm-up left out): the
+    server's clocks run from the HTTP arrival to the frontend's receipt, inside the client's send-to-receive span."""
+    doc = bench(server, tmp_path, "--concurrency", "1,2", "--num-prompts", "6", "--warmup", "2", "--input-len", "16",
+                "--output-len", "6")  # fmt: skip
+    for run in doc["runs"]:
+        srv, s = run["server"], run["summary"]
+        assert srv["requests"] == 6 == s["completed"]
+        assert 0 < srv["ttft_mean_ms"] <= s["ttft_ms"]["mean"]
+        assert srv["ttft_mean_ms"] < srv["e2e_mean_ms"] <= s["e2e_ms"]["mean"]
+    main(["bench", "serve", "--base-url", server.url, "--num-prompts", "2", "--input-len", "8", "--output-len", "2"])
+    assert "the server's own histograms (2 req)" in capsys.readouterr().out

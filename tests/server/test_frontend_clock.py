@@ -1,0 +1,69 @@
+"""The server's clocks start when a request arrives over HTTP, as the user feels it: a client that sends its body
+slowly sees that time in the server's TTFT, end-to-end latency and the frontend's receive stage; every stage of a
+request is counted once in fulcrum:frontend_stage_seconds."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from urllib.parse import urlparse
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+PAUSE = 0.6  # seconds between the headers and the body's last half
+
+
+def samples(url: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
+
+
+def value(got: dict, name: str, **labels) -> float:
+    return next(v for (n, ls), v in got.items() if n == name and all((k, x) in ls for k, x in labels.items()))
+
+
+def slow_post(url: str, path: str, body: dict) -> dict:
+    """POST with the body's second half sent PAUSE seconds after the headers and first half."""
+    u = urlparse(url)
+    raw = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: {u.hostname}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(raw)}\r\nConnection: close\r\n\r\n").encode()  # fmt: skip
+    with socket.create_connection((u.hostname, u.port), timeout=60) as s:
+        s.sendall(head + raw[: len(raw) // 2])
+        time.sleep(PAUSE)
+        s.sendall(raw[len(raw) // 2 :])
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    status = int(reply.split(b" ", 2)[1])
+    assert status == 200, reply[:300]
+    return json.loads(reply.partition(b"\r\n\r\n")[2])
+
+
+def test_clocks_start_at_http_arrival(fresh_server):
+    s = fresh_server()
+    out = slow_post(s.url, "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": "ROMEO:"}], "max_tokens": 4, "temperature": 0})  # fmt: skip
+    assert out["choices"][0]["message"]["content"]
+    got = samples(s.url)
+    assert value(got, "fulcrum:time_to_first_token_seconds_count") == 1
+    assert value(got, "fulcrum:time_to_first_token_seconds_sum") >= PAUSE
+    assert value(got, "fulcrum:e2e_request_latency_seconds_sum") >= PAUSE
+    assert value(got, "fulcrum:request_queue_time_seconds_sum") >= PAUSE  # waiting for the engine, as felt
+    assert value(got, "fulcrum:frontend_stage_seconds_sum", stage="receive") >= PAUSE
+    for stage in ("receive", "tokenize", "params"):
+        assert value(got, "fulcrum:frontend_stage_seconds_count", stage=stage) == 1
+    # a fast client: the stages are small and, with the engine's part, make up the TTFT
+    httpx.post(f"{s.url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 2}, timeout=60).raise_for_status()
+    after = samples(s.url)
+    for stage in ("receive", "tokenize", "params"):
+        assert value(after, "fulcrum:frontend_stage_seconds_count", stage=stage) == 2
+    frontend = sum(value(after, "fulcrum:frontend_stage_seconds_sum", stage=st) -
+                   value(got, "fulcrum:frontend_stage_seconds_sum", stage=st) for st in ("receive", "tokenize", "params"))  # fmt: skip
+    ttft = value(after, "fulcrum:time_to_first_token_seconds_sum") - value(
+        got, "fulcrum:time_to_first_token_seconds_sum"
+    )
+    assert 0 < frontend < ttft < PAUSE
