@@ -24,6 +24,7 @@ from fulcrum.defaults import (  # noqa: F401  (re-exported: the engine imports t
     QUANTIZATIONS,
 )
 from fulcrum.errors import InvalidRequestError, ModelLoadError
+from fulcrum.model_folder.hf_config import language_model_config
 from fulcrum.model_folder.pooling import POOLING_TYPES, TASKS, PoolerConfig, resolve_task
 from fulcrum.model_folder.source import resolve_model
 
@@ -99,6 +100,8 @@ class ModelConfig:
     # "generate", or "embed": the engine pools each prompt's final hidden states into one vector (pooler)
     task: str = "generate"
     pooler: PoolerConfig | None = None
+    # a vision-language checkpoint's whole config (hf_config is then its text model's: language_model_config)
+    multimodal_config: PretrainedConfig | None = None
 
     @classmethod
     def from_path(
@@ -112,7 +115,7 @@ class ModelConfig:
         pooling_type: str | None = None,
     ) -> ModelConfig:
         path = model_path(path)
-        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        hf_config, multimodal_config = language_model_config(AutoConfig.from_pretrained(path, local_files_only=True))
         task, pooler = resolve_task(path, hf_config, task, pooling_type)
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
         if max_model_len is not None and max_model_len > limit:
@@ -127,6 +130,7 @@ class ModelConfig:
             quantization_group_size=quantization_group_size,
             task=task,
             pooler=pooler,
+            multimodal_config=multimodal_config,
         )
 
     @classmethod

@@ -407,8 +407,24 @@ ROLES = Literal["system", "user", "assistant", "developer", "tool"]
 
 
 class TextPart(OpenAIBase):
-    type: Literal["text"]  # text only: the engine runs text models
+    type: Literal["text"]
     text: str
+
+
+class ImageUrl(StrictPart):
+    url: str  # a data URL (data:image/png;base64,...): fulcrum downloads nothing
+    # the model's image processor sets the resolution: OpenAI's "low" and "high" are not implemented (a 400)
+    detail: Literal["auto"] | None = None
+
+
+class ImageUrlPart(OpenAIBase):
+    """An image for a vision-language model (engine/multimodal.py)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]
 
 
 FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
@@ -448,7 +464,7 @@ class MessageToolCall(StrictPart):
 
 class ChatMessage(OpenAIBase):
     role: ROLES
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
@@ -461,12 +477,13 @@ class ChatMessage(OpenAIBase):
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         return self
 
-    def for_template(self) -> dict:
-        """The message as chat templates read it: text content; tool calls' arguments as objects (the templates
-        of Qwen, Llama 3 and Mistral serialize them again)."""
+    def for_template(self, image_placeholder: str = "") -> dict:
+        """The message as chat templates read it: text content (an image part as `image_placeholder`, the text the
+        model's template writes for an image); tool calls' arguments as objects (the templates of Qwen, Llama 3
+        and Mistral serialize them again)."""
         # OpenAI's "developer" turn is what earlier models called the system turn; chat templates know only that one
         role = "system" if self.role == "developer" else self.role
-        out: dict[str, Any] = {"role": role, "content": self.text()}
+        out: dict[str, Any] = {"role": role, "content": self.text(image_placeholder)}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_call_id is not None:
@@ -485,13 +502,19 @@ class ChatMessage(OpenAIBase):
             out["tool_calls"] = calls
         return out
 
-    def text(self) -> str:
-        """Content as plain text (text parts of a multi-part message joined)."""
+    def text(self, image_placeholder: str = "") -> str:
+        """Content as plain text (text parts of a multi-part message joined, an image part as the placeholder)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text if part.type == "text" else image_placeholder for part in self.content)
+
+    def image_urls(self) -> list[tuple[int, str]]:
+        """(index in content, URL) of each image part."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, part.image_url.url) for j, part in enumerate(self.content) if part.type == "image_url"]
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -9,10 +9,11 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
-from fulcrum.config import EngineConfig, model_path
+from fulcrum.config import EngineConfig, ModelConfig, model_path
 from fulcrum.engine.core_client import AsyncCoreClient
 from fulcrum.engine.kv_transfer import KVTransferConfig, KVTransferError, check_remote_prefill
 from fulcrum.engine.messages import AddRequest, CoreReady
+from fulcrum.engine.multimodal import ImageInput, ImagePrompts
 from fulcrum.engine.output_processor import OutputProcessor
 from fulcrum.engine.outputs import RequestOutput
 from fulcrum.engine.request import check_request, check_task, fan_out
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 class AsyncLLM:
     def __init__(self, config: EngineConfig, max_waiting_requests: int = 1024):
         self.config = config
+        self._image_prompts: ImagePrompts | None = None  # built at the first request with images
         self.kv_trust = KVTransferConfig.parse(config.kv_transfer_config)  # which producers a consumer may contact
         self.model_path = model_path(config.model)  # the rest of the model's facts come in the core's ready message
         self.tokenizer = load_tokenizer(self.model_path)
@@ -68,6 +70,16 @@ class AsyncLLM:
         stats = self.client.latest_stats
         return max(stats.num_waiting, in_flight - stats.num_running)
 
+    def image_prompts(self, field: str) -> ImagePrompts:
+        """What turns a prompt's images into its expanded ids and ImageInput; a 400 naming `field` for a model
+        that takes no images."""
+        if self._image_prompts is None:
+            model_config = ModelConfig.from_engine(self.config)
+            if model_config.multimodal_config is None:
+                raise InvalidRequestError(f"{field}: model {model_config.path.name} takes no image input", field)
+            self._image_prompts = ImagePrompts(model_config, self.tokenizer)
+        return self._image_prompts
+
     async def generate(
         self,
         prompt: str | None,
@@ -78,6 +90,7 @@ class AsyncLLM:
         kv_transfer_params: dict | None = None,
         lora_name: str | None = None,
         arrival_time: float | None = None,
+        images: ImageInput | None = None,
     ) -> AsyncIterator[tuple[RequestOutput, dict[int, str]]]:
         """Stream (output so far, new text per sample) once per engine step until finished.
         Leaving the iteration early (client gone) aborts the request and frees its blocks.
@@ -95,7 +108,7 @@ class AsyncLLM:
         if kv_transfer_params is not None:
             check_kv_transfer(kv_transfer_params, self.ready.kv_transfer, prompt_ids, params, self.kv_trust)
         samples = [
-            AddRequest(cid, prompt_ids, cp, priority, now, kv_transfer_params, lora_name)
+            AddRequest(cid, prompt_ids, cp, priority, now, kv_transfer_params, lora_name, images)
             for cid, cp in fan_out(rid, params)
         ]
         queue: asyncio.Queue = asyncio.Queue()

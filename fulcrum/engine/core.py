@@ -19,6 +19,7 @@ from fulcrum.engine.kv_offload import KVOffload
 from fulcrum.engine.kv_transfer import KVTransfer, KVTransferConfig
 from fulcrum.engine.messages import SchedulerStats
 from fulcrum.engine.model_runner import ModelRunner, ModelRunnerOutput, PendingStep
+from fulcrum.engine.multimodal import ImageInput
 from fulcrum.engine.outputs import EngineCoreOutput
 from fulcrum.engine.request import Request, RequestStatus
 from fulcrum.engine.scheduler import Scheduler, SchedulerOutput
@@ -152,6 +153,7 @@ class EngineCore:
         arrival_time: float | None = None,
         kv_transfer_params: dict | None = None,
         lora_name: str | None = None,
+        images: ImageInput | None = None,
     ) -> None:
         """Queue one sample of a request the frontend has checked (engine/request.py: check_request).
         `kv_transfer_params`: vLLM's P/D handshake (engine/kv_transfer/transfer.py). `lora_name`: a loaded LoRA
@@ -166,6 +168,8 @@ class EngineCore:
         req = Request(request_id, list(prompt_token_ids), params, list(self.model_config.eos_token_ids), priority)
         req.kv_transfer_params = kv_transfer_params
         req.lora_name = lora_name
+        if images is not None:
+            req.mm = self.runner.prepare_images(prompt_token_ids, images)
         if arrival_time:
             req.arrival_time = arrival_time
         if params.structured_outputs is not None:

@@ -86,7 +86,7 @@ def _add(core: EngineCore, payload: bytes) -> list[EngineCoreOutput]:
         request_id = m.request_id
         core.add_request(
             m.request_id, m.prompt_token_ids, m.sampling_params, m.priority, m.arrival_time, m.kv_transfer_params,
-            m.lora_name,
+            m.lora_name, m.images,
         )  # fmt: skip
         return []
     except (InvalidRequestError, msgspec.ValidationError, msgspec.DecodeError) as e:

@@ -78,9 +78,14 @@ class KVCacheManager:
         """Extend the request's chain of block hashes to cover the first `num_tokens` tokens."""
         hashes = self.req_hashes.setdefault(req.request_id, [])
         bs = self.block_size
+        mm = getattr(req, "mm", None)
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[-1] if hashes else chain_seed(getattr(req, "lora_name", None))
-            hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs : (i + 1) * bs]))
+            # a block where an image's tokens begin names the image (its hash), and the chain carries it on: two
+            # images with the same placeholder tokens never share a block
+            images = b"".join(h.encode() for start, h in mm.spans if i * bs <= start < (i + 1) * bs) if mm else b""
+            tokens = req.all_token_ids[i * bs : (i + 1) * bs]
+            hashes.append(hash_block_tokens(parent, tokens, b"image:" + images if images else b""))
         return hashes
 
     def prompt_hashes(self, req: Request) -> list[int]:

@@ -19,6 +19,7 @@ from fulcrum.engine.core import EngineCore
 from fulcrum.engine.core_client import SyncCoreClient
 from fulcrum.engine.lora import LoRARequest
 from fulcrum.engine.messages import AddRequest
+from fulcrum.engine.multimodal import ImageInput, ImagePrompts
 from fulcrum.engine.output_processor import OutputProcessor
 from fulcrum.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from fulcrum.engine.prompts import tokenize_prompts
@@ -47,6 +48,7 @@ class LLM:
             raise
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._image_prompter: ImagePrompts | None = None  # built at the first prompt with images
 
     def _start_core(self) -> EngineCore | SyncCoreClient:
         """The engine core in this process; data parallel's cores, or one whose ranks this process cannot join (the
@@ -107,6 +109,7 @@ class LLM:
         params: SamplingParams,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        images: ImageInput | None = None,
     ) -> str:
         """Queue one prompt (its n samples become n engine requests sharing the prompt's blocks); with
         `lora_request`, run with that adapter (loaded first if it is not yet)."""
@@ -122,14 +125,40 @@ class LLM:
         children = fan_out(rid, params)
         if isinstance(core, EngineCore):
             for child_id, child_params in children:
-                core.add_request(child_id, prompt_ids, child_params, priority, lora_name=lora_name)
+                core.add_request(child_id, prompt_ids, child_params, priority, lora_name=lora_name, images=images)
         else:  # as one message: the core schedules the samples' prefills together, as in this process
             now = time.time()
             core.add_requests(
-                [AddRequest(c, list(prompt_ids), cp, priority, now, lora_name=lora_name) for c, cp in children]
+                [
+                    AddRequest(c, list(prompt_ids), cp, priority, now, lora_name=lora_name, images=images)
+                    for c, cp in children
+                ]
             )
         self.processor.add_request(rid, prompt, list(prompt_ids), params, [c for c, _ in children])
         return rid
+
+    def _image_prompts(self, prompts):
+        """Prompts with images (vLLM's {"prompt": ..., "multi_modal_data": {"image": [file bytes]}}) as the
+        processor's token ids, and each prompt's ImageInput (None: a prompt without images)."""
+        listed = [prompts] if isinstance(prompts, dict) else prompts
+        if not isinstance(listed, list) or not any(isinstance(p, dict) and "multi_modal_data" in p for p in listed):
+            return prompts, None
+        if self._image_prompter is None:
+            self._image_prompter = ImagePrompts(self._open_core().model_config, self.tokenizer)
+        out, images = [], []
+        for p in listed:
+            if not (isinstance(p, dict) and "multi_modal_data" in p):
+                out.append(p)
+                images.append(None)
+                continue
+            raw = p["multi_modal_data"].get("image", [])
+            raw = [raw] if isinstance(raw, bytes) else list(raw)
+            text = p.get("prompt", "")
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids, image_input = self._image_prompter(ids, raw, "multi_modal_data")
+            out.append({"prompt": p.get("prompt"), "prompt_token_ids": ids})
+            images.append(image_input)
+        return out, images
 
     # -- LoRA adapters -------------------------------------------------------------------------------------------
 
@@ -178,7 +207,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """`lora_request`: the adapter every prompt runs with, or one per prompt (None: the base model)."""
         self._open_core()
+        prompts, images = self._image_prompts(prompts)
         items = tokenize_prompts(prompts, self.tokenizer)
+        images = images or [None] * len(items)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
@@ -190,7 +221,7 @@ class LLM:
         order: list[str] = []
         try:
             for i, ((p, ids), sp) in enumerate(zip(items, params)):
-                order.append(self.add_request(p, ids, sp, priority[i] if priority else 0, loras[i]))
+                order.append(self.add_request(p, ids, sp, priority[i] if priority else 0, loras[i], images[i]))
         except BaseException:
             for rid in order:  # a bad prompt further down the list leaves none of the earlier ones queued
                 self.abort(rid)

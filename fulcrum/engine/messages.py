@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from fulcrum.engine.multimodal import ImageInput
 from fulcrum.engine.outputs import EngineCoreOutput
 from fulcrum.model_folder.pooling import PoolerConfig
 from fulcrum.sampling_params import SamplingParams
@@ -20,6 +21,7 @@ class AddRequest(msgspec.Struct, array_like=True):
     arrival_time: float = 0.0
     kv_transfer_params: dict | None = None
     lora_name: str | None = None
+    images: ImageInput | None = None  # a vision-language prompt's images (engine/multimodal.py)
 
 
 class SchedulerStats(msgspec.Struct):

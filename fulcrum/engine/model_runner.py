@@ -17,12 +17,13 @@ from fulcrum.distributed import parallel_state
 from fulcrum.distributed.parallel_state import pp_recv_prev, pp_send_next
 from fulcrum.engine import cuda_graphs, step_inputs
 from fulcrum.engine.lora import LoRAManager
+from fulcrum.engine.multimodal import ImageEncoder, ImageInput, MultiModalInput
 from fulcrum.engine.sampling_inputs import SamplingInputs
 from fulcrum.engine.scheduler import ScheduledRequest, SchedulerOutput
 from fulcrum.engine.spec.rejection import verify
 from fulcrum.engine.step_inputs import StepInputs
 from fulcrum.engine.structured import StructuredOutputs
-from fulcrum.errors import KVCacheTooSmallError
+from fulcrum.errors import InvalidRequestError, KVCacheTooSmallError
 from fulcrum.kernels import triton as triton_kernels
 from fulcrum.kernels import warm_up
 from fulcrum.layers.attention import Attention, AttentionMetadata, attach_kv_cache
@@ -73,6 +74,7 @@ class ModelRunner:
         self.device = torch.device(engine_config.device)
         torch.manual_seed(engine_config.seed)
         self.model = load_model(model_config, self.device)
+        self.image_encoder = None  # a vision-language checkpoint's vision tower, built at the first image
         self.weight_bytes = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
         # "gguf (Q4_K x 96, Q6_K x 25)", "int4 (group 128)"; unquantized weights say their dtype
         self.weights_format = (
@@ -220,6 +222,15 @@ class ModelRunner:
 
     # -- the forward, on every rank ----------------------------------------------------------------
 
+    def prepare_images(self, prompt: list[int], images: ImageInput) -> MultiModalInput:
+        """A request's images encoded (each image once: the encoder's cache) and laid out on its prompt."""
+        if self.model_config.multimodal_config is None:
+            raise InvalidRequestError(f"model {self.model_config.path.name} takes no image input", "messages")
+        if self.image_encoder is None:
+            mm = self.model_config.multimodal_config
+            self.image_encoder = ImageEncoder(mm, self.model_config.path, self.device, self.model_config.dtype)
+        return self.image_encoder.prepare(prompt, images)
+
     def forward_logits(
         self, steps: list[StepInputs], prev: PendingStep | None = None, pooled: dict | None = None
     ) -> list[torch.Tensor | None]:
@@ -233,7 +244,7 @@ class ModelRunner:
         out, sends = [], []
         for si in steps:
             in_flight = self._in_flight_tokens(si, prev)
-            if self.graphs is not None and self.graphs.fits(si) and not si.pool_spans:
+            if self.graphs is not None and self.graphs.fits(si) and not si.pool_spans and si.mrope_positions is None:
                 out.append(self.graphs.run(si, in_flight))  # a decode step: one graph replay
                 continue
             varlen = triton_kernels.usable_on(self.device)  # only the Triton attention reads a mixed step's varlen view
@@ -243,7 +254,13 @@ class ModelRunner:
             hidden = None
             if not self.first_stage:
                 hidden = pp_recv_prev((len(si.ids), self.hidden_size), self.model_config.dtype, self.device)
-            h = self.model(input_ids, positions, meta, hidden)
+            image_rows = None
+            if si.mrope_positions is not None:  # a step with a vision-language prompt's tokens
+                positions = torch.tensor(si.mrope_positions, dtype=torch.long, device=self.device)
+            if si.image_rows:
+                rows = torch.tensor(si.image_rows, dtype=torch.long, device=self.device)
+                image_rows = (rows, torch.cat(si.image_embeds).to(self.device))
+            h = self.model(input_ids, positions, meta, hidden, image_rows)
             if not self.last_stage:
                 sends.append((pp_send_next(h), h))  # h lives until its send is done
                 out.append(None)

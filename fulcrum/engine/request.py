@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from fulcrum.engine.multimodal import MultiModalInput
 from fulcrum.engine.structured import GrammarState, validate
 from fulcrum.errors import InvalidRequestError
 from fulcrum.model_folder.pooling import PoolerConfig
@@ -66,6 +67,8 @@ class Request:
     # once finished, what a consumer needs to pull the prompt's blocks
     kv_transfer_params: dict | None = None
     lora_name: str | None = None  # the LoRA adapter it runs with (engine/lora.py); None: the base model
+    # a vision-language prompt's images: their embedding rows and M-RoPE positions (engine/multimodal.py)
+    mm: MultiModalInput | None = None
 
     # an embedding request (sampling_params.pooling): what its prompt's chunks pooled so far (the sum of their
     # hidden states for mean pooling, the first for CLS) on the device, then the finished vector

@@ -58,6 +58,12 @@ class StepInputs:
     # async scheduling: (row, request id) of the tokens still being sampled by the step in flight; their ids are
     # that step's sampled tokens, copied on the device (engine/model_runner.py), 0 here until then
     placeholders: list[tuple[int, str]] = field(default_factory=list)
+    # vision-language prompts (engine/multimodal.py): the rows of this step's image tokens and their embeddings
+    # (a prefill chunk takes the slice of its image rows), and, when a request of the step has images, every
+    # row's M-RoPE positions [3][rows] (a text request's three streams equal)
+    image_rows: list[int] = field(default_factory=list)
+    image_embeds: list = field(default_factory=list)
+    mrope_positions: list[list[int]] | None = None
 
     def for_other_ranks(self) -> StepInputs:
         if self.placeholders:
@@ -86,6 +92,20 @@ def build(scheduled: list[ScheduledRequest], block_size: int, decode_rows: int) 
                 si.ids.append(0)
         pos = range(start, ctx)
         si.positions.extend(pos)
+        mm = getattr(req, "mm", None)  # a draft's stand-in for a request has none
+        if mm is not None:
+            offsets, embeds = mm.rows_in(start, ctx)
+            if offsets:
+                si.image_rows.extend(t + o for o in offsets)
+                si.image_embeds.append(embeds)
+            if mm.mrope_positions is not None:
+                if si.mrope_positions is None:  # the rows before this request's: text, their streams equal
+                    si.mrope_positions = [list(si.positions[:t]) for _ in range(3)]
+                for stream, rows in zip(si.mrope_positions, mm.positions(start, ctx)):
+                    stream.extend(rows)
+        elif si.mrope_positions is not None:
+            for stream in si.mrope_positions:
+                stream.extend(pos)
         si.slots.extend(table[p // bs] * bs + p % bs for p in pos)
         si.query_lens.append(n)
         if n == 1 or (start > 0 and n <= decode_rows):

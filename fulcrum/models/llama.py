@@ -209,9 +209,12 @@ class LlamaModel(nn.Module):
     def ropes(self, positions: torch.Tensor, dtype: torch.dtype):
         return self.rotary_emb(positions, dtype)  # one lookup for all layers
 
-    def forward(self, input_ids, positions, meta, hidden: torch.Tensor | None = None):
-        """`hidden`: the previous pipeline stage's output, in place of the embedding after the first stage."""
+    def forward(self, input_ids, positions, meta, hidden: torch.Tensor | None = None, image_rows=None):
+        """`hidden`: the previous pipeline stage's output, in place of the embedding after the first stage.
+        `image_rows` (rows, embeddings): a vision-language prompt's image tokens, whose rows take the image's."""
         x = self.embed(input_ids) if self.first_stage else hidden
+        if image_rows is not None and self.first_stage:
+            x = x.index_copy(0, image_rows[0], image_rows[1].to(x.dtype))
         rope = self.ropes(positions, x.dtype)
         stack = self._decode_stack(meta, x)
         if stack is not None:  # a decode-only step: every layer in one call, the same kernels the modules call
@@ -318,11 +321,11 @@ class LlamaForCausalLM(nn.Module):
             self.model.embed_tokens.share_quantized_table(self.lm_head)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, hidden=None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, hidden=None, image_rows=None
     ) -> torch.Tensor:
         """Final hidden states for every token: [T, hidden] (before the last pipeline stage, that stage's output;
         after the first, `hidden` is the previous stage's)."""
-        return self.model(input_ids, positions, meta, hidden)
+        return self.model(input_ids, positions, meta, hidden, image_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -112,7 +112,10 @@ def load_named_weights(model: nn.Module, weights, source: str, label=lambda name
     tied = getattr(model, "tie_word_embeddings", False)
     loaded: dict[str, set] = {}
     skip = getattr(model, "skip_weight", None)  # a model's tensors that serve no layer of it (DeepSeek-V3's MTP)
+    rename = getattr(model, "checkpoint_name", None)  # a vision-language checkpoint's names (None: vision tower)
     for name, tensor in weights:
+        if rename is not None and (name := rename(name)) is None:
+            continue
         tied_head = tied and name == "lm_head.weight" and name not in params  # the embedding's tensor already
         if name.endswith(IGNORED_SUFFIXES) or tied_head or (skip and skip(name)):
             continue

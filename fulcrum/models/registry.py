@@ -12,6 +12,11 @@ from fulcrum.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForC
 from fulcrum.models.mixtral import MixtralForCausalLM
 from fulcrum.models.phi3 import Phi3ForCausalLM
 from fulcrum.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from fulcrum.models.vision_language import (
+    REFUSED,
+    Gemma3ForConditionalGeneration,
+    Qwen2_5_VLForConditionalGeneration,
+)
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -26,12 +31,17 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    # the language model of a vision-language checkpoint (fulcrum.models.vision_language)
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
 
 
 def model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
     names = getattr(hf_config, "architectures", None) or []
     for name in names:
+        if name in REFUSED:
+            raise UnsupportedArchitectureError(f"architecture {name} is not supported: {REFUSED[name]}")
         if name in MODEL_REGISTRY:
             return MODEL_REGISTRY[name]
         # a bare backbone ("Qwen3Model", as sentence-transformers saves an embedding model): its causal-LM class

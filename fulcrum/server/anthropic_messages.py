@@ -66,7 +66,21 @@ class ThinkingBlock(Strict):
     signature: str | None = None
 
 
-Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+class ImageSource(Strict):
+    type: Literal["base64"]  # fulcrum downloads nothing: a "url" source is a 400
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class ImageBlock(Strict):
+    """An image for a vision-language model: the chat route's image_url part as a data URL."""
+
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: dict | None = None
+
+
+Block = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
 
 
 class Message(Strict):
@@ -125,10 +139,14 @@ def to_chat(req: CountTokensRequest, reasoning: bool) -> dict:
         if isinstance(m.content, str):
             messages.append({"role": m.role, "content": m.content})
             continue
-        text, calls = [], []
+        text, calls, parts = [], [], []  # parts: the text and images in order, when there are images
         for b in m.content:
             if isinstance(b, TextBlock):
                 text.append(b.text)
+                parts.append({"type": "text", "text": b.text})
+            elif isinstance(b, ImageBlock):
+                url = f"data:{b.source.media_type};base64,{b.source.data}"
+                parts.append({"type": "image_url", "image_url": {"url": url}})
             elif isinstance(b, ToolUseBlock):
                 if m.role != "assistant":
                     raise InvalidRequestError("tool_use blocks are the assistant's", "messages")
@@ -141,8 +159,9 @@ def to_chat(req: CountTokensRequest, reasoning: bool) -> dict:
                 messages.append({"role": "tool", "tool_call_id": b.tool_use_id,
                                  "content": f"Error: {result}" if b.is_error else result})  # fmt: skip
             # a thinking block of an earlier turn is not sent back to the template (as Claude's API drops it)
-        if text or calls:
-            msg: dict[str, Any] = {"role": m.role, "content": "".join(text)}
+        images = any(p["type"] == "image_url" for p in parts)
+        if text or calls or images:
+            msg: dict[str, Any] = {"role": m.role, "content": parts if images else "".join(text)}
             if calls:
                 msg["tool_calls"] = calls
             messages.append(msg)

@@ -34,8 +34,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     lora_name = state.check_model(req.model)
     tok = state.engine.tokenizer
     tools = ToolCalling.of(req, state.tool_call_parser)
-    ids = await off_loop(
-        state.chat_ids, req.messages, req.add_generation_prompt, tools.tools if tools else None,
+    ids, images = await off_loop(
+        state.chat_prompt, req.messages, req.add_generation_prompt, tools.tools if tools else None,
         req.chat_template_kwargs,
     )  # fmt: skip
     clock.mark("tokenize")
@@ -64,7 +64,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     clock.mark("params")
     run = await StartedRequest.start(
         generate_prompts(state.engine, [(None, ids)], params, req.priority, req.kv_transfer_params, lora_name,
-                         clock.arrival)
+                         clock.arrival, images)
     )  # fmt: skip
     rid = random_id("chatcmpl")
 

@@ -47,10 +47,18 @@ class TextPart(Strict):
     logprobs: list[Any] | None = None
 
 
+class InputImagePart(Strict):
+    """An image for a vision-language model: a data URL (fulcrum downloads nothing)."""
+
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["auto"] | None = None  # the model's image processor sets the resolution ("low"/"high": a 400)
+
+
 class MessageItem(Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[Annotated[TextPart | InputImagePart, Field(discriminator="type")]]
     id: str | None = None  # an earlier output item sent back
     status: Literal["in_progress", "completed", "incomplete"] | None = None
     phase: Literal["commentary", "final_answer"] | None = None
@@ -225,6 +233,18 @@ def _text(content: str | list[TextPart]) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
+def _content(content):
+    """A message's content for the chat route: its text, or its text and image parts in order."""
+    if isinstance(content, str) or not any(isinstance(p, InputImagePart) for p in content):
+        return _text(content)
+    return [
+        {"type": "image_url", "image_url": {"url": p.image_url}}
+        if isinstance(p, InputImagePart)
+        else {"type": "text", "text": p.text}
+        for p in content
+    ]
+
+
 def to_messages(items: list) -> list[dict]:
     """Chat messages from input items: a function_call joins the assistant turn before it, its output is a tool
     message."""
@@ -232,7 +252,7 @@ def to_messages(items: list) -> list[dict]:
     for item in items:
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": _text(item.content)})
+            messages.append({"role": role, "content": _content(item.content)})
         elif isinstance(item, FunctionCallItem):
             call = {
                 "id": item.call_id,

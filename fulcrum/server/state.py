@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 
 from fulcrum.defaults import DEFAULT_MAX_BODY_MB
 from fulcrum.engine.async_llm import AsyncLLM
+from fulcrum.engine.multimodal import ImageInput
 from fulcrum.engine.structured import validate
 from fulcrum.errors import InvalidRequestError, ModelNotFoundError
 from fulcrum.protocol import ChatMessage, SamplingFields
 from fulcrum.sampling_params import SamplingParams, StructuredOutputsParams
+from fulcrum.server.images import message_images
 from fulcrum.server.metrics import ServerMetrics
 from fulcrum.utils.tokenizer import chat_prompt_ids
 
@@ -43,11 +45,33 @@ class ServerState:
         tools: list[dict] | None = None,
         template_kwargs: dict | None = None,
     ) -> list[int]:
-        convo = [m.for_template() for m in messages]
+        """The prompt's token ids, for a route that takes no images."""
+        for i, m in enumerate(messages):
+            if m.image_urls():
+                field = f"messages[{i}].content[{m.image_urls()[0][0]}]"
+                raise InvalidRequestError(f"{field}: images are taken by /v1/chat/completions only", field)
+        return self.chat_prompt(messages, add_generation_prompt, tools, template_kwargs)[0]
+
+    def chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
+    ) -> tuple[list[int], ImageInput | None]:
+        """The prompt's token ids and, when the messages carry images, their ImageInput (the ids' image tokens
+        expanded for them)."""
+        raw, fields = message_images(messages)
+        prompter = self.engine.image_prompts(fields[0]) if raw else None
+        placeholder = prompter.placeholder if prompter else ""
+        convo = [m.for_template(placeholder) for m in messages]
         try:
-            return chat_prompt_ids(self.engine.tokenizer, convo, add_generation_prompt, tools, template_kwargs)
+            ids = chat_prompt_ids(self.engine.tokenizer, convo, add_generation_prompt, tools, template_kwargs)
         except Exception as e:  # template errors (e.g. a role the template refuses) are the client's
             raise InvalidRequestError(f"messages cannot be rendered by the chat template: {e}", "messages") from e
+        if prompter is None:
+            return ids, None
+        return prompter(ids, raw, "messages", fields)
 
 
 def sampling_params(

@@ -14,6 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from fulcrum.engine.async_llm import AsyncLLM
+from fulcrum.engine.multimodal import ImageInput
 from fulcrum.engine.outputs import RequestOutput
 from fulcrum.errors import InvalidRequestError, ShuttingDownError
 from fulcrum.http_errors import sse_error, status_of
@@ -32,11 +33,13 @@ async def generate_prompts(
     kv_transfer_params: dict | None = None,
     lora_name: str | None = None,
     arrival_time: float | None = None,
+    images: ImageInput | None = None,
 ) -> AsyncIterator[PromptStep]:
     """Run every prompt concurrently; yield items as steps land. `lora_name`: the LoRA adapter they run with (None:
     the base model); `arrival_time`: when the HTTP request arrived (server/stages.py)."""
     gens = [engine.generate(p, ids, params, priority=priority, kv_transfer_params=kv_transfer_params,
-                            lora_name=lora_name, arrival_time=arrival_time) for p, ids in prompts]  # fmt: skip
+                            lora_name=lora_name, arrival_time=arrival_time, images=images)
+            for p, ids in prompts]  # fmt: skip
     if len(gens) == 1:
         async for ro, deltas in gens[0]:
             yield 0, ro, deltas
