@@ -47,8 +47,8 @@ class ServerState:
     ) -> list[int]:
         """The prompt's token ids, for a route that takes no images."""
         for i, m in enumerate(messages):
-            if m.image_urls():
-                field = f"messages[{i}].content[{m.image_urls()[0][0]}]"
+            if images := m.image_urls():
+                field = f"messages[{i}].content[{images[0][0]}]"
                 raise InvalidRequestError(f"{field}: images are taken by /v1/chat/completions only", field)
         return self.chat_prompt(messages, add_generation_prompt, tools, template_kwargs)[0]
 
