@@ -187,9 +187,7 @@ print(cpu_qgemv.level())
 def test_fp8_with_a_scale_per_block_of_inputs_matches_the_widened_weight(level):
     """Block-wise fp8 checkpoints' layout (a scale per row and block of inputs) at this CPU's level and forced to
     AVX2: the kernel reads fp8 zeros and subnormals as the format defines them, and its widening is exact."""
-    env = {k: v for k, v in os.environ.items() if k != "FULCRUM_CPU_ISA"}
-    if level:
-        env["FULCRUM_CPU_ISA"] = level
+    env = {**os.environ, "FULCRUM_CPU_ISA": level} if level else dict(os.environ)  # None: this process' level
     res = subprocess.run([sys.executable, "-c", FP8G_CHECK], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == (level or cpu_qgemv.level())
