@@ -13,7 +13,7 @@ VERSION = "0.1.0"  # the package's (pyproject.toml reads it), the container imag
 # Weight-only quantization methods (fulcrum/quant) and int4's group sizes: online (a full-precision checkpoint
 # quantized at load time), or read from a checkpoint's quantization_config (its quant_method, as named there)
 ONLINE_QUANTIZATIONS = ("int8", "int4", "fp8")
-CHECKPOINT_QUANTIZATIONS = ("gptq", "awq", "compressed-tensors", "gguf")
+CHECKPOINT_QUANTIZATIONS = ("gptq", "awq", "compressed-tensors", "gguf", "mxfp4")
 QUANTIZATIONS = ONLINE_QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS
 INT4_GROUP_SIZES = (32, 64, 128)
 # What the KV cache stores: "auto" is the model's dtype; fp8 (e4m3) and int8 hold one byte per value with an fp16

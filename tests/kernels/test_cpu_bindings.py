@@ -14,6 +14,7 @@ from fulcrum.kernels import (
     cpu_decode_stack,
     cpu_ext,
     cpu_gemv,
+    cpu_mxfp4,
     cpu_norm,
     cpu_qgemv,
     cpu_qgemv_vnni,
@@ -23,7 +24,7 @@ from fulcrum.kernels.cpu_ext import F32, I64, PTR
 from fulcrum.runtime import cpu_threads
 
 LOADERS = [cpu_act, cpu_argmax, cpu_attention, cpu_decode_stack, cpu_gemv, cpu_norm, cpu_qgemv, cpu_qgemv_vnni,
-           cpu_rope, cpu_threads]  # fmt: skip
+           cpu_rope, cpu_threads, cpu_mxfp4]  # fmt: skip
 
 
 def test_every_binding_matches_its_declaration_and_every_declaration_is_bound():

@@ -57,6 +57,11 @@ void fulcrum_qgemv_int5(int64_t bf16, const void* x, const void* w, const void* 
 void fulcrum_dequant_int5(int64_t bf16, const void* w, const void* high, const void* scale, const void* offset,
                           void* out, int64_t O, int64_t I);
 
+// mxfp4.cpp
+void fulcrum_qgemv_mxfp4(int64_t bf16, const void* x, const void* blocks, const void* scales, const void* bias,
+                         void* y, int64_t M, int64_t I, int64_t O);
+void fulcrum_dequant_mxfp4(int64_t bf16, const void* blocks, const void* scales, void* out, int64_t O, int64_t I);
+
 // qgemv_vnni.cpp
 void fulcrum_qgemv_int8_vnni(const void* x, const void* w, const void* scale, const void* bias, void* y, int64_t M,
                              int64_t I, int64_t O);
