@@ -8,12 +8,13 @@ from dataclasses import dataclass
 
 from fulcrum.plan.catalog import Hardware
 from fulcrum.plan.model_spec import (
-    DTYPE_BYTES,
     ModelSpec,
     ParamCount,
     kv_bytes_per_sequence,
     kv_bytes_per_token,
     parameter_counts,
+    routed_expert_matrix_params,
+    weight_bytes,
 )
 
 GPUS_PER_NODE = 8  # tensor parallelism stays inside one node's NVLink domain; beyond, pipeline stages
@@ -114,8 +115,7 @@ def plan_memory(
     a: MemoryAssumptions = MemoryAssumptions(),  # noqa: B008 (frozen)
 ) -> MemoryPlan:
     params = parameter_counts(spec)
-    wbytes = DTYPE_BYTES[weight_dtype]
-    weights = params.total * wbytes
+    weights = weight_bytes(spec, params.total, weight_dtype, routed_expert_matrix_params(spec))
     kv_seq = kv_bytes_per_sequence(spec, context, kv_dtype)
     usable = hw.memory_bytes * a.memory_utilization
 
@@ -141,7 +141,12 @@ def plan_memory(
         pp=pp,
         params=params,
         weight_bytes=weights,
-        active_weight_bytes=params.active * wbytes,
+        active_weight_bytes=weight_bytes(
+            spec,
+            params.active,
+            weight_dtype,
+            routed_expert_matrix_params(spec, spec.moe and spec.moe.experts_per_token),
+        ),
         kv_per_token=kv_bytes_per_token(spec, kv_dtype),
         kv_per_sequence=kv_seq,
         kv_total=kv_seq * concurrency,

@@ -13,6 +13,9 @@ from fulcrum.model_folder.hf_config import head_dim, layer_sliding_windows
 
 PRESETS = Path(__file__).with_name("presets.json")
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5, "fp4": 0.5}
+# a checkpoint that keeps its routed experts' matrices in a format of their own (gpt-oss's MXFP4: a 4-bit value and
+# one E8M0 exponent byte per 32, as fulcrum holds them), bytes per parameter; the rest is at the weight dtype
+EXPERT_FORMAT_BYTES = {"mxfp4": (4 + 8 / 32) / 8}
 # config.json's torch_dtype / dtype, in plan's names
 CONFIG_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -72,6 +75,7 @@ class ModelSpec:
     # what a pre-quantized checkpoint stores its linear weights as (quantization_config), in plan's names
     weight_format: str | None = None
     norms_per_layer: int = 2  # RMSNorms around attention and MLP: Gemma 2/3 have four (before and after each)
+    expert_format: str | None = None  # the routed experts' own format (EXPERT_FORMAT_BYTES), None: the weights'
 
     @property
     def attention_kind(self) -> str:
@@ -211,7 +215,14 @@ def from_config(cfg: dict, name: str = "model") -> ModelSpec:
         max_position_embeddings=cfg.get("max_position_embeddings"),
         weight_format=weight_format,
         norms_per_layer=4 if model_type in ("gemma2", "gemma3", "gemma3_text") else 2,
+        expert_format=checkpoint_expert_format(cfg) if moe else None,
     )
+
+
+def checkpoint_expert_format(cfg: dict) -> str | None:
+    """gpt-oss's `quant_method: mxfp4`: its experts' matrices are MXFP4 (biases, router, attention stay 16-bit)."""
+    method = str((cfg.get("quantization_config") or {}).get("quant_method", "")).lower()
+    return method if method in EXPERT_FORMAT_BYTES else None
 
 
 def _dense_moe_layers(cfg: dict) -> int:
@@ -293,6 +304,24 @@ def mlp_params(s: ModelSpec) -> tuple[int, int]:
     total = dense + sparse * (router + m.num_experts * expert + shared)
     active = dense + sparse * (router + m.experts_per_token * expert + shared)
     return total, active
+
+
+def routed_expert_matrix_params(s: ModelSpec, experts: float | None = None) -> float:
+    """The routed experts' gate, up and down matrices (no biases) over the sparse layers: all of them, or `experts`
+    per layer (those a step reads)."""
+    if not s.moe:
+        return 0
+    m = s.moe
+    n = m.num_experts if experts is None else experts
+    return (s.num_layers - m.dense_layers) * n * 3 * s.hidden * m.expert_intermediate
+
+
+def weight_bytes(s: ModelSpec, params: float, weight_dtype: str, expert_params: float = 0) -> float:
+    """Bytes of `params` parameters at `weight_dtype`, of which `expert_params` are routed-expert matrices, at
+    the checkpoint's expert format when it has one (the engine keeps MXFP4 experts so)."""
+    if s.expert_format is None:
+        return params * DTYPE_BYTES[weight_dtype]
+    return (params - expert_params) * DTYPE_BYTES[weight_dtype] + expert_params * EXPERT_FORMAT_BYTES[s.expert_format]
 
 
 def parameter_counts(s: ModelSpec) -> ParamCount:

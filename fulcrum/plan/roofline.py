@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from fulcrum.errors import ModelLoadError
 from fulcrum.plan.catalog import Hardware
 from fulcrum.plan.memory import kv_shards
-from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec, kv_bytes_per_sequence, parameter_counts
+from fulcrum.plan.model_spec import (
+    DTYPE_BYTES,
+    ModelSpec,
+    kv_bytes_per_sequence,
+    parameter_counts,
+    routed_expert_matrix_params,
+    weight_bytes,
+)
 from fulcrum.utils.cost import cost_per_million_tokens
 
 # Framework ops of one fulcrum decode step outside its decoder layers (embedding, rotary lookup, the decode mask,
@@ -90,7 +97,7 @@ def resident_weight_bytes(spec: ModelSpec, weight_dtype: str, quant: OnlineQuant
     the LM head in its format and the rest (norms, biases, an untied embedding) at `weight_dtype`."""
     total = parameter_counts(spec).total
     if quant is None:
-        return total * DTYPE_BYTES[weight_dtype]
+        return weight_bytes(spec, total, weight_dtype, routed_expert_matrix_params(spec))
     matrices = linear_matrices(spec)
     rest = total - sum(o * i for o, i in matrices)  # a tied embedding is the head's table: not counted twice
     return rest * DTYPE_BYTES[weight_dtype] + sum(quant.matrix_bytes(o, i) for o, i in matrices)
@@ -148,12 +155,14 @@ def weight_bytes_read(spec: ModelSpec, weight_dtype: str, batch: int, quant: Onl
             p.embedding * DTYPE_BYTES[weight_dtype] if p.lm_head else 0
         )
     params = p.total - (p.embedding if p.lm_head else 0)
+    read = None
     if spec.moe:
         m = spec.moe
         expert = (p.total - p.active) / (m.num_experts - m.experts_per_token) / (spec.num_layers - m.dense_layers)
         unread = m.num_experts * (1 - m.experts_per_token / m.num_experts) ** batch
         params -= unread * expert * (spec.num_layers - m.dense_layers)
-    return params * DTYPE_BYTES[weight_dtype]
+        read = m.num_experts - unread
+    return weight_bytes(spec, params, weight_dtype, routed_expert_matrix_params(spec, read) if read else 0)
 
 
 def matmul_params(spec: ModelSpec) -> float:

@@ -143,3 +143,26 @@ def test_a_dense_checkpoint_loads_too(tmp_path):
     assert not ours.model.layers[0].mlp.experts.quantized
     batch = prompts(2048, lens=[3, 20])
     assert max_diff(our_logits(ours, batch), hf_logits(theirs, batch)) <= 1e-4
+
+
+def test_plan_counts_the_bytes_the_engine_holds(tiny):
+    """`fulcrum plan`'s resident weight bytes for the MXFP4 checkpoint (experts at 4.25 bits: the values and one
+    exponent per 32, the rest bf16) equal what the engine holds at bf16; and batch-1 decode reads the top-k experts'
+    share of them."""
+    from fulcrum.plan.model_spec import load_model_spec
+    from fulcrum.plan.roofline import resident_weight_bytes, weight_bytes_read
+
+    folder, _ = tiny
+    ours = load_model(ModelConfig.from_path(folder, dtype="bfloat16"))
+    held = sum(p.numel() * p.element_size() for p in ours.parameters())
+    spec = load_model_spec(folder)
+    assert spec.expert_format == "mxfp4"
+    assert resident_weight_bytes(spec, "bf16") == held
+    experts = ours.model.layers[0].mlp.experts
+    names = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias", "down_proj_blocks",
+             "down_proj_scales", "down_proj_bias")  # fmt: skip
+    per_expert = sum(getattr(experts, n)[0].numel() * getattr(experts, n).element_size() for n in names)
+    unread = spec.moe.num_experts * (1 - spec.moe.experts_per_token / spec.moe.num_experts)
+    embedding = ours.model.embed_tokens.weight
+    want = held - embedding.numel() * embedding.element_size() - unread * per_expert * spec.num_layers
+    assert weight_bytes_read(spec, "bf16", 1) == pytest.approx(want)
