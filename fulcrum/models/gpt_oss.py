@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 
 from fulcrum.distributed.parallel_state import tp_rank, tp_size
 from fulcrum.errors import ModelLoadError, WeightShapeError
+from fulcrum.kernels import cpu_gemv
 from fulcrum.layers.attention import AttentionMetadata
 from fulcrum.layers.layernorm import RMSNorm
 from fulcrum.layers.linear import copy_checked
@@ -100,7 +101,7 @@ class GptOssExperts(nn.Module):
     def _linear(self, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
         bias = getattr(self, f"{name}_bias")[expert]
         if not self.quantized:
-            return F.linear(x, getattr(self, name)[expert], bias)
+            return cpu_gemv.linear(x, getattr(self, name)[expert], bias)
         blocks, scales = getattr(self, f"{name}_blocks")[expert], getattr(self, f"{name}_scales")[expert]
         return mxfp4.linear(x, blocks, scales, bias)
 
