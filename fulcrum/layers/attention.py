@@ -121,8 +121,8 @@ class Attention(nn.Module):
         # cap, so a capped layer's prefill takes `_attend_capped` and its decode off the kernels `_attend_eager`.
         self.logit_softcap = logit_softcap
         # gpt-oss: a learned logit per query head [H] that joins each row's softmax denominator (and attends to
-        # nothing), set by the model's attention module. Like a soft cap, no kernel takes it: `_attend_capped` and
-        # `_attend_eager` compute it, and the Triton path refuses it.
+        # nothing), set by the model's attention module. The CPU decode kernel takes it; prefill computes it in
+        # `_attend_capped` / `_attend_eager` (the prefill kernel has no sinks), and the Triton path refuses it.
         self.sinks: torch.Tensor | None = None
         self.gqa = num_heads != num_kv_heads
         # [num_blocks, block_size, kv_heads, head_dim], assigned by the model runner
@@ -327,10 +327,10 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One query token per sequence, all sequences in one call: q [D, H, hd]."""
-        if self.sinks is None and cpu_attention.usable(q, self.k_cache, self.num_kv_heads):
+        if cpu_attention.usable(q, self.k_cache, self.num_kv_heads):
             return cpu_attention.decode(
                 q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                self.scale, self.sliding_window, self.k_scales, self.v_scales, self.logit_softcap,
+                self.scale, self.sliding_window, self.k_scales, self.v_scales, self.logit_softcap, self.sinks,
             )  # fmt: skip
         bs = self.k_cache.shape[1]
         nblocks = -(-meta.decode_max_context // bs)

@@ -26,7 +26,8 @@ void fulcrum_rope_cache(int64_t bf16, void* q, void* k, const void* v, const voi
 int64_t fulcrum_decode_attention(int64_t bf16, int64_t kind, const void* q, const void* k_cache, const void* v_cache,
                                  const void* k_scales, const void* v_scales, const int64_t* tables,
                                  const int64_t* ctx_lens, void* out, int64_t D, int64_t H, int64_t KVH, int64_t hd,
-                                 int64_t bs, int64_t width, float scale, int64_t window, float softcap);
+                                 int64_t bs, int64_t width, float scale, int64_t window, float softcap,
+                                 const float* sinks);
 
 // prefill_attention.cpp
 int64_t fulcrum_prefill_attention(int64_t bf16, const void* q, const void* k, const void* v, void* out, int64_t n,
