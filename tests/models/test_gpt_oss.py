@@ -134,7 +134,7 @@ def test_bf16_logits_close_to_transformers(tiny):
     batch = prompts(2048, lens=[5, 40])
     ref = hf_logits(theirs, batch)
     got = our_logits(ours, batch)
-    assert max_diff(got, ref) <= 0.1 * max(r.abs().max().item() for r in ref)
+    assert max_diff(got, ref) <= 0.03 * max(r.abs().max().item() for r in ref)  # bf16 rounding: 1.5% measured
 
 
 def test_a_dense_checkpoint_loads_too(tmp_path):
