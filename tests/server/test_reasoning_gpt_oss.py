@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
 import httpx
 import pytest
 
 from fulcrum.server.reasoning import HarmonyParser
-from tests.servers import MODEL, start_server
+from tests.server.test_reasoning import server_with_template, streamed
 
 FULL = (
     "<|channel|>analysis<|message|>Two and two.<|end|><|start|>assistant<|channel|>final<|message|>It is 4.<|return|>"
@@ -31,25 +30,13 @@ CASES = [
 ]  # fmt: skip
 
 
-def _streamed(text: str, rng: random.Random) -> tuple[str | None, str | None]:
-    p, thought, answer, i = HarmonyParser(), "", "", 0
-    while i < len(text):
-        n = rng.randint(1, 6)
-        d = p.feed(text[i : i + n])
-        i += n
-        thought += d.reasoning or ""
-        answer += d.content or ""
-    d = p.finish()
-    return (thought + (d.reasoning or "")) or None, (answer + (d.content or "")) or None
-
-
 @pytest.mark.parametrize(("text", "want"), CASES)
 def test_split_whole_and_streamed_in_any_pieces(text, want):
     got = HarmonyParser().split(text)
     assert (got.reasoning, got.content) == want
     rng = random.Random(0)
     for _ in range(40):
-        assert _streamed(text, rng) == want
+        assert streamed(HarmonyParser(), text, rng) == want
 
 
 TEMPLATE = (
@@ -66,18 +53,7 @@ FORCED = {
 
 @pytest.fixture(scope="module")
 def harmony_server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("harmony-model")
-    for f in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{MODEL}/{f}", folder / f)
-    (folder / "chat_template.jinja").write_text(TEMPLATE)
-    import tests.servers as servers
-
-    saved = servers.MODEL
-    servers.MODEL = str(folder)
-    try:
-        s = start_server(tmp_path_factory.mktemp("srv"), "--reasoning-parser", "gpt_oss")
-    finally:
-        servers.MODEL = saved
+    s = server_with_template(tmp_path_factory, TEMPLATE, "gpt_oss")
     yield s
     s.stop()
 

@@ -65,12 +65,6 @@ static inline float block_scale(uint8_t e) { return (DOUBLED ? DOUBLED_SCALES : 
 
 template <typename T> static inline float scalar(T v) { return float(v); }
 
-template <typename T> static std::vector<float> widen(const T* x, int64_t n) {
-  std::vector<float> out(n);
-  for (int64_t i = 0; i < n; ++i) out[i] = float(x[i]);
-  return out;
-}
-
 // M input rows against weight rows [begin, end)
 template <int M, typename T>
 static void rows_mxfp4(const float* x, const uint8_t* w, const uint8_t* e, const T* bias, T* y, int64_t I, int64_t O,
