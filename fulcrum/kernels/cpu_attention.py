@@ -26,7 +26,7 @@ def level() -> str:
 
 BINDINGS = {
     "decode_attention.cpp": {"fulcrum_decode_attention": (I64, I64, I64, *[PTR] * 8, *[I64] * 6, F32, I64, F32, PTR)},
-    "prefill_attention.cpp": {"fulcrum_prefill_attention": (I64, I64, *[PTR] * 4, *[I64] * 9, F32, I64)},
+    "prefill_attention.cpp": {"fulcrum_prefill_attention": (I64, I64, *[PTR] * 4, *[I64] * 9, F32, I64, PTR)},
 }
 
 
@@ -116,15 +116,20 @@ def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None = None
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Causal attention of q [n, H, hd] (the last n positions) over k, v [m, KVH, hd]: [n, H, hd]; with a sliding
-    window each query sees its last `sliding_window` positions, itself included."""
+    window each query sees its last `sliding_window` positions, itself included. `sinks` [H]: gpt-oss's logit per
+    head, one more term of each head's softmax denominator."""
     n, h, hd = q.shape
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
     out = torch.empty(n, h, hd, dtype=q.dtype)
     rc = _prefill()(
         q.dtype == torch.bfloat16, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, k.shape[0], h,
         k.shape[1], hd, q.stride(0), k.stride(0), v.stride(0), out.stride(0), scale, sliding_window or 0,
+        None if sinks is None else sinks.data_ptr(),
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"prefill attention: unsupported head_dim {hd} or group {h // k.shape[1]}")

@@ -121,8 +121,8 @@ class Attention(nn.Module):
         # cap, so a capped layer's prefill takes `_attend_capped` and its decode off the kernels `_attend_eager`.
         self.logit_softcap = logit_softcap
         # gpt-oss: a learned logit per query head [H] that joins each row's softmax denominator (and attends to
-        # nothing), set by the model's attention module. The CPU decode kernel takes it; prefill computes it in
-        # `_attend_capped` / `_attend_eager` (the prefill kernel has no sinks), and the Triton path refuses it.
+        # nothing), set by the model's attention module. The CPU kernels take it (else `_attend_capped` and
+        # `_attend_eager` compute it); the Triton path refuses it.
         self.sinks: torch.Tensor | None = None
         self.gqa = num_heads != num_kv_heads
         # [num_blocks, block_size, kv_heads, head_dim], assigned by the model runner
@@ -255,10 +255,10 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [n, H, D], k/v [m, KVH, D] with the queries at the last n positions."""
         n, m = q.shape[0], k.shape[0]
+        if self.logit_softcap is None and cpu_attention.prefill_usable(q, k, v):  # flash-style, no score matrix
+            return cpu_attention.prefill(q, k, v, self.scale, self.sliding_window, self.sinks)
         if self.logit_softcap is not None or self.sinks is not None:
             return self._attend_capped(q, k, v)
-        if cpu_attention.prefill_usable(q, k, v):
-            return cpu_attention.prefill(q, k, v, self.scale, self.sliding_window)  # flash-style, no score matrix
         if q.device.type == "cpu" and n >= 64 and self.sliding_window is None:
             return self._attend_blocked(q, k, v)
         qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)

@@ -32,7 +32,7 @@ int64_t fulcrum_decode_attention(int64_t bf16, int64_t kind, const void* q, cons
 // prefill_attention.cpp
 int64_t fulcrum_prefill_attention(int64_t bf16, const void* q, const void* k, const void* v, void* out, int64_t n,
                                   int64_t m, int64_t H, int64_t KVH, int64_t hd, int64_t qs, int64_t ks, int64_t vs,
-                                  int64_t os, float scale, int64_t window);
+                                  int64_t os, float scale, int64_t window, const float* sinks);
 
 // gemv.cpp
 void fulcrum_gemv_bf16(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t I, int64_t O);
