@@ -469,10 +469,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--reasoning-parser",
-        choices=("deepseek_r1", "qwen3"),
+        choices=("deepseek_r1", "gpt_oss", "qwen3"),
         default=None,
         help="a reasoning model's thought (<think>...</think>) goes to reasoning_content, split from the answer: "
-        "qwen3 (the model opens the block) or deepseek_r1 (the chat template opens it in the prompt)",
+        "qwen3 (the model opens the block) or deepseek_r1 (the chat template opens it in the prompt); gpt_oss: "
+        "harmony's analysis channel is the thought, its final channel the answer",
     )
     s.add_argument(
         "--enable-auto-tool-choice",

@@ -15,7 +15,7 @@ VERSION = "0.1.0"  # the package's (pyproject.toml reads it), the container imag
 ONLINE_QUANTIZATIONS = ("int8", "int4", "fp8")
 # "fp8-block" is a checkpoint's quant_method "fp8" (block-wise scales): the name tells it from online fp8
 FP8_BLOCK = "fp8-block"
-CHECKPOINT_QUANTIZATIONS = ("gptq", "awq", "compressed-tensors", "gguf", FP8_BLOCK)
+CHECKPOINT_QUANTIZATIONS = ("gptq", "awq", "compressed-tensors", "gguf", FP8_BLOCK, "mxfp4")
 QUANTIZATIONS = ONLINE_QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS
 INT4_GROUP_SIZES = (32, 64, 128)
 # What the KV cache stores: "auto" is the model's dtype; fp8 (e4m3) and int8 hold one byte per value with an fp16

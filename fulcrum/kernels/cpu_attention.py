@@ -25,8 +25,8 @@ def level() -> str:
 
 
 BINDINGS = {
-    "decode_attention.cpp": {"fulcrum_decode_attention": (I64, I64, I64, *[PTR] * 8, *[I64] * 6, F32, I64, F32)},
-    "prefill_attention.cpp": {"fulcrum_prefill_attention": (I64, I64, *[PTR] * 4, *[I64] * 9, F32, I64)},
+    "decode_attention.cpp": {"fulcrum_decode_attention": (I64, I64, I64, *[PTR] * 8, *[I64] * 6, F32, I64, F32, PTR)},
+    "prefill_attention.cpp": {"fulcrum_prefill_attention": (I64, I64, *[PTR] * 4, *[I64] * 9, F32, I64, PTR)},
 }
 
 
@@ -75,10 +75,12 @@ def decode(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [D, H, hd] (one token per sequence) over each sequence's first context_lens cached tokens. An int8/fp8
     cache comes with its fp16 scales [blocks, block_size, kv_heads] (fulcrum.quant.kv). `softcap`: Gemma 2's
-    cap * tanh(score / cap) on the scaled scores."""
+    cap * tanh(score / cap) on the scaled scores. `sinks` [H]: gpt-oss's logit per head, one more term of each
+    head's softmax denominator."""
     q = q.contiguous()
     tables, lens = block_tables.to(torch.int64).contiguous(), context_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
@@ -86,11 +88,13 @@ def decode(
     kind = _CACHE_KINDS.get(k_cache.dtype, 0)
     if kind and not all(s is not None and s.dtype == torch.float16 and s.is_contiguous() for s in (k_scales, v_scales)):
         raise ValueError("an int8/fp8 KV cache needs contiguous fp16 scales")
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
     rc = _decode(bool(kind))(
         q.dtype == torch.bfloat16, kind, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         k_scales.data_ptr() if kind else None, v_scales.data_ptr() if kind else None, tables.data_ptr(),
         lens.data_ptr(), out.data_ptr(), d, h, k_cache.shape[2], hd, k_cache.shape[1], tables.shape[1], scale,
-        sliding_window or 0, softcap or 0.0,
+        sliding_window or 0, softcap or 0.0, None if sinks is None else sinks.data_ptr(),
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"decode attention: unsupported head_dim {hd}")
@@ -112,15 +116,20 @@ def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None = None
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Causal attention of q [n, H, hd] (the last n positions) over k, v [m, KVH, hd]: [n, H, hd]; with a sliding
-    window each query sees its last `sliding_window` positions, itself included."""
+    window each query sees its last `sliding_window` positions, itself included. `sinks` [H]: gpt-oss's logit per
+    head, one more term of each head's softmax denominator."""
     n, h, hd = q.shape
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
     out = torch.empty(n, h, hd, dtype=q.dtype)
     rc = _prefill()(
         q.dtype == torch.bfloat16, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, k.shape[0], h,
         k.shape[1], hd, q.stride(0), k.stride(0), v.stride(0), out.stride(0), scale, sliding_window or 0,
+        None if sinks is None else sinks.data_ptr(),
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"prefill attention: unsupported head_dim {hd} or group {h // k.shape[1]}")

@@ -120,6 +120,10 @@ class Attention(nn.Module):
         # Gemma 2: scores become cap * tanh(scores / cap) before the softmax. SDPA and the CPU prefill kernel cannot
         # cap, so a capped layer's prefill takes `_attend_capped` and its decode off the kernels `_attend_eager`.
         self.logit_softcap = logit_softcap
+        # gpt-oss: a learned logit per query head [H] that joins each row's softmax denominator (and attends to
+        # nothing), set by the model's attention module. The CPU kernels take it (else `_attend_capped` and
+        # `_attend_eager` compute it); the Triton path refuses it.
+        self.sinks: torch.Tensor | None = None
         self.gqa = num_heads != num_kv_heads
         # [num_blocks, block_size, kv_heads, head_dim], assigned by the model runner
         self.k_cache: torch.Tensor | None = None
@@ -160,6 +164,10 @@ class Attention(nn.Module):
         block table: prefill chunks one by one (fresh prompts straight from the new k/v), decodes in one call."""
         cached = meta.slot_mapping is not None and self.k_cache is not None
         if cached and self._triton_step(q, meta):
+            if self.sinks is not None:
+                raise NotImplementedError(
+                    "attention sinks (gpt-oss) are computed on the CPU path only; the Triton kernels do not take them"
+                )
             return self._forward_triton(q, k, v, meta, rope)
         kc, vc = (self.k_cache, self.v_cache) if cached else (None, None)
         scales = (self.k_scales, self.v_scales) if cached and self.kv_format is not None else (None, None)
@@ -247,10 +255,10 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [n, H, D], k/v [m, KVH, D] with the queries at the last n positions."""
         n, m = q.shape[0], k.shape[0]
-        if self.logit_softcap is not None:
+        if self.logit_softcap is None and cpu_attention.prefill_usable(q, k, v):  # flash-style, no score matrix
+            return cpu_attention.prefill(q, k, v, self.scale, self.sliding_window, self.sinks)
+        if self.logit_softcap is not None or self.sinks is not None:
             return self._attend_capped(q, k, v)
-        if cpu_attention.prefill_usable(q, k, v):
-            return cpu_attention.prefill(q, k, v, self.scale, self.sliding_window)  # flash-style, no score matrix
         if q.device.type == "cpu" and n >= 64 and self.sliding_window is None:
             return self._attend_blocked(q, k, v)
         qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
@@ -262,7 +270,7 @@ class Attention(nn.Module):
         return o.transpose(0, 1)
 
     def _attend_capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Soft-capped causal attention, PREFILL_BLOCK queries at a time against only the keys they can see (those
+        """Soft-capped (or sink) causal attention, PREFILL_BLOCK queries at a time against only the keys they can see (those
         of their window), so that the scores of a long prompt are never held whole."""
         n, m = q.shape[0], k.shape[0]
         out = torch.empty_like(q)
@@ -277,13 +285,21 @@ class Attention(nn.Module):
 
     def _attend_eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Soft-capped attention as transformers' eager path computes it: q [..., H, n, hd], k/v [..., KVH, m, hd],
-        `mask` (True where allowed) broadcast to the scores [..., H, n, m]; scores and softmax in float32."""
+        `mask` (True where allowed) broadcast to the scores [..., H, n, m]; scores and softmax in float32. With
+        sinks each head's sink logit joins its rows' softmax as one more column, dropped after it."""
         g = self.num_heads // self.num_kv_heads
         *lead, _, n, d = q.shape
         qg = q.float().reshape(*lead, self.num_kv_heads, g * n, d)  # a KV head's query heads as its rows
         scores = torch.matmul(qg, k.float().transpose(-1, -2)).view(*lead, self.num_heads, n, -1) * self.scale
-        scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).view(*lead, self.num_kv_heads, g * n, -1)
+        if self.logit_softcap is not None:
+            scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if self.sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            sink = self.sinks.float().view(self.num_heads, 1, 1).expand(*scores.shape[:-1], 1)
+            probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+        probs = probs.reshape(*lead, self.num_kv_heads, g * n, -1)
         return torch.matmul(probs, v.float()).view(*lead, self.num_heads, n, d).to(q.dtype)
 
     def _attend_blocked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -314,7 +330,7 @@ class Attention(nn.Module):
         if cpu_attention.usable(q, self.k_cache, self.num_kv_heads):
             return cpu_attention.decode(
                 q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                self.scale, self.sliding_window, self.k_scales, self.v_scales, self.logit_softcap,
+                self.scale, self.sliding_window, self.k_scales, self.v_scales, self.logit_softcap, self.sinks,
             )  # fmt: skip
         bs = self.k_cache.shape[1]
         nblocks = -(-meta.decode_max_context // bs)
@@ -329,7 +345,7 @@ class Attention(nn.Module):
             if self.sliding_window is not None:
                 mask &= pos >= ctx - self.sliding_window
             mask = meta.shared[key] = mask[:, None, None, :]
-        if self.logit_softcap is not None:
+        if self.logit_softcap is not None or self.sinks is not None:
             return self._attend_eager(q.unsqueeze(2), ks, vs, mask).squeeze(2)
         if self.gqa and q.dtype != torch.float32:
             # The query heads that share a KV head become that head's "query rows": one grouped call that

@@ -8,6 +8,7 @@ from transformers import PretrainedConfig
 from fulcrum.errors import UnsupportedArchitectureError
 from fulcrum.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from fulcrum.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from fulcrum.models.gpt_oss import GptOssForCausalLM
 from fulcrum.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from fulcrum.models.mixtral import MixtralForCausalLM
 from fulcrum.models.phi3 import Phi3ForCausalLM
@@ -31,6 +32,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     # the language model of a vision-language checkpoint (fulcrum.models.vision_language)
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,

@@ -18,7 +18,7 @@ from fulcrum.plan.advice import what_to_do
 from fulcrum.plan.catalog import get_hardware, load_catalog
 from fulcrum.plan.local import LOCAL_EFFICIENCY, local_hardware
 from fulcrum.plan.memory import MemoryAssumptions, plan_memory
-from fulcrum.plan.model_spec import DTYPE_BYTES, ModelSpec, load_model_spec, load_presets
+from fulcrum.plan.model_spec import DTYPE_BYTES, EXPERT_FORMAT_BYTES, ModelSpec, load_model_spec, load_presets
 from fulcrum.plan.report import Plan, plot, render, to_json
 from fulcrum.plan.roofline import (
     INT4_GROUP_SIZES,
@@ -236,7 +236,12 @@ def build_plan(args: argparse.Namespace) -> Plan:
         *costs_note,
         f"weights {wdtype} ({DTYPE_BYTES[wdtype]:g} bytes/parameter"
         + (", the checkpoint's quantization_config" if not asked and spec.weight_format else "")
-        + f"), matmuls in {hw.compute_format(wdtype)}",
+        + f"), matmuls in {hw.compute_format(wdtype)}"
+        + (
+            f"; routed experts {spec.expert_format} ({EXPERT_FORMAT_BYTES[spec.expert_format]:g} bytes/parameter)"
+            if spec.expert_format
+            else ""
+        ),
         *MemoryAssumptions().describe(),
         *eff.describe(),
         *hw.notes,

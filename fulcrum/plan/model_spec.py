@@ -13,6 +13,9 @@ from fulcrum.model_folder.hf_config import head_dim, layer_sliding_windows
 
 PRESETS = Path(__file__).with_name("presets.json")
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5, "fp4": 0.5}
+# a checkpoint that keeps its routed experts' matrices in a format of their own (gpt-oss's MXFP4: a 4-bit value and
+# one E8M0 exponent byte per 32, as fulcrum holds them), bytes per parameter; the rest is at the weight dtype
+EXPERT_FORMAT_BYTES = {"mxfp4": (4 + 8 / 32) / 8}
 # config.json's torch_dtype / dtype, in plan's names
 CONFIG_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -75,6 +78,7 @@ class ModelSpec:
     # a block-wise fp8 checkpoint's weight_block_size (quant_method "fp8": DeepSeek-V3, Qwen3-FP8): its linear
     # weights are counted as the engine holds them (`weight_bytes`), not every parameter at weight_format
     weight_block: tuple[int, int] | None = None
+    expert_format: str | None = None  # the routed experts' own format (EXPERT_FORMAT_BYTES), None: the weights'
 
     @property
     def attention_kind(self) -> str:
@@ -217,6 +221,7 @@ def from_config(cfg: dict, name: str = "model") -> ModelSpec:
         weight_format=weight_format,
         weight_block=_weight_block(cfg_outer),
         norms_per_layer=4 if model_type in ("gemma2", "gemma3", "gemma3_text") else 2,
+        expert_format=checkpoint_expert_format(cfg) if moe else None,
     )
 
 
@@ -225,6 +230,12 @@ def _weight_block(cfg: dict) -> tuple[int, int] | None:
     block = q.get("weight_block_size") if str(q.get("quant_method", "")).lower() == "fp8" else None
     ok = isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)
     return (block[0], block[1]) if ok else None
+
+
+def checkpoint_expert_format(cfg: dict) -> str | None:
+    """gpt-oss's `quant_method: mxfp4`: its experts' matrices are MXFP4 (biases, router, attention stay 16-bit)."""
+    method = str((cfg.get("quantization_config") or {}).get("quant_method", "")).lower()
+    return method if method in EXPERT_FORMAT_BYTES else None
 
 
 def _dense_moe_layers(cfg: dict) -> int:
@@ -393,8 +404,13 @@ def fp8_block_bytes(s: ModelSpec, matrices: list[tuple[int, int]]) -> float:
 
 def weight_bytes(s: ModelSpec, weight_dtype: str) -> float:
     """Bytes the weights take in memory: every parameter at `weight_dtype`; a block-wise fp8 checkpoint read as it
-    is (weight_dtype its fp8), its fp8 linear weights with their scales and the rest at the model's dtype."""
+    is (weight_dtype its fp8), its fp8 linear weights with their scales and the rest at the model's dtype; an MXFP4
+    checkpoint's routed-expert matrices at 4.25 bits, as the engine keeps them."""
     total = parameter_counts(s).total
+    if s.expert_format is not None:  # MXFP4 experts (gpt-oss): their matrices at the format, the rest at weight_dtype
+        m = s.moe
+        matrices = (s.num_layers - m.dense_layers) * m.num_experts * 3 * s.hidden * m.expert_intermediate
+        return (total - matrices) * DTYPE_BYTES[weight_dtype] + matrices * EXPERT_FORMAT_BYTES[s.expert_format]
     if s.weight_block is None or weight_dtype != s.weight_format:
         return total * DTYPE_BYTES[weight_dtype]
     layers, expert = fp8_block_matrices(s)
@@ -410,6 +426,10 @@ def expert_bytes(s: ModelSpec, weight_dtype: str) -> float:
     m = s.moe
     if s.weight_block is not None and weight_dtype == s.weight_format:
         return fp8_block_bytes(s, fp8_block_matrices(s)[1])
+    if s.expert_format is not None:
+        matrices = 3 * s.hidden * m.expert_intermediate
+        biases = (2 * m.expert_intermediate + s.hidden) * m.biases
+        return matrices * EXPERT_FORMAT_BYTES[s.expert_format] + biases * DTYPE_BYTES[weight_dtype]
     return _mlp(s.hidden, m.expert_intermediate, m.biases) * DTYPE_BYTES[weight_dtype]
 
 

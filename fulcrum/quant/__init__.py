@@ -28,6 +28,8 @@ def method_factory(
         from fulcrum.quant.gguf import gguf_factory
 
         return gguf_factory()
+    if quantization == "mxfp4":  # gpt-oss: only the experts are MXFP4, and its model reads them (models/gpt_oss.py)
+        return lambda prefix: None
     if quantization in CHECKPOINT_QUANTIZATIONS:
         from fulcrum.quant.checkpoint import checkpoint_factory
 
@@ -59,6 +61,8 @@ def describe(quantization: str | None, group_size: int = 128, checkpoint: dict |
         return f"int4 (group {group_size})" if quantization == "int4" else quantization
     if not checkpoint:
         return f"{quantization} (from the checkpoint)"
+    if quantization == "mxfp4":
+        return "mxfp4 (experts: 4-bit e2m1 values, one exponent per 32)"
     if quantization == "gguf":
         from fulcrum.quant.gguf import describe as describe_gguf
 

@@ -19,7 +19,7 @@ from fulcrum.protocol import (
 )
 from fulcrum.server.limits import off_loop
 from fulcrum.server.logprobs import chat_logprobs, prompt_logprobs
-from fulcrum.server.reasoning import make_parser
+from fulcrum.server.reasoning import KEEPS_SPECIAL_TOKENS, make_parser
 from fulcrum.server.stages import StageClock
 from fulcrum.server.state import ServerState, sampling_params
 from fulcrum.server.streaming import StartedRequest, check_kv_transfer_request, generate_prompts, usage_of
@@ -60,6 +60,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             structured_outputs=grammar or params.structured_outputs,
             skip_special_tokens=params.skip_special_tokens and tools.skip_special_tokens,
         )
+    if state.reasoning_parser in KEEPS_SPECIAL_TOKENS:  # the parser reads the format's tags, special tokens
+        params = replace(params, skip_special_tokens=False)
     check_kv_transfer_request(req.kv_transfer_params, 1, req.stream)
     clock.mark("params")
     run = await StartedRequest.start(

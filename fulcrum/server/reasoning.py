@@ -8,7 +8,12 @@ joined are the whole answer's split by construction.
   model writes anyway is dropped); what comes before `</think>` is the thought.
 
 Either way a prompt whose rendered text ends inside an open block starts the output inside it, and a block that is
-never closed (the answer cut by max_tokens) is all thought."""
+never closed (the answer cut by max_tokens) is all thought.
+
+- `gpt_oss`: OpenAI's harmony format, messages `<|channel|>NAME<|message|>TEXT<|end|>` (the next one opened by
+  `<|start|>assistant`, the last closed by `<|return|>` or `<|call|>`): the analysis channel is the thought, the
+  final (and commentary) channel the answer; the tags themselves are dropped. Its tags are special tokens, so the
+  server keeps special tokens in the text this parser reads (KEEPS_SPECIAL_TOKENS)."""
 
 from __future__ import annotations
 
@@ -108,12 +113,73 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-PARSERS = {"qwen3": False, "deepseek_r1": True}  # name -> the output starts inside the block
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|start|>")  # what closes a message's text
+HARMONY_MESSAGE = "<|message|>"  # what closes a message's header
+HARMONY_REASONING_CHANNELS = ("analysis",)
 
 
-def make_parser(name: str, prompt_text: str) -> ReasoningParser:
+class HarmonyParser:
+    """The harmony split, one message at a time: a header (up to `<|message|>`, its channel after `<|channel|>`),
+    then the text up to a closing tag. Text that may be the start of a tag is held until it is told apart. An
+    output with no header at all (a model that writes plain text) is all answer."""
+
+    def __init__(self):
+        self._in_header = True
+        self._channel = None
+        self._held = ""  # header text so far, or the message text that may start a tag
+
+    def feed(self, text: str) -> ReasoningDelta:
+        reasoning, content = [], []
+        text = self._held + text
+        self._held = ""
+        while text:
+            if self._in_header:
+                i = text.find(HARMONY_MESSAGE)
+                if i >= 0:
+                    header, text = text[:i], text[i + len(HARMONY_MESSAGE) :]
+                    channel = header.partition("<|channel|>")[2]
+                    self._channel = channel.split("<|")[0].split()[0] if channel.strip() else None
+                    self._in_header = False
+                    continue
+                stripped = text.lstrip()
+                if stripped and not stripped.startswith("<|") and not "<|".startswith(stripped):
+                    self._in_header, self._channel = False, None  # no header: plain text, the answer
+                    continue
+                self._held = text
+                break
+            ends = [(i, tag) for tag in HARMONY_ENDS if (i := text.find(tag)) >= 0]
+            i, tag = min(ends) if ends else (len(text), "")
+            keep = 0 if ends else max(_partial_suffix(text, t) for t in HARMONY_ENDS)
+            piece = text[: i - keep] if not ends else text[:i]
+            (reasoning if self._channel in HARMONY_REASONING_CHANNELS else content).append(piece)
+            if not ends:
+                self._held = text[len(text) - keep :] if keep else ""
+                break
+            # <|start|> opens the next header; the other tags close this message, whose next header follows
+            text = text[i:] if tag == "<|start|>" else text[i + len(tag) :]
+            self._in_header = True
+        return ReasoningDelta("".join(reasoning) or None, "".join(content) or None)
+
+    def finish(self) -> ReasoningDelta:
+        held, self._held = self._held, ""
+        if not held or self._in_header:
+            return ReasoningDelta()  # an unfinished header or tag is no text
+        if self._channel in HARMONY_REASONING_CHANNELS:
+            return ReasoningDelta(reasoning=held)
+        return ReasoningDelta(content=held)
+
+    split = ReasoningParser.split
+
+
+PARSERS = {"qwen3": False, "deepseek_r1": True, "gpt_oss": None}  # name -> the output starts inside the block
+KEEPS_SPECIAL_TOKENS = ("gpt_oss",)  # parsers that read tags the tokenizer holds as special tokens
+
+
+def make_parser(name: str, prompt_text: str) -> ReasoningParser | HarmonyParser:
     """The parser for one output; `prompt_text` is the rendered prompt's tail (an open block there starts it
     inside)."""
+    if name == "gpt_oss":
+        return HarmonyParser()
     tail = prompt_text.rstrip()
     opened = tail.rfind(START) > tail.rfind(END)
     return ReasoningParser(PARSERS[name] or opened)

@@ -29,7 +29,9 @@ def paged(ctxs, heads, kv_heads, head_dim, block, dtype, seed=0):
     return q, kc, vc, tables, torch.tensor(ctxs)
 
 
-def reference(q, kc, vc, tables, ctxs, scale, window, softcap=None):
+def reference(q, kc, vc, tables, ctxs, scale, window, softcap=None, sinks=None):
+    """Attention over each sequence's gathered tokens in float64; `sinks` [H]: one more logit per head in its
+    softmax, with no value (gpt-oss)."""
     heads, kv_heads, block = q.shape[1], kc.shape[2], kc.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     for j, c in enumerate(ctxs.tolist()):
@@ -40,7 +42,11 @@ def reference(q, kc, vc, tables, ctxs, scale, window, softcap=None):
         scores = torch.einsum("hd,thd->ht", q[j].double(), ks[start:]) * scale
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
-        out[j] = torch.einsum("ht,thd->hd", scores.softmax(-1), vs[start:])
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            probs = torch.cat([scores, sinks.double()[:, None]], -1).softmax(-1)[:, :-1]
+        out[j] = torch.einsum("ht,thd->hd", probs, vs[start:])
     return out
 
 
@@ -99,9 +105,11 @@ def test_a_head_dim_of_24_reads_the_quantized_cache(name, dtype):
     assert (got.double() - want).abs().max() < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-def test_attention_layer_gives_the_same_with_and_without_the_kernel(monkeypatch):
+@pytest.mark.parametrize("sinks", [False, True])  # gpt-oss's logit per head, windowed as its sliding layers are
+def test_attention_layer_gives_the_same_with_and_without_the_kernel(monkeypatch, sinks):
     q, kc, vc, tables, lens = paged([5, 123, 64], 14, 2, 64, 16, torch.float32)
-    layer = Attention(14, 2, 64, 0.125)
+    layer = Attention(14, 2, 64, 0.125, sliding_window=40 if sinks else None)
+    layer.sinks = torch.linspace(-1.0, 3.0, 14) if sinks else None
     layer.k_cache, layer.v_cache = kc, vc
     meta = AttentionMetadata(
         query_lens=[1, 1, 1], decode_block_tables=tables, decode_context_lens=lens, decode_max_context=123

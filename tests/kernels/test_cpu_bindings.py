@@ -14,6 +14,7 @@ from fulcrum.kernels import (
     cpu_decode_stack,
     cpu_ext,
     cpu_gemv,
+    cpu_mxfp4,
     cpu_norm,
     cpu_qgemv,
     cpu_qgemv_vnni,
@@ -23,7 +24,7 @@ from fulcrum.kernels.cpu_ext import F32, I64, PTR
 from fulcrum.runtime import cpu_threads
 
 LOADERS = [cpu_act, cpu_argmax, cpu_attention, cpu_decode_stack, cpu_gemv, cpu_norm, cpu_qgemv, cpu_qgemv_vnni,
-           cpu_rope, cpu_threads]  # fmt: skip
+           cpu_rope, cpu_threads, cpu_mxfp4]  # fmt: skip
 
 
 def test_every_binding_matches_its_declaration_and_every_declaration_is_bound():
@@ -77,7 +78,7 @@ def test_a_binding_with_a_wrong_argument_type_fails_at_load(load_with):
 def test_a_binding_with_a_wrong_result_or_name_fails_at_load(load_with):
     no_result = dict(cpu_attention.BINDINGS)
     no_result["decode_attention.cpp"] = {
-        "fulcrum_decode_attention": (None, I64, I64, *[PTR] * 8, *[I64] * 6, F32, I64, F32)
+        "fulcrum_decode_attention": (None, I64, I64, *[PTR] * 8, *[I64] * 6, F32, I64, F32, PTR)
     }
     caches = [cpu_attention._decode, cpu_attention._prefill]
     with pytest.raises(KernelBindingError, match=r"kernel decode_attention .*fulcrum_decode_attention returns void"):

@@ -189,12 +189,24 @@ message = st.fixed_dictionaries(
         "content": text | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2),
     }
 )
+# image parts: the bundled model reads no images, and each of these is malformed besides
+bad_image_part = st.sampled_from(
+    [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!not base64!!"}},
+        {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}},
+        {"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGVsbG8="}},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo=", "detail": "high"}},
+        {"type": "image_url", "image_url": "data:image/png;base64,iVBORw0KGgo="},
+        {"type": "image_url"},
+    ]
+) | st.builds(lambda junk: {"type": "image_url", "image_url": {"url": junk}}, bad_text)
 bad_message = (
     st.fixed_dictionaries(
         {
             "role": st.sampled_from(["wizard", "", "user"]),
             "content": bad_text
-            | st.lists(st.fixed_dictionaries({"type": st.just("image_url"), "text": text}), min_size=1),
+            | st.lists(st.fixed_dictionaries({"type": st.just("image_url"), "text": text}), min_size=1)
+            | st.lists(bad_image_part, min_size=1, max_size=2),
         }
     )
     | JUNK

@@ -31,23 +31,26 @@ CASES = [
 ]
 
 
+def streamed(parser, text: str, rng: random.Random) -> tuple[str | None, str | None]:
+    """(thought, answer) of `text` fed to `parser` in random pieces of 1-5 characters."""
+    thought, answer, i = "", "", 0
+    while i < len(text):
+        n = rng.randint(1, 5)
+        d = parser.feed(text[i : i + n])
+        i += n
+        thought += d.reasoning or ""
+        answer += d.content or ""
+    d = parser.finish()
+    return (thought + (d.reasoning or "")) or None, (answer + (d.content or "")) or None
+
+
 @pytest.mark.parametrize(("inside", "text", "want"), CASES)
 def test_split_whole_and_streamed_in_any_pieces(inside, text, want):
     got = ReasoningParser(inside).split(text)
     assert (got.reasoning, got.content) == want
     rng = random.Random(0)
     for _ in range(40):
-        p, thought, answer, i = ReasoningParser(inside), "", "", 0
-        while i < len(text):
-            n = rng.randint(1, 5)
-            d = p.feed(text[i : i + n])
-            i += n
-            thought += d.reasoning or ""
-            answer += d.content or ""
-        d = p.finish()
-        thought += d.reasoning or ""
-        answer += d.content or ""
-        assert (thought or None, answer or None) == want
+        assert streamed(ReasoningParser(inside), text, rng) == want
 
 
 def test_the_prompt_decides_whether_the_output_starts_inside():
@@ -64,20 +67,25 @@ TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def thinking_server(tmp_path_factory):
+def server_with_template(tmp_path_factory, template: str, parser: str):
+    """The bundled model under `template`, served with `--reasoning-parser parser`."""
     folder = tmp_path_factory.mktemp("thinking-model")
     for f in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{MODEL}/{f}", folder / f)
-    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    (folder / "chat_template.jinja").write_text(template)
     import tests.servers as servers
 
     saved = servers.MODEL
     servers.MODEL = str(folder)
     try:
-        s = start_server(tmp_path_factory.mktemp("srv"), "--reasoning-parser", "qwen3")
+        return start_server(tmp_path_factory.mktemp("srv"), "--reasoning-parser", parser)
     finally:
         servers.MODEL = saved
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    s = server_with_template(tmp_path_factory, TEMPLATE, "qwen3")
     yield s
     s.stop()
 

@@ -92,7 +92,8 @@ static inline vf vsum_each(vf* v) {  // AVX2's in-lane hadd twice, then the two 
 template <typename T, typename C, int HD>
 static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, const c10::Half* vsc,
                    int64_t sstride, const int64_t* table, int64_t start, int64_t ctx, int64_t bs, int64_t kv_stride,
-                   int64_t g, float scale, float softcap, float* scores, T* out, int64_t q_stride) {
+                   int64_t g, float scale, float softcap, const float* sinks, float* scores, T* out,
+                   int64_t q_stride) {
   constexpr float factor = load_factor<C>();
   constexpr bool quantized = !std::is_same_v<C, T>;
   constexpr int NV = num_vectors<HD>();
@@ -139,20 +140,22 @@ static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, c
   if (softcap > 0)
     for (int64_t h = 0; h < g; ++h)
       for (int64_t t = 0; t < n; ++t) scores[h * np + t] = softcap * std::tanh(scores[h * np + t] / softcap);
-  // softmax per head in place, unnormalised: the sum's inverse scales the output instead of every weight
+  // softmax per head in place, unnormalised: the sum's inverse scales the output instead of every weight. A head's
+  // sink (gpt-oss) is one more logit in its softmax, with no value: it joins the max and the sum only
   float inv[MAX_G];
   for (int64_t h = 0; h < g; ++h) {
     float* s = scores + h * np;
     vf m = vset1(-INFINITY);
     for (int64_t t = 0; t < np; t += VW) m = vmax(m, vload(s + t));
-    const vf mx = vset1(vmax_all(m));
+    const float top = sinks ? std::max(vmax_all(m), sinks[h]) : vmax_all(m);
+    const vf mx = vset1(top);
     vf sum = vzero();
     for (int64_t t = 0; t < np; t += VW) {
       const vf e = vexp(vsub(vload(s + t), mx));
       vstore(s + t, e);
       sum = vadd(sum, e);
     }
-    inv[h] = 1.0f / vsum(sum);
+    inv[h] = 1.0f / (vsum(sum) + (sinks ? std::exp(sinks[h] - top) : 0.f));
   }
   // out [g, HD]: one value read, g weighted sums; groups of up to 4 heads keep their sums in registers
   for (int64_t h0 = 0; h0 < g; h0 += 4) {
@@ -180,7 +183,7 @@ static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, c
 template <typename T, typename C, int HD>
 static void run(const T* qp, const C* kp, const C* vp, const c10::Half* ks, const c10::Half* vs, const int64_t* tp,
                 const int64_t* lp, T* op, int64_t D, int64_t H, int64_t KVH, int64_t bs, int64_t width, float scale,
-                int64_t window, float softcap) {
+                int64_t window, float softcap, const float* sinks) {
   const int64_t g = H / KVH, kv_stride = KVH * HD;
   int64_t max_ctx = 0;
   for (int64_t i = 0; i < D; ++i) max_ctx = std::max(max_ctx, lp[i]);
@@ -191,7 +194,7 @@ static void run(const T* qp, const C* kp, const C* vp, const c10::Half* ks, cons
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
       attend<T, C, HD>(qp + (i * H + kvh * g) * HD, kp + kvh * HD, vp + kvh * HD, ks ? ks + kvh : nullptr,
                        vs ? vs + kvh : nullptr, KVH, tp + i * width, start, ctx, bs, kv_stride, g, scale, softcap,
-                       scores.data(), op + (i * H + kvh * g) * HD, HD);
+                       sinks ? sinks + kvh * g : nullptr, scores.data(), op + (i * H + kvh * g) * HD, HD);
     }
   });
 }
@@ -199,37 +202,39 @@ static void run(const T* qp, const C* kp, const C* vp, const c10::Half* ks, cons
 template <typename T, int HD>
 static void run_cache(int64_t kind, const void* q, const void* kc, const void* vc, const void* ks, const void* vs,
                       const int64_t* tables, const int64_t* lens, void* out, int64_t D, int64_t H, int64_t KVH,
-                      int64_t bs, int64_t width, float scale, int64_t window, float softcap) {
+                      int64_t bs, int64_t width, float scale, int64_t window, float softcap, const float* sinks) {
   using S = c10::Half;
   const S *ksc = (const S*)ks, *vsc = (const S*)vs;
 #if QUANTIZED_KV  // the quantized caches' build: int8 and fp8 only
   if (kind == 1)
     run<T, int8_t, HD>((const T*)q, (const int8_t*)kc, (const int8_t*)vc, ksc, vsc, tables, lens, (T*)out, D, H,
-                       KVH, bs, width, scale, window, softcap);
+                       KVH, bs, width, scale, window, softcap, sinks);
   else if (kind == 2)
     run<T, c10::Float8_e4m3fn, HD>((const T*)q, (const c10::Float8_e4m3fn*)kc, (const c10::Float8_e4m3fn*)vc, ksc,
-                                   vsc, tables, lens, (T*)out, D, H, KVH, bs, width, scale, window, softcap);
+                                   vsc, tables, lens, (T*)out, D, H, KVH, bs, width, scale, window, softcap,
+                                   sinks);
 #else
   if (kind == 0)
     run<T, T, HD>((const T*)q, (const T*)kc, (const T*)vc, nullptr, nullptr, tables, lens, (T*)out, D, H, KVH, bs,
-                  width, scale, window, softcap);
+                  width, scale, window, softcap, sinks);
 #endif
 }
 
 // q and out [D, H, hd]; k/v cache [blocks, bs, KVH, hd]; tables [D, width] int64; ctx_lens [D] int64, all contiguous.
 // kind 0: the cache in q's dtype; 1: int8, 2: fp8 e4m3, with fp16 scales k_scales/v_scales [blocks, bs, KVH].
-// window <= 0: no sliding window. Returns 0, or -1 for an unsupported head_dim.
+// window <= 0: no sliding window. sinks: [H] fp32, one more logit per head in its softmax (gpt-oss), or null.
+// Returns 0, or -1 for an unsupported head_dim.
 extern "C" int64_t fulcrum_decode_attention(int64_t bf16, int64_t kind, const void* q, const void* k_cache,
                                             const void* v_cache, const void* k_scales, const void* v_scales,
                                             const int64_t* tables, const int64_t* ctx_lens, void* out, int64_t D,
                                             int64_t H, int64_t KVH, int64_t hd, int64_t bs, int64_t width, float scale,
-                                            int64_t window, float softcap) {
+                                            int64_t window, float softcap, const float* sinks) {
 #define CASE(HD)                                                                                                   \
   case HD:                                                                                                         \
     if (bf16) run_cache<c10::BFloat16, HD>(kind, q, k_cache, v_cache, k_scales, v_scales, tables, ctx_lens, out, D, \
-                                           H, KVH, bs, width, scale, window, softcap);                             \
+                                           H, KVH, bs, width, scale, window, softcap, sinks);                      \
     else run_cache<float, HD>(kind, q, k_cache, v_cache, k_scales, v_scales, tables, ctx_lens, out, D, H, KVH, bs, \
-                              width, scale, window, softcap);                                                      \
+                              width, scale, window, softcap, sinks);                                               \
     return 0;
   switch (hd) {
     CASE(8) CASE(16) CASE(24) CASE(32) CASE(40) CASE(48) CASE(56) CASE(64) CASE(80) CASE(96) CASE(128) CASE(160)

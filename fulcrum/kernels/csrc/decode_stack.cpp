@@ -173,7 +173,7 @@ static int64_t run(const int64_t* fns, const int64_t* layers, const float* scale
       qc = q;
     }
     if (attn(bf16, kind, qc, ptr(K_CACHE), ptr(V_CACHE), ptr(K_SCALES), ptr(V_SCALES), tables, ctx_lens, o, M, H,
-             KVH, hd, bs, width, scales[l], p[WINDOW], softcap) != 0)
+             KVH, hd, bs, width, scales[l], p[WINDOW], softcap, nullptr) != 0)
       return -1;
     gemv(o, ptr(O_W), ptr(O_B), t, M, qs, hidden);
     lora_add(fns, o, t, M, qs, hidden, o_sizes, 1, R, ptr(O_LA), ptr(O_LB), lora_slots, lora_xa, lora_t);

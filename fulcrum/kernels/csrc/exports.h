@@ -26,12 +26,13 @@ void fulcrum_rope_cache(int64_t bf16, void* q, void* k, const void* v, const voi
 int64_t fulcrum_decode_attention(int64_t bf16, int64_t kind, const void* q, const void* k_cache, const void* v_cache,
                                  const void* k_scales, const void* v_scales, const int64_t* tables,
                                  const int64_t* ctx_lens, void* out, int64_t D, int64_t H, int64_t KVH, int64_t hd,
-                                 int64_t bs, int64_t width, float scale, int64_t window, float softcap);
+                                 int64_t bs, int64_t width, float scale, int64_t window, float softcap,
+                                 const float* sinks);
 
 // prefill_attention.cpp
 int64_t fulcrum_prefill_attention(int64_t bf16, const void* q, const void* k, const void* v, void* out, int64_t n,
                                   int64_t m, int64_t H, int64_t KVH, int64_t hd, int64_t qs, int64_t ks, int64_t vs,
-                                  int64_t os, float scale, int64_t window);
+                                  int64_t os, float scale, int64_t window, const float* sinks);
 
 // gemv.cpp
 void fulcrum_gemv_bf16(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t I, int64_t O);
@@ -59,6 +60,11 @@ void fulcrum_qgemv_int5(int64_t bf16, const void* x, const void* w, const void* 
                         const void* offset, const void* bias, void* y, int64_t M, int64_t I, int64_t O);
 void fulcrum_dequant_int5(int64_t bf16, const void* w, const void* high, const void* scale, const void* offset,
                           void* out, int64_t O, int64_t I);
+
+// mxfp4.cpp
+void fulcrum_qgemv_mxfp4(int64_t bf16, const void* x, const void* blocks, const void* scales, const void* bias,
+                         void* y, int64_t M, int64_t I, int64_t O);
+void fulcrum_dequant_mxfp4(int64_t bf16, const void* blocks, const void* scales, void* out, int64_t O, int64_t I);
 
 // qgemv_vnni.cpp
 void fulcrum_qgemv_int8_vnni(const void* x, const void* w, const void* scale, const void* bias, void* y, int64_t M,

@@ -117,7 +117,7 @@ static void widen_tile(const T* k, const T* v, int64_t m, int64_t kvh, int64_t h
 template <typename T>
 static void prefill_task(const T* q, T* out, const float* Kt, const float* Vw, int64_t n, int64_t m, int64_t H,
                          int64_t KVH, int64_t hd, int64_t qs, int64_t os, float scale, int64_t kvh, int64_t q0,
-                         int64_t qb, int64_t window, float* scratch, int64_t* seen) {
+                         int64_t qb, int64_t window, const float* sinks, float* scratch, int64_t* seen) {
   const int64_t g = H / KVH, q1 = std::min(n, q0 + qb), rows = (q1 - q0) * g, past = m - n;
   const int64_t hdp = (hd + VW - 1) / VW * VW;  // hd in whole vectors (a multiple of 8 on AVX-512: half of one)
   float* Q = scratch;                  // [rows][hd], scaled
@@ -152,7 +152,8 @@ static void prefill_task(const T* q, T* out, const float* Kt, const float* Vw, i
   for (int64_t t = q0; t < q1; ++t)
     for (int64_t j = 0; j < g; ++j) {
       const int64_t r = (t - q0) * g + j;
-      const float inv = 1.0f / sum[r];
+      // a head's sink (gpt-oss): one more term of its softmax's sum, with no value
+      const float inv = 1.0f / (sinks ? sum[r] + std::exp(sinks[kvh * g + j] - mx[r]) : sum[r]);
       T* dst = out + t * os + (kvh * g + j) * hd;
       for (int64_t d = 0; d < hd; ++d) store(dst + d, acc[r * hdp + d] * inv);
     }
@@ -160,7 +161,8 @@ static void prefill_task(const T* q, T* out, const float* Kt, const float* Vw, i
 
 template <typename T>
 static void prefill_all(const T* q, const T* k, const T* v, T* out, int64_t n, int64_t m, int64_t H, int64_t KVH,
-                        int64_t hd, int64_t qs, int64_t ks, int64_t vs, int64_t os, float scale, int64_t window) {
+                        int64_t hd, int64_t qs, int64_t ks, int64_t vs, int64_t os, float scale, int64_t window,
+                        const float* sinks) {
   const int64_t g = H / KVH, hdp = (hd + VW - 1) / VW * VW, tiles = (m + KT - 1) / KT;
   const int64_t qb = std::max<int64_t>(16, std::min<int64_t>(64, TASK_ROWS / g)), blocks = (n + qb - 1) / qb;
   // tiles no query sees (before the first query's window) are not widened
@@ -186,25 +188,27 @@ static void prefill_all(const T* q, const T* k, const T* v, T* out, int64_t n, i
         const int64_t i = t / nh, blk = i % 2 ? blocks - 1 - i / 2 : i / 2, h = t % nh;
         const float* base = wide.data() + h * head_floats;
         prefill_task(q, out, base, base + tiles * KT * hd, n, m, H, KVH, hd, qs, os, scale, h0 + h, blk * qb, qb,
-                     window, scratch.data(), seen.data());
+                     window, sinks, scratch.data(), seen.data());
       }
     });
   }
 }
 
 // q [n, H, hd], k and v [m, KVH, hd], out [n, H, hd], each with its own row stride (elements between tokens; the
-// heads of a token packed); the queries are the last n of the m positions. Returns 0, or -1 for a head_dim that is
-// not a multiple of 8 or a group over MAX_G.
+// heads of a token packed); the queries are the last n of the m positions. sinks: [H] fp32, one more logit per head
+// in its softmax (gpt-oss), or null. Returns 0, or -1 for a head_dim that is not a multiple of 8 or a group over
+// MAX_G.
 extern "C" int64_t fulcrum_prefill_attention(int64_t bf16, const void* q, const void* k, const void* v, void* out,
                                              int64_t n, int64_t m, int64_t H, int64_t KVH, int64_t hd, int64_t qs,
-                                             int64_t ks, int64_t vs, int64_t os, float scale, int64_t window) {
+                                             int64_t ks, int64_t vs, int64_t os, float scale, int64_t window,
+                                             const float* sinks) {
   if (hd % 8 || H / KVH > MAX_G) return -1;
   if (bf16)
     prefill_all((const c10::BFloat16*)q, (const c10::BFloat16*)k, (const c10::BFloat16*)v, (c10::BFloat16*)out, n, m,
-                H, KVH, hd, qs, ks, vs, os, scale, window);
+                H, KVH, hd, qs, ks, vs, os, scale, window, sinks);
   else
     prefill_all((const float*)q, (const float*)k, (const float*)v, (float*)out, n, m, H, KVH, hd, qs, ks, vs, os,
-                scale, window);
+                scale, window, sinks);
   return 0;
 }
 

@@ -184,13 +184,6 @@ static void rows_i8g(const float* x, const int8_t* w, const float* scale, const 
 }
 
 
-// The input rows as fp32, widened once per call rather than once per weight row
-template <typename T> static std::vector<float> widen(const T* x, int64_t n) {
-  std::vector<float> out(n);
-  for (int64_t i = 0; i < n; ++i) out[i] = scalar(x[i]);
-  return out;
-}
-
 template <bool FP8, typename T>
 static void qgemv_i8(const T* x_in, const int8_t* w, const float* scale, const T* bias, T* y, int64_t M, int64_t I,
                      int64_t O) {

@@ -3,7 +3,16 @@
 // block of weight rows small enough to stay in L2, so the weights still come from memory once.
 #pragma once
 
+#include <vector>
+
 #include "prelude.h"
+
+// The input rows as fp32, widened once per call rather than once per weight row
+template <typename T> static std::vector<float> widen(const T* x, int64_t n) {
+  std::vector<float> out(n);
+  for (int64_t i = 0; i < n; ++i) out[i] = float(x[i]);
+  return out;
+}
 
 // f(m0, n, begin, end) computes input rows m0..m0+n-1 (n <= 4) against weight rows [begin, end); `row_bytes`: bytes
 // of one packed weight row
