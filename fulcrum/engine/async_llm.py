@@ -121,6 +121,7 @@ class AsyncLLM:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
+                item = _coalesce(item, queue)
                 ro = item[0]
                 finished = ro.finished
                 failed = next((o for o in ro.outputs if o.finish_reason == "error"), None)
@@ -266,3 +267,20 @@ def check_kv_transfer(
             "(start it with --kv-role producer or both)",
             "kv_transfer_params",
         )
+
+
+def _coalesce(item: tuple[RequestOutput, dict[int, str]], queue: asyncio.Queue) -> tuple[RequestOutput, dict[int, str]]:
+    """`item` and the steps queued behind it as one: the output so far is the newest (one object, updated in
+    place), so its tokens are those of every queued step, and their texts are joined to match. A consumer that
+    falls behind (a slow client) then sends each token's text with its own logprobs, in fewer chunks. An error
+    queued behind is raised now: the request has failed."""
+    ro, deltas = item
+    merged = dict(deltas)
+    while not queue.empty():
+        nxt = queue.get_nowait()
+        if isinstance(nxt, Exception):
+            raise nxt
+        ro, more = nxt
+        for j, text in more.items():
+            merged[j] = merged.get(j, "") + text
+    return ro, merged

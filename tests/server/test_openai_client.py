@@ -4,6 +4,7 @@ import asyncio
 
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from tests.servers import MODEL
 
@@ -61,6 +62,30 @@ def test_n_samples_and_stop(client):
     choice = stopped.choices[0]
     assert choice.finish_reason == "stop" and choice.stop_reason == stop
     assert choice.text == free[: free.index(stop)]
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_each_streamed_chunk_carries_the_logprobs_of_its_own_text(client, route):
+    """Two samples stream at once (their frontend falls behind the engine's steps): every chunk's text is its
+    tokens' strings laid end to end, never one chunk with the tokens of several and texts without any."""
+    kw = dict(model="shakespeare", max_tokens=24, n=2, seed=7, stream=True, extra_body={"ignore_eos": True})
+    if route == "chat":
+        chunks = client.chat.completions.create(messages=[{"role": "user", "content": "Once more"}], logprobs=True,
+                                                top_logprobs=2, **kw)  # fmt: skip
+    else:
+        chunks = client.completions.create(prompt="QUEEN:", logprobs=2, **kw)
+    added = AutoTokenizer.from_pretrained(MODEL).added_tokens_decoder.values()
+    special = {t.content for t in added if t.special}  # in logprobs, skipped in the text
+    tokens = {0: 0, 1: 0}
+    for chunk in chunks:
+        for c in chunk.choices:
+            if route == "chat":
+                text, toks = c.delta.content or "", [t.token for t in (c.logprobs.content if c.logprobs else [])]
+            else:
+                text, toks = c.text, (c.logprobs.tokens if c.logprobs else [])
+            assert text == "".join(t for t in toks if t not in special), (text, toks)
+            tokens[c.index] += len(toks)
+    assert tokens == {0: 24, 1: 24}
 
 
 def test_logprobs_completions_and_chat(client):

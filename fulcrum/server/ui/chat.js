@@ -97,7 +97,16 @@ const Chat = (() => {
 
   function addText(box, text, lp) {
     const target = box.querySelector(".text");
-    const entries = logprobEntries(lp);
+    const fresh = logprobEntries(lp);
+    box.state.tokens += fresh.length;
+    // a token whose text the server holds back (a character not yet whole, a possible stop string) comes with
+    // its logprob and no text; its text follows in a later chunk: kept until then
+    const entries = (box.state.heldEntries || []).concat(fresh);
+    if (!text) {
+      box.state.heldEntries = entries;
+      return;
+    }
+    box.state.heldEntries = [];
     const tip = (e) => `${JSON.stringify(e.token)} p=${Math.exp(e.logprob).toFixed(3)}\n` +
       e.top.map(([t, l]) => `  ${JSON.stringify(t)} ${Math.exp(l).toFixed(3)}`).join("\n");
     if (entries.length && entries.map((e) => e.token).join("") === text) {
@@ -107,10 +116,9 @@ const Chat = (() => {
       // one span, coloured by its least likely token
       const worst = entries.reduce((a, b) => (b.logprob < a.logprob ? b : a));
       target.append(tokenSpan(text, worst.logprob, entries.map(tip).join("\n")));
-    } else if (text) {
+    } else {
       target.append(document.createTextNode(text));
     }
-    box.state.tokens += entries.length;
   }
 
   function addToolCalls(box, deltas) {
