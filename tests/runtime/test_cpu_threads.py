@@ -1,5 +1,5 @@
 """--cpu-threads / --cpu-bind: how many compute threads the engine core runs and on which cores, leaving the
-frontend a core under `fulcrum serve`; pinning checked on real threads in a process of its own."""
+frontend a core under `fulcrum serve` on machines of 8 cores or more; pinning checked on real threads in a process of its own."""
 
 import json
 import subprocess
@@ -25,11 +25,25 @@ def four_cores(monkeypatch):
     monkeypatch.setattr(cpu_threads, "allowed_cpus", lambda: [0, 1, 2, 3])
 
 
-def test_auto_in_its_own_process_pins_one_thread_per_core_and_leaves_the_frontend_one(four_cores):
-    assert cpu_threads.plan(None, "auto", own_process=True) == cpu_threads.ThreadPlan(3, (1, 2, 3))
+@pytest.fixture
+def eight_cores(monkeypatch):
+    monkeypatch.setattr(cpu_threads, "allowed_cpus", lambda: list(range(8)))
+
+
+def test_auto_in_its_own_process_pins_one_thread_per_core_and_leaves_the_frontend_one(eight_cores):
+    assert cpu_threads.plan(None, "auto", own_process=True) == cpu_threads.ThreadPlan(7, (1, 2, 3, 4, 5, 6, 7))
     assert cpu_threads.plan(2, "auto", own_process=True) == cpu_threads.ThreadPlan(2, (1, 2))
     # asked for more threads than the free cores: the reserved core computes too
-    assert cpu_threads.plan(4, "auto", own_process=True) == cpu_threads.ThreadPlan(4, (0, 1, 2, 3))
+    assert cpu_threads.plan(8, "auto", own_process=True) == cpu_threads.ThreadPlan(8, tuple(range(8)))
+    with pytest.raises(ValueError, match="more than the 8 cores"):
+        cpu_threads.plan(9, "auto", own_process=True)
+
+
+def test_on_a_small_machine_every_core_computes_and_the_frontend_shares(four_cores):
+    """Below FRONTEND_CORE_MIN_CPUS a core left to the frontend costs more compute than the frontend needs."""
+    assert cpu_threads.FRONTEND_CORE_MIN_CPUS > 4
+    assert cpu_threads.plan(None, "auto", own_process=True) == cpu_threads.ThreadPlan(4, (0, 1, 2, 3))
+    assert cpu_threads.plan(2, "auto", own_process=True) == cpu_threads.ThreadPlan(2, (0, 1))
     with pytest.raises(ValueError, match="more than the 4 cores"):
         cpu_threads.plan(5, "auto", own_process=True)
 
@@ -50,7 +64,7 @@ def test_explicit_lists_and_none(four_cores):
     assert cpu_threads.plan(1, "2-3") == cpu_threads.ThreadPlan(1, (2,))
     with pytest.raises(ValueError, match=r"cores \[9\] are not available"):
         cpu_threads.plan(None, "3,9")
-    assert cpu_threads.plan(None, "none", own_process=True) == cpu_threads.ThreadPlan(3, None)
+    assert cpu_threads.plan(None, "none", own_process=True) == cpu_threads.ThreadPlan(4, None)
     assert cpu_threads.plan(8, "none").describe() == "8 compute threads, unpinned"
 
 
