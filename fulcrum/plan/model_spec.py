@@ -407,10 +407,11 @@ def weight_bytes(s: ModelSpec, weight_dtype: str) -> float:
     is (weight_dtype its fp8), its fp8 linear weights with their scales and the rest at the model's dtype; an MXFP4
     checkpoint's routed-expert matrices at 4.25 bits, as the engine keeps them."""
     total = parameter_counts(s).total
-    if s.expert_format is not None:  # MXFP4 experts (gpt-oss): their matrices at the format, the rest at weight_dtype
+    if s.expert_format is not None:  # MXFP4 experts (gpt-oss): each as `expert_bytes`, the rest at weight_dtype
         m = s.moe
-        matrices = (s.num_layers - m.dense_layers) * m.num_experts * 3 * s.hidden * m.expert_intermediate
-        return (total - matrices) * DTYPE_BYTES[weight_dtype] + matrices * EXPERT_FORMAT_BYTES[s.expert_format]
+        experts = (s.num_layers - m.dense_layers) * m.num_experts
+        rest = total - experts * _mlp(s.hidden, m.expert_intermediate, m.biases)
+        return rest * DTYPE_BYTES[weight_dtype] + experts * expert_bytes(s, weight_dtype)
     if s.weight_block is None or weight_dtype != s.weight_format:
         return total * DTYPE_BYTES[weight_dtype]
     layers, expert = fp8_block_matrices(s)

@@ -71,10 +71,10 @@ def plan(threads: int | None, bind: str, own_process: bool = False) -> ThreadPla
 
     `own_process`: the engine core has a process of its own beside a frontend (`fulcrum serve`, which tokenizes,
     detokenizes and streams while the core computes). There `auto` pins, and on a machine of FRONTEND_CORE_MIN_CPUS
-    cores or more leaves the frontend one of them. In a user's own process (`LLM(...)`) `auto` pins nothing: pinning reaches the
-    calling thread, and every thread and process it starts later would inherit one core. A core list pins
-    wherever it is given. ValueError when the cores asked for are not ones this process may use, or fewer than
-    the threads."""
+    cores or more leaves the frontend one of them. In a user's own process (`LLM(...)`) `auto` pins nothing:
+    pinning reaches the calling thread, and every thread and process it starts later would inherit one core. A core
+    list pins wherever it is given. ValueError when the cores asked for are not ones this process may use, or fewer
+    than the threads."""
     check_bind(bind)
     allowed = allowed_cpus()
     free = allowed[1:] if own_process and len(allowed) >= FRONTEND_CORE_MIN_CPUS else allowed

@@ -111,7 +111,7 @@ const Chat = (() => {
       e.top.map(([t, l]) => `  ${JSON.stringify(t)} ${Math.exp(l).toFixed(3)}`).join("\n");
     if (entries.length && entries.map((e) => e.token).join("") === text) {
       for (const e of entries) target.append(tokenSpan(e.token, e.logprob, tip(e)));
-    } else if (entries.length && text) {
+    } else if (entries.length) {
       // the text of this chunk is not its tokens' strings laid end to end (a character split across tokens):
       // one span, coloured by its least likely token
       const worst = entries.reduce((a, b) => (b.logprob < a.logprob ? b : a));
