@@ -17,7 +17,6 @@ serve` on the bundled model, then vLLM's OpenAI server (eager, both cores), clos
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -28,23 +27,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import BUNDLED, fulcrum_server  # noqa: E402
-from benchmarks.vllm_cpu import DEFAULT_VENV, ensure_venv, start_server  # noqa: E402
+from benchmarks.common import BUNDLED, cpu_summary  # noqa: E402
+from benchmarks.vllm_cpu import DEFAULT_VENV, ensure_venv  # noqa: E402
+from benchmarks.vllm_cpu import start_server as start_vllm  # noqa: E402
 from fulcrum.utils.cpu_isa import TORCH_ISA_ENV  # noqa: E402
+from fulcrum.utils.serve_process import start as start_fulcrum  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 OFFLINE = (("bundled", "float32", 64), ("qwen05", "bfloat16", 8), ("qwen05", "float32", 4))
 VLLM_THREADS = ["VLLM_CPU_OMP_THREADS_BIND=0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU=0"]
-
-
-def cpu_flags() -> str:
-    flags = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    keep = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
-    return " ".join(f for f in keep if f in flags)
 
 
 def offline(args, level: str, model: str, dtype: str, n: int, work: Path) -> dict:
@@ -91,37 +82,26 @@ def bench_serve(url: str, conc: int, args, out: Path) -> dict:
             "ttft_mean_ms": s["ttft_ms"]["mean"], "tpot_p50_ms": s["tpot_ms"]["p50"]}  # fmt: skip
 
 
-class _Stopping:
-    """A vLLM ServerProcess for contextlib.closing."""
-
-    def __init__(self, server):
-        self.server = server
-
-    def close(self) -> None:
-        self.server.stop()
-
-
 def served(args, work: Path) -> list[dict]:
     rows = []
     for rep in range(args.repeats):
         for engine in ("fulcrum", "vllm"):
+            log = work / f"{engine}-serve-{rep}.log"
             if engine == "fulcrum":
-                ctx = fulcrum_server(BUNDLED, "--dtype", "float32")
+                server = start_fulcrum(BUNDLED, "--log-level", "warning", "--dtype", "float32", log_path=log)
             else:
-                ctx = contextlib.closing(_Stopping(start_server(BUNDLED, "--dtype", "float32", "--max-model-len",
-                                                                "1024", log_path=work / f"vllm-serve-{rep}.log")))  # fmt: skip
-            with ctx as server:
-                url = server if isinstance(server, str) else server.server.url
+                server = start_vllm(BUNDLED, "--dtype", "float32", "--max-model-len", "1024", log_path=log)
+            with server:  # a ServerProcess: stopped on leaving
                 for conc in args.concurrency:
                     out = work / f"served-{engine}-c{conc}-{rep}.json"
-                    r = bench_serve(url, conc, args, out)
+                    r = bench_serve(server.url, conc, args, out)
                     print(f"   {engine} concurrency {conc} run {rep}: {r}", flush=True)
                     rows.append({"engine": engine, "concurrency": conc, "repeat": rep, **r})
     return rows
 
 
 def report(res: dict) -> None:
-    print(f"\nmachine: {res['cpu_flags']}")
+    print(f"\nmachine: {res['cpu']}")
     for o in res["offline"]:
         f, v = throughputs(o["result"], "fulcrum"), throughputs(o["result"], "vllm")
         ratio = statistics.median(f) / statistics.median(v) if f and v else float("nan")
@@ -158,7 +138,7 @@ def main() -> None:
     workloads = OFFLINE
     if args.workloads:
         workloads = [(m, d, int(n)) for m, d, n in (w.split(":") for w in args.workloads.split(","))]
-    res = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu_flags": cpu_flags(), "offline": [], "served": []}
+    res = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_summary(), "offline": [], "served": []}
     t = time.perf_counter()
     if args.only != "served":
         for level in args.levels.split(","):
