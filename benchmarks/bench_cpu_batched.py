@@ -131,13 +131,19 @@ def main() -> None:
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "fulcrum-bench-49"))
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    try:
+        args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        p.error(f"--concurrency {args.concurrency!r}: expected numbers such as 4,16")
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     ensure_venv(DEFAULT_VENV)
     workloads = OFFLINE
     if args.workloads:
-        workloads = [(m, d, int(n)) for m, d, n in (w.split(":") for w in args.workloads.split(","))]
+        try:
+            workloads = [(m, d, int(n)) for m, d, n in (w.split(":") for w in args.workloads.split(","))]
+        except ValueError:
+            p.error(f"--workloads {args.workloads!r}: expected MODEL:DTYPE:REQUESTS[,...], e.g. bundled:float32:64")
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_summary(), "offline": [], "served": []}
     t = time.perf_counter()
     if args.only != "served":
