@@ -48,7 +48,7 @@ static inline vf vload_head(const P* p, int c) {
 // hardware prefetchers do not follow.
 template <typename C, typename Fn>
 static inline void for_each_token(const C* cache, const int64_t* table, int64_t start, int64_t ctx, int64_t bs,
-                                  int64_t kv_stride, Fn fn, int64_t head_bytes = 64) {
+                                  int64_t kv_stride, Fn fn, int64_t head_bytes = 64, int64_t row_bytes = 0) {
   int64_t i = 0;
   for (int64_t blk = start / bs, off = start % bs; blk * bs < ctx; ++blk, off = 0) {
     const C* base = cache + table[blk] * bs * kv_stride;
@@ -56,9 +56,13 @@ static inline void for_each_token(const C* cache, const int64_t* table, int64_t 
     if ((blk + 1) * bs < ctx) {
       const char* next = (const char*)(cache + table[blk + 1] * bs * kv_stride);
       const int64_t rows = std::min(bs, ctx - (blk + 1) * bs);
-      for (int64_t j = 0; j < rows; ++j)
+      for (int64_t j = 0; j < rows; ++j) {
         for (int64_t b = 0; b < head_bytes; b += 64)
           _mm_prefetch(next + j * kv_stride * int64_t(sizeof(C)) + b, _MM_HINT_T0);
+        if (row_bytes)
+          for (int64_t b = 0; b < row_bytes; b += 64)
+            _mm_prefetch(next + j * kv_stride * int64_t(sizeof(C)) + b, _MM_HINT_T1);
+      }
     }
     for (int64_t j = off; j < stop; ++j) fn(i++, base + j * kv_stride, table[blk] * bs + j);
   }
@@ -93,7 +97,7 @@ template <typename T, typename C, int HD>
 static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, const c10::Half* vsc,
                    int64_t sstride, const int64_t* table, int64_t start, int64_t ctx, int64_t bs, int64_t kv_stride,
                    int64_t g, float scale, float softcap, const float* sinks, float* scores, T* out,
-                   int64_t q_stride) {
+                   int64_t q_stride, int64_t row_bytes) {
   constexpr float factor = load_factor<C>();
   constexpr bool quantized = !std::is_same_v<C, T>;
   constexpr int NV = num_vectors<HD>();
@@ -134,7 +138,7 @@ static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, c
     keys[filled] = k;
     if constexpr (quantized) kscale[filled] = float(ksc[slot * sstride]) * factor;
     if (++filled == VW) score_chunk();
-  }, HD * int64_t(sizeof(C)));
+  }, HD * int64_t(sizeof(C)), row_bytes);
   if (filled) score_chunk();
   // Gemma 2's soft cap on the scaled scores, cap * tanh(score / cap), before the softmax (not on the padding)
   if (softcap > 0)
@@ -171,7 +175,7 @@ static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, c
         const vf p = vset1(quantized ? scores[(h0 + h) * np + i] * vs : scores[(h0 + h) * np + i]);
         for (int c = 0; c < NV; ++c) acc[h][c] = vfmadd(p, vv[c], acc[h][c]);
       }
-    }, HD * int64_t(sizeof(C)));
+    }, HD * int64_t(sizeof(C)), h0 == 0 ? row_bytes : 0);
     for (int64_t h = 0; h < hn; ++h) {
       alignas(64) float tmp[NV * VW];
       for (int c = 0; c < NV; ++c) vstore(tmp + VW * c, vmul(acc[h][c], vset1(inv[h0 + h])));
@@ -194,7 +198,8 @@ static void run(const T* qp, const C* kp, const C* vp, const c10::Half* ks, cons
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
       attend<T, C, HD>(qp + (i * H + kvh * g) * HD, kp + kvh * HD, vp + kvh * HD, ks ? ks + kvh : nullptr,
                        vs ? vs + kvh : nullptr, KVH, tp + i * width, start, ctx, bs, kv_stride, g, scale, softcap,
-                       sinks ? sinks + kvh * g : nullptr, scores.data(), op + (i * H + kvh * g) * HD, HD);
+                       sinks ? sinks + kvh * g : nullptr, scores.data(), op + (i * H + kvh * g) * HD, HD,
+                       kvh == 0 && KVH > 1 ? kv_stride * int64_t(sizeof(C)) : 0);
     }
   });
 }

@@ -1,0 +1,223 @@
+"""Where a batched decode step's time goes, against its floor: one model, one dtype, R rows decoding together.
+
+    .venv/bin/python benchmarks/bench_step_breakdown.py --model qwen05 --dtype bfloat16 --rows 8
+    FULCRUM_CPU_ISA=avx2 .venv/bin/python benchmarks/bench_step_breakdown.py --model bundled --dtype float32 --rows 64
+
+R requests (prompts of --prompt-len random ids) decode --steps tokens each, greedy, in-process (`LLM`). The step
+time is (t(steps + 1 tokens) - t(1 token)) / steps, so the prefill cancels out. A second, equal run times each
+kernel entry point the model calls (the linears, decode attention, the activation, the norms, RoPE with the cache
+write, the greedy argmax, the fused decode stack where a step takes it) by wrapping it in a timer; what is left of
+the wrapped step is Python, the scheduler, the sampler and the output path ("rest"). The wrapped step is a little
+slower than the plain one; both are printed.
+
+The floor of a step, measured in the same run: the bytes it must read (every weight once, and the KV cache of
+every row) at this machine's read bandwidth, or its linears' FLOPs at the rate a large matmul of the model's dtype
+reaches here, whichever is larger. Nothing else in the process while it runs (2 cores: time nothing beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.common import cpu_summary, memory_bandwidth_gbs, model_folder, save_json  # noqa: E402
+
+# (module, function, category): the kernel entry points the model's layers call
+ENTRY_POINTS = (
+    ("cpu_prepack", "linear", "linears"),
+    ("cpu_gemv", "linear", "linears"),
+    ("cpu_attention", "decode", "attention"),
+    ("cpu_act", "silu_and_mul", "activation"),
+    ("cpu_norm", "rms_norm", "norms"),
+    ("cpu_rope", "rope_and_cache", "rope+cache"),
+    ("cpu_argmax", "argmax", "argmax"),
+)
+
+
+class Timers:
+    def __init__(self):
+        self.seconds = collections.Counter()
+        self.calls = collections.Counter()
+        self.undo = []
+
+    def wrap(self, module, name: str, category: str) -> None:
+        fn = getattr(module, name)
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[category] += time.perf_counter() - t
+                self.calls[category] += 1
+
+        setattr(module, name, timed)
+        self.undo.append((module, name, fn))
+
+    def install(self) -> None:
+        import importlib
+
+        for mod, name, category in ENTRY_POINTS:
+            self.wrap(importlib.import_module(f"fulcrum.kernels.{mod}"), name, category)
+        from fulcrum.kernels.cpu_decode_stack import DecodeStack
+
+        self.wrap(DecodeStack, "run", "decode stack")
+
+    def remove(self) -> None:
+        for module, name, fn in reversed(self.undo):
+            setattr(module, name, fn)
+        self.undo.clear()
+
+
+def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of the weights a decode step reads, parameters of its linears): each linear weight and norm once, the
+    output head once (an embedding table is read a row per token, so it is not counted unless it is the head)."""
+    total, linear_params = 0, 0
+    seen = set()
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if not isinstance(w, torch.Tensor) or w.data_ptr() in seen:
+            continue
+        if type(mod).__name__ in ("VocabParallelEmbedding", "Embedding"):  # a tied head is counted as the head
+            continue
+        seen.add(w.data_ptr())
+        total += w.numel() * w.element_size()
+        if w.dim() == 2:
+            linear_params += w.numel()
+    return total, linear_params
+
+
+def gemm_rate(dtype: torch.dtype, n: int = 1024) -> float:
+    """FLOP/s of a large square matmul in `dtype` here (the best of 5)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen05", help="bundled, qwen05 (random weights, Qwen2.5-0.5B shape), a folder")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="unwrapped timings; the median is reported")
+    p.add_argument("--work-dir", default="/tmp/fulcrum-bench")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    from fulcrum import LLM, SamplingParams
+    from fulcrum.utils import cpu_isa
+
+    folder = model_folder(argparse.Namespace(model=args.model, work_dir=args.work_dir))
+    llm = LLM(model=str(folder), dtype=args.dtype, device="cpu", kv_cache_memory=4 << 30)
+    core = llm.core
+    model = core.runner.model
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    rounds = iter(range(1 << 30))
+
+    def run(tokens: int) -> float:
+        r = next(rounds)  # fresh prompts every run: nothing is prefix-cached
+        prompts = [
+            {"prompt_token_ids": torch.randint(10, vocab, (args.prompt_len,), generator=g).tolist()}
+            for _ in range(args.rows)
+        ]
+        sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, seed=r)
+        t = time.perf_counter()
+        llm.generate(prompts, [sp] * args.rows, use_tqdm=False)
+        return time.perf_counter() - t
+
+    def step_ms() -> float:
+        return (run(args.steps + 1) - run(1)) / args.steps * 1e3
+
+    run(4)
+    steps = sorted(step_ms() for _ in range(args.repeats))
+    step = steps[len(steps) // 2]
+
+    # the same two runs with the entry points timed: each category's time in the long run less the short run's
+    # (its prefill and first token), per step; "rest" is the wrapped step's time the entry points do not account for
+    timers = Timers()
+    timers.install()
+    try:
+        t_short = run(1)
+        short = dict(timers.seconds)
+        timers.seconds.clear()
+        t_long = run(args.steps + 1)
+        long = dict(timers.seconds)
+    finally:
+        timers.remove()
+    wrapped_step = (t_long - t_short) / args.steps * 1e3
+    parts = {k: max(0.0, v - short.get(k, 0.0)) / args.steps * 1e3 for k, v in long.items()}
+    parts = {k: v for k, v in parts.items() if v >= 0.005}
+    rest = max(0.0, wrapped_step - sum(parts.values()))
+
+    wbytes, lparams = weight_bytes(model)
+    ctx = args.prompt_len + args.steps // 2  # the mean context over the timed steps
+    cfg = core.model_config.hf_config
+    text = getattr(cfg, "text_config", cfg)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_bytes = args.rows * ctx * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim
+    kv_bytes *= torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    bw = memory_bandwidth_gbs() * 1e9
+    rate = gemm_rate(getattr(torch, args.dtype))
+    flops = 2 * args.rows * lparams
+    floor = {
+        "bytes_ms": (wbytes + kv_bytes) / bw * 1e3,
+        "flops_ms": flops / rate * 1e3,
+    }
+    floor["ms"] = max(floor["bytes_ms"], floor["flops_ms"])
+    result = {
+        "machine": cpu_summary(),
+        "isa": cpu_isa.isa(),
+        "torch_threads": torch.get_num_threads(),
+        "model": args.model,
+        "dtype": args.dtype,
+        "rows": args.rows,
+        "prompt_len": args.prompt_len,
+        "steps": args.steps,
+        "step_ms": step,
+        "step_ms_runs": steps,
+        "parts_ms": {k: round(v, 3) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+        "rest_ms": rest,
+        "wrapped_step_ms": wrapped_step,
+        "weight_bytes": wbytes,
+        "kv_bytes": kv_bytes,
+        "linear_flops": flops,
+        "bandwidth_gbs": bw / 1e9,
+        "gemm_gflops": rate / 1e9,
+        "floor": floor,
+        "step_over_floor": step / floor["ms"],
+    }
+    print(f"{result['machine']}; ISA {result['isa']}, {result['torch_threads']} threads")
+    print(f"{args.model} {args.dtype}, {args.rows} rows, context ~{ctx}: step {step:.2f} ms (runs "
+          f"{', '.join(f'{s:.2f}' for s in steps)})")  # fmt: skip
+    print(f"with the entry points timed: step {wrapped_step:.2f} ms")
+    for k, v in result["parts_ms"].items():
+        print(f"  {k:14s} {v:8.2f} ms  {100 * v / wrapped_step:5.1f}%")
+    print(f"  {'rest':14s} {rest:8.2f} ms  {100 * rest / wrapped_step:5.1f}%  (Python, scheduler, sampler, outputs)")
+    print(f"floor {floor['ms']:.2f} ms: {(wbytes + kv_bytes) / 1e6:.0f} MB at {bw / 1e9:.1f} GB/s = "
+          f"{floor['bytes_ms']:.2f} ms; {flops / 1e9:.2f} GFLOP at {rate / 1e9:.0f} GFLOP/s = {floor['flops_ms']:.2f} ms;"
+          f" step / floor {result['step_over_floor']:.2f}")  # fmt: skip
+    if args.out:
+        save_json(args.out, result)
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()
