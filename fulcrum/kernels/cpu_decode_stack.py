@@ -28,14 +28,14 @@ from fulcrum.kernels.cpu_ext import F32, I64, PTR
 
 # The int64 arrays the driver reads, by the names of its enums in decode_stack.cpp (checked at load): the kernels'
 # addresses, the model's dimensions, one row of LAYER_FIELDS per layer
-FNS = ("GEMV", "NORM", "ROPE", "ATTN", "ACT", "SGEMM", "Q4", "Q8G", "Q8", "Q4V", "Q8GV", "Q8V", "Q5", "Q5V")
+FNS = ("GEMV", "NORM", "ROPE", "ATTN", "ACT", "SGEMM", "Q4", "Q8G", "Q8", "Q4V", "Q8GV", "Q8V", "Q5", "Q5V", "PACKED")
 DIMS = ("HIDDEN", "HEADS", "KV_HEADS", "HEAD_DIM", "INTER", "BLOCK_SIZE", "CACHE_KIND", "GEMV_ROWS", "QUANT",
-        "VNNI_ROWS", "LORA_RANK")  # fmt: skip
+        "VNNI_ROWS", "LORA_RANK", "PACKED_ROWS")  # fmt: skip
 PART_FIELDS = ("KIND", "ROWS", "W", "SCALE", "OFFSET", "GROUP", "HIGH")
 KINDS = ("DENSE", "INT4", "INT8G", "INT8", "FP8", "INT5")
 LAYER_FIELDS = ("IN_NORM", "QKV_W", "QKV_B", "O_W", "O_B", "POST_NORM", "GU_W", "GU_B", "DOWN_W", "DOWN_B", "K_CACHE",
                 "V_CACHE", "K_SCALES", "V_SCALES", "WINDOW", "QKV_LA", "QKV_LB", "O_LA", "O_LB", "GU_LA", "GU_LB",
-                "DOWN_LA", "DOWN_LB")  # fmt: skip
+                "DOWN_LA", "DOWN_LB", "QKV_P", "O_P", "GU_P", "DOWN_P")  # fmt: skip
 LORA_LINEARS = ("QKV", "O", "GU", "DOWN")
 ENUMS = {"Fn": FNS, "Dim": DIMS, "LayerField": LAYER_FIELDS, "PartField": PART_FIELDS, "Kind": KINDS}
 BINDINGS = {
@@ -145,6 +145,8 @@ class LayerTensors:
     sliding_window: int | None
     # LoRA slots of qkv, o, gate_up and down (layers/lora.py): (A, B transposed) each, or None without LoRA
     lora: tuple | None = None
+    # oneDNN's packed weights of qkv, o, gate_up and down (cpu_prepack.pack), or None
+    packed: tuple | None = None
 
     def weights(self) -> list:
         return [self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight]
@@ -167,8 +169,17 @@ class DecodeStack:
         self.gemv_rows = cpu_gemv.MAX_ROWS[cpu_gemv.level()].get(self.dtype, 0)
         # past the GEMV's rows fp32 takes BLAS's sgemm; bf16 keeps the modules there (their oneDNN matmul)
         self.max_rows = MAX_ROWS if self.dtype == torch.float32 and blas_sgemm() else self.gemv_rows
+        # the packed weights' matmul from the rows the modules take it at, called by the driver itself (no Python
+        # between the layers' kernels at any batch): the stack takes every decode step. Without the C entry point
+        # the modules keep the steps past stack_rows.
+        self.packed_rows = 0
         if packed:
-            self.max_rows = min(self.max_rows, cpu_prepack.stack_rows(self.dtype))
+            if cpu_prepack.c_linear() is not None and all(
+                x.packed is not None and all(p.dtype == self.dtype for p in x.packed) for x in layers
+            ):
+                self.packed_rows, self.max_rows = cpu_prepack.min_rows(self.dtype), MAX_ROWS
+            else:
+                self.max_rows = min(self.max_rows, cpu_prepack.stack_rows(self.dtype))
         # quantized parts: up to the rows their kernels take (the integer-dot kernel's for bf16 where every input
         # width suits it, else the widening GEMV's), and the dense parts' GEMV rows
         vnni_rows = 0
@@ -201,7 +212,9 @@ class DecodeStack:
              "O_W": ptr(x.o_weight), "O_B": ptr(x.o_bias), "POST_NORM": ptr(x.post_norm),
              "GU_W": ptr(x.gate_up_weight), "GU_B": ptr(x.gate_up_bias), "DOWN_W": ptr(x.down_weight),
              "DOWN_B": ptr(x.down_bias), "K_CACHE": ptr(x.k_cache), "V_CACHE": ptr(x.v_cache),
-             "K_SCALES": ptr(x.k_scales), "V_SCALES": ptr(x.v_scales), "WINDOW": x.sliding_window or 0}
+             "K_SCALES": ptr(x.k_scales), "V_SCALES": ptr(x.v_scales), "WINDOW": x.sliding_window or 0,
+             **({f"{n}_P": cpu_prepack.handle(t) for n, t in zip(("QKV", "O", "GU", "DOWN"), x.packed)}
+                if self.packed_rows else {})}
             for x in layers
         ]  # fmt: skip
         self.table = torch.tensor([[r.get(f, 0) for f in LAYER_FIELDS] for r in rows], dtype=torch.int64)
@@ -209,11 +222,12 @@ class DecodeStack:
         dims = {"HIDDEN": self.hidden, "HEADS": num_heads, "KV_HEADS": num_kv_heads, "HEAD_DIM": head_dim,
                 "INTER": self.inter, "BLOCK_SIZE": first.k_cache.shape[1], "CACHE_KIND": self.kind,
                 "GEMV_ROWS": self.gemv_rows, "QUANT": int(quant), "VNNI_ROWS": vnni_rows,
-                "LORA_RANK": self.lora_rank}  # fmt: skip
+                "LORA_RANK": self.lora_rank, "PACKED_ROWS": self.packed_rows}  # fmt: skip
         self.dims = torch.tensor([dims[f] for f in DIMS], dtype=torch.int64)
         fns = {"GEMV": _address(cpu_gemv._module()[self.dtype]), "NORM": _address(cpu_norm._module()),
                "ROPE": _address(cpu_rope._module()), "ATTN": _address(cpu_attention._decode(bool(self.kind))),
-               "ACT": _address(cpu_act._module()), "SGEMM": blas_sgemm()}  # fmt: skip
+               "ACT": _address(cpu_act._module()), "SGEMM": blas_sgemm(),
+               "PACKED": _address(cpu_prepack.c_linear()) if self.packed_rows else 0}  # fmt: skip
         q, qv = (cpu_qgemv._module() or {}) if quant else {}, (cpu_qgemv_vnni._module() or {}) if vnni_rows else {}
         for name, lib, key in (("Q4", q, "int4"), ("Q8G", q, "int8g"), ("Q8", q, "int8"), ("Q4V", qv, "int4"),
                                ("Q8GV", qv, "int8g"), ("Q8V", qv, "int8"), ("Q5", q, "int5"),
@@ -278,6 +292,8 @@ class DecodeStack:
             sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1], x.shape[0],
             self.scratch.data_ptr(), 0 if lora_slots is None else lora_slots.data_ptr(),
         )  # fmt: skip
+        if rc == -2:
+            raise RuntimeError("decode stack: oneDNN's packed matmul failed")
         if rc != 0:
             raise ValueError(f"decode stack: unsupported head_dim {self.head_dim}")
         return x

@@ -12,7 +12,8 @@ import os
 
 import torch
 
-from fulcrum.kernels import cpu_gemv
+from fulcrum.kernels import cpu_ext, cpu_gemv
+from fulcrum.kernels.cpu_ext import I64, PTR
 from fulcrum.utils import cpu_isa
 
 log = logging.getLogger(__name__)
@@ -27,8 +28,10 @@ MIN_ROWS = {
     "avx2": {torch.bfloat16: 16, torch.float32: 8},
 }
 RESERVE_BYTES = 6 << 30
+BINDINGS = {"packed_linear.cpp": {"fulcrum_packed_linear": (I64, I64, PTR, PTR, PTR, PTR, I64, I64, I64)}}
 # A decode step's fused stack (cpu_decode_stack.py: the GEMV, and BLAS's sgemm past it) beat the modules through the
-# packed weights up to these rows, by level, and lost past them (the same two logs)
+# packed weights up to these rows, by level, and lost past them (the same two logs). Where the stack calls the packed
+# matmul itself (`c_linear`) it takes every decode step instead.
 STACK_ROWS = {
     "amx": {torch.bfloat16: 8, torch.float32: 16},
     "avx512_bf16": {torch.bfloat16: 4, torch.float32: 3},
@@ -106,3 +109,18 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     bias = None if bias is None else bias.to(packed.dtype)
     y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "").to(dtype)
     return y.reshape(*lead, y.shape[-1])
+
+
+@functools.cache
+def c_linear():
+    """`fulcrum_packed_linear` (csrc/packed_linear.cpp): this matmul as a C entry point the decode stack calls,
+    or None where packing does not apply or it cannot be built."""
+    if not supported():
+        return None
+    lib = cpu_ext.load("packed_linear.cpp", cpu_gemv.level(), BINDINGS["packed_linear.cpp"])
+    return None if lib is None else lib.fulcrum_packed_linear
+
+
+def handle(packed: torch.Tensor) -> int:
+    """The packed weight's TensorImpl address, as packed_linear.cpp takes it (the caller keeps the tensor alive)."""
+    return packed._cdata

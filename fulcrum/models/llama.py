@@ -155,6 +155,9 @@ def fused_decode_stack(layers: list[nn.Module]) -> DecodeStack | None:
                 sa.attn.scale,
                 sa.attn.sliding_window,
                 tuple((lin.lora.a, lin.lora.bt) for lin in linears) if all(lin.lora for lin in linears) else None,
+                tuple(lin.packed_weight for lin in linears)
+                if all(getattr(lin, "packed_weight", None) is not None for lin in linears)
+                else None,
             )  # fmt: skip
         )
     a = layers[0].self_attn

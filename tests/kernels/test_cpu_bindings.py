@@ -16,6 +16,7 @@ from fulcrum.kernels import (
     cpu_gemv,
     cpu_mxfp4,
     cpu_norm,
+    cpu_prepack,
     cpu_qgemv,
     cpu_qgemv_vnni,
     cpu_rope,
@@ -24,7 +25,7 @@ from fulcrum.kernels.cpu_ext import F32, I64, PTR
 from fulcrum.runtime import cpu_threads
 
 LOADERS = [cpu_act, cpu_argmax, cpu_attention, cpu_decode_stack, cpu_gemv, cpu_norm, cpu_qgemv, cpu_qgemv_vnni,
-           cpu_rope, cpu_threads, cpu_mxfp4]  # fmt: skip
+           cpu_rope, cpu_threads, cpu_mxfp4, cpu_prepack]  # fmt: skip
 
 
 def test_every_binding_matches_its_declaration_and_every_declaration_is_bound():

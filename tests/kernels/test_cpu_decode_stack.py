@@ -1,13 +1,14 @@
 """The fused decode stack (kernels/cpu_decode_stack.py): a decode step of Llama-shaped layers in one C++ call gives
 the tokens and logprobs the layer modules give, for every layer variant it takes (biases, sliding windows, GQA and
 MQA, odd head sizes, tied embeddings, int8/fp8 caches, bf16), at every row count up to the GEMV's limit and past it
-(where the modules run); models it does not fit keep their modules."""
+(through oneDNN's packed weights where the driver can call that matmul, else the modules); models it does not fit keep
+their modules."""
 
 import pytest
 import torch
 
 from fulcrum import LLM, SamplingParams
-from fulcrum.kernels import cpu_decode_stack, cpu_gemv
+from fulcrum.kernels import cpu_decode_stack, cpu_gemv, cpu_prepack
 from fulcrum.kernels.cpu_decode_stack import DecodeStack
 from tests.engine.test_llm_parity import random_prompts
 
@@ -44,6 +45,26 @@ def test_fused_decode_equals_the_layer_modules(family, dtype, tiny_model_dir):
         assert fused[2], "the fused stack was not used"
         # the same kernels in the same order: equal, bar the bf16 SwiGLU kernel's ulp against PyTorch's ops
         assert_same(fused, run(llm, prompts, False), 1e-5 if dtype == "float32" else 0.05)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_large_batches_decode_in_the_stack_through_the_packed_matmul(dtype, tiny_model_dir, monkeypatch):
+    # qwen2: biased qkv, so the packed call's bias is exercised too
+    llm = LLM(model=str(tiny_model_dir("qwen2")), dtype=dtype, kv_cache_memory=16 << 20, block_size=8)
+    rows, real_run = [], DecodeStack.run
+    monkeypatch.setattr(
+        DecodeStack, "run", lambda self, x, *a, **k: rows.append(x.shape[0]) or real_run(self, x, *a, **k)
+    )
+    prompts = random_prompts(40, 3, 30, seed=7)
+    fused = run(llm, prompts, True)
+    stack = llm.core.runner.model.model._stack
+    proj = llm.core.runner.model.model.layers[0].self_attn.qkv_proj
+    packed = getattr(proj, "packed_weight", None)
+    if cpu_prepack.c_linear() is not None and packed is not None and packed.dtype == getattr(torch, dtype):
+        assert stack.packed_rows > 0 and 40 in rows, "40 rows decoded outside the stack"
+    else:  # no packed matmul the driver can call (forced AVX2's bf16 packs in fp32): the modules take those steps
+        assert 40 not in rows
+    assert_same(fused, run(llm, prompts, False), 1e-5 if dtype == "float32" else 0.05)
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8"])

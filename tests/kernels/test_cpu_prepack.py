@@ -97,10 +97,11 @@ def test_nothing_is_packed_below_avx2_or_when_turned_off(env):
 @needs_packing
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_decode_steps_past_the_stacks_rows_go_to_the_packed_weights(dtype, tiny_model_dir, monkeypatch):
-    """With packed weights the fused decode stack takes only the steps its GEMV wins (STACK_ROWS); wider decode
-    steps run the modules through the packed matmul, and give the same tokens as the stack-less engine."""
+    """With packed weights, decode steps wider than the GEMV wins at take the packed matmul: inside the fused stack
+    where its driver calls that matmul (packed_linear.cpp; every decode step is the stack's), else through the
+    modules past STACK_ROWS; either way the tokens are the stack-less engine's."""
     from fulcrum import LLM, SamplingParams
-    from fulcrum.kernels.cpu_decode_stack import DecodeStack
+    from fulcrum.kernels.cpu_decode_stack import MAX_ROWS, DecodeStack
     from tests.engine.test_llm_parity import random_prompts
 
     folder = str(tiny_model_dir("llama"))
@@ -110,7 +111,15 @@ def test_decode_steps_past_the_stacks_rows_go_to_the_packed_weights(dtype, tiny_
     model = llm.core.runner.model.model
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert isinstance(model._stack, DecodeStack)
-    assert model._stack.max_rows == cpu_prepack.stack_rows(getattr(torch, dtype))
+    in_driver = cpu_prepack.c_linear() is not None and cpu_prepack.packed_dtype(getattr(torch, dtype)) == getattr(
+        torch, dtype
+    )
+    if in_driver:
+        assert model._stack.max_rows == MAX_ROWS
+        assert model._stack.packed_rows == cpu_prepack.min_rows(getattr(torch, dtype))
+    else:
+        assert model._stack.max_rows == cpu_prepack.stack_rows(getattr(torch, dtype))
+        assert model._stack.packed_rows == 0
     model.fused_decode, model._stack = False, None
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == got
 

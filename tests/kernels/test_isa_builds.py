@@ -35,6 +35,7 @@ SOURCES = {
     "argmax": ("argmax.cpp", {}),
     "rope": ("rope.cpp", {}),
     "decode stack": ("decode_stack.cpp", {}),
+    "packed linear": ("packed_linear.cpp", {}),
     "qgemv": ("qgemv.cpp", {}),
     "qgemv_vnni": ("qgemv_vnni.cpp", {}),
 }
@@ -46,6 +47,7 @@ BUILDS = [("gemv", lvl) for lvl in ("avx2", "avx512", "avx512_bf16")]
 BUILDS += [(kernel, lvl) for kernel in ("decode attention", "prefill attention", "norm", "act", "argmax", "qgemv")
            for lvl in ("avx2", "avx512")]  # fmt: skip
 BUILDS += [("decode attention, quantized KV", "avx512"), ("rope", "avx2"), ("decode stack", "avx2")]
+BUILDS += [("packed linear", "avx2")]
 BUILDS += [("qgemv_vnni", "avx512_bf16")]
 
 

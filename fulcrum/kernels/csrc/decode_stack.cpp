@@ -22,15 +22,18 @@ typedef decltype(&fulcrum_qgemv_int8) qgemv_c_fn;        // per-channel int8 / f
 typedef decltype(&fulcrum_qgemv_int8_vnni) qgemv_cv_fn;
 typedef decltype(&fulcrum_qgemv_int5) qgemv_5_fn;
 typedef decltype(&fulcrum_qgemv_int5_vnni) qgemv_5v_fn;
+typedef decltype(&fulcrum_packed_linear) packed_fn;
 // BLAS's sgemm (Fortran calling convention), the one torch's fp32 F.linear calls: for more rows than the GEMV takes
 typedef void (*sgemm_fn)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
                          const int*, const float*, const int*, const float*, float*, const int*);
 
 // The three int64 arrays the Python side fills (cpu_decode_stack.py reads these enums from this file and fills each
 // array by these names): the kernels' addresses, the model's dimensions, and one row of LAYER_FIELDS per layer.
-enum Fn { GEMV, NORM, ROPE, ATTN, ACT, SGEMM, Q4, Q8G, Q8, Q4V, Q8GV, Q8V, Q5, Q5V, NUM_FNS };
+enum Fn { GEMV, NORM, ROPE, ATTN, ACT, SGEMM, Q4, Q8G, Q8, Q4V, Q8GV, Q8V, Q5, Q5V, PACKED, NUM_FNS };
+// PACKED_ROWS: from this many rows a dense linear with a packed weight (the layer's *_P fields) takes PACKED,
+// oneDNN's prepacked matmul (packed_linear.cpp); 0: never
 enum Dim { HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, CACHE_KIND, GEMV_ROWS, QUANT, VNNI_ROWS, LORA_RANK,
-           NUM_DIMS };
+           PACKED_ROWS, NUM_DIMS };
 // With dims[QUANT] set, each layer's weight fields (QKV_W, O_W, GU_W, DOWN_W) point to a descriptor of the linear's
 // parts (a GGUF layer stacks tensors of several formats): {n, then per part PART_FIELDS values}, each part's rows
 // following the previous part's in the output.
@@ -38,8 +41,10 @@ enum PartField { KIND, ROWS, W, SCALE, OFFSET, GROUP, HIGH, PART_FIELDS };
 enum Kind { DENSE, INT4, INT8G, INT8, FP8, INT5, NUM_KINDS };
 // With dims[LORA_RANK] R set, each linear's LoRA slots (layers/lora.py): A [slots, shards * R, in] and B transposed
 // [slots, out, R], and the step's slot per row (-1: none) as an argument.
+// QKV_P .. DOWN_P: the linears' oneDNN-packed weights as TensorImpl handles (0: none)
 enum LayerField { IN_NORM, QKV_W, QKV_B, O_W, O_B, POST_NORM, GU_W, GU_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE, K_SCALES,
-                  V_SCALES, WINDOW, QKV_LA, QKV_LB, O_LA, O_LB, GU_LA, GU_LB, DOWN_LA, DOWN_LB, LAYER_FIELDS };
+                  V_SCALES, WINDOW, QKV_LA, QKV_LB, O_LA, O_LB, GU_LA, GU_LB, DOWN_LA, DOWN_LB, QKV_P, O_P, GU_P,
+                  DOWN_P, LAYER_FIELDS };
 
 // x += t, rounded to T as PyTorch's add rounds (fp32 arithmetic, one rounding)
 template <typename T>
@@ -47,11 +52,14 @@ static void add_into(T* x, const T* t, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = T(float(x[i]) + float(t[i]));
 }
 
-// y [M, O] = x [M, I] @ w [O, I]^T + bias: the GEMV kernel up to `gemv_rows` rows, BLAS's sgemm past them (fp32)
+// y [M, O] = x [M, I] @ w [O, I]^T + bias: oneDNN's packed weight from `packed_rows` rows where the layer has one,
+// else the GEMV kernel up to `gemv_rows` rows and BLAS's sgemm past them (fp32). False where the packed call failed.
 template <typename T>
-static void linear(const int64_t* fns, int64_t gemv_rows, const T* x, const void* w, const void* bias, T* y,
-                   int64_t M, int64_t I, int64_t O) {
-  if (M <= gemv_rows || sizeof(T) != 4) return ((gemv_fn)fns[GEMV])(x, w, bias, y, M, I, O);
+static bool linear(const int64_t* fns, int64_t gemv_rows, const T* x, const void* w, const void* bias, T* y,
+                   int64_t M, int64_t I, int64_t O, const void* packed = nullptr, int64_t packed_rows = 0) {
+  if (packed && packed_rows && M >= packed_rows)
+    return ((packed_fn)fns[PACKED])(sizeof(T) == 2, x, packed, bias, y, M, I, O) == 0;
+  if (M <= gemv_rows || sizeof(T) != 4) return ((gemv_fn)fns[GEMV])(x, w, bias, y, M, I, O), true;
   const int m = int(O), n = int(M), k = int(I);
   const float one = 1.f, zero = 0.f;
   // row-major y^T = w x^T is column-major y: w read as the transpose of a column-major [I, O]
@@ -59,6 +67,7 @@ static void linear(const int64_t* fns, int64_t gemv_rows, const T* x, const void
   if (bias)
     for (int64_t r = 0; r < M; ++r)
       for (int64_t o = 0; o < O; ++o) y[r * O + o] = T(float(y[r * O + o]) + float(((const T*)bias)[o]));
+  return true;
 }
 
 // One part of a quantized layer: the integer-dot (VNNI) kernel for bf16 rows where it takes them, else the widening
@@ -70,7 +79,7 @@ static void part(const int64_t* fns, const int64_t* dims, const int64_t* d, cons
   const void *w = (const void*)d[W], *s = (const void*)d[SCALE], *off = (const void*)d[OFFSET];
   const bool vnni = bf16 && M <= dims[VNNI_ROWS] && I % 64 == 0;
   switch (d[KIND]) {
-    case DENSE: return linear(fns, dims[GEMV_ROWS], x, w, bias, y, M, I, rows);
+    case DENSE: linear(fns, dims[GEMV_ROWS], x, w, bias, y, M, I, rows); return;
     case INT4:
       if (vnni && fns[Q4V]) return ((qgemv_gv_fn)fns[Q4V])(x, w, s, off, bias, y, M, I, rows, G);
       return ((qgemv_g_fn)fns[Q4])(bf16, x, w, s, off, bias, y, M, I, rows, G);
@@ -144,9 +153,11 @@ static int64_t run(const int64_t* fns, const int64_t* layers, const float* scale
   T* lora_xa = tmp + (dims[QUANT] ? M * std::max(qkv_rows, std::max(2 * inter, hidden)) : 0);
   T* lora_t = lora_xa + 3 * dims[LORA_RANK];
   const int64_t R = dims[LORA_RANK];
-  auto gemv = [&](const T* in, const void* w, const void* b, T* out, int64_t M, int64_t I, int64_t O) {
+  bool failed = false;  // a packed call that threw: the step fails as a whole (-2), after its layers ran
+  auto gemv = [&](const T* in, const void* w, const void* b, T* out, int64_t M, int64_t I, int64_t O,
+                  const void* packed) {
     if (dims[QUANT]) return qlinear(fns, dims, in, (const int64_t*)w, b, out, M, I, O, tmp);
-    linear(fns, gemv_rows, in, w, b, out, M, I, O);
+    failed |= !linear(fns, gemv_rows, in, w, b, out, M, I, O, packed, dims[PACKED_ROWS]);
   };
   const int64_t bf16 = sizeof(T) == 2;
   const int64_t qs = H * hd, kvs = KVH * hd, qkv_n = qs + 2 * kvs;
@@ -163,7 +174,7 @@ static int64_t run(const int64_t* fns, const int64_t* layers, const float* scale
     const int64_t* p = layers + l * LAYER_FIELDS;
     auto ptr = [&](int f) { return (void*)p[f]; };
     norm(bf16, x, ptr(IN_NORM), h, M, hidden, eps);
-    gemv(h, ptr(QKV_W), ptr(QKV_B), qkv, M, hidden, qkv_n);
+    gemv(h, ptr(QKV_W), ptr(QKV_B), qkv, M, hidden, qkv_n, ptr(QKV_P));
     lora_add(fns, h, qkv, M, hidden, qkv_n, qkv_sizes, 3, R, ptr(QKV_LA), ptr(QKV_LB), lora_slots, lora_xa, lora_t);
     rope(bf16, qkv, qkv + qs, qkv + qs + kvs, cos, sin, slots, ptr(K_CACHE), ptr(V_CACHE), ptr(K_SCALES),
          ptr(V_SCALES), kind, M, H, KVH, hd, qkv_n, qkv_n, qkv_n);
@@ -175,16 +186,17 @@ static int64_t run(const int64_t* fns, const int64_t* layers, const float* scale
     if (attn(bf16, kind, qc, ptr(K_CACHE), ptr(V_CACHE), ptr(K_SCALES), ptr(V_SCALES), tables, ctx_lens, o, M, H,
              KVH, hd, bs, width, scales[l], p[WINDOW], softcap, nullptr) != 0)
       return -1;
-    gemv(o, ptr(O_W), ptr(O_B), t, M, qs, hidden);
+    gemv(o, ptr(O_W), ptr(O_B), t, M, qs, hidden, ptr(O_P));
     lora_add(fns, o, t, M, qs, hidden, o_sizes, 1, R, ptr(O_LA), ptr(O_LB), lora_slots, lora_xa, lora_t);
     add_into(x, t, M * hidden);
     norm(bf16, x, ptr(POST_NORM), h, M, hidden, eps);
-    gemv(h, ptr(GU_W), ptr(GU_B), gu, M, hidden, 2 * inter);
+    gemv(h, ptr(GU_W), ptr(GU_B), gu, M, hidden, 2 * inter, ptr(GU_P));
     lora_add(fns, h, gu, M, hidden, 2 * inter, gu_sizes, 2, R, ptr(GU_LA), ptr(GU_LB), lora_slots, lora_xa, lora_t);
     act(bf16, gu, a, M, inter, 2 * inter);
-    gemv(a, ptr(DOWN_W), ptr(DOWN_B), t, M, inter, hidden);
+    gemv(a, ptr(DOWN_W), ptr(DOWN_B), t, M, inter, hidden, ptr(DOWN_P));
     lora_add(fns, a, t, M, inter, hidden, o_sizes, 1, R, ptr(DOWN_LA), ptr(DOWN_LB), lora_slots, lora_xa, lora_t);
     add_into(x, t, M * hidden);
+    if (failed) return -2;
   }
   return 0;
 }
@@ -192,7 +204,8 @@ static int64_t run(const int64_t* fns, const int64_t* layers, const float* scale
 // fns [NUM_FNS], dims [NUM_DIMS], layers [L, LAYER_FIELDS], scales [L]. x [M, hidden] is the residual stream, updated
 // in place; scratch holds M * (2 hidden + qkv + 2 q + 3 intermediate) values of x's dtype, with dims[QUANT]
 // M * max(qkv, 2 intermediate, hidden) more, and with dims[LORA_RANK] R 3 R + max(qkv, 2 intermediate, hidden) more.
-// lora_slots [M]: each row's LoRA slot (-1: none), or null.
+// lora_slots [M]: each row's LoRA slot (-1: none), or null. Returns 0; -1 for an unsupported head_dim, -2 where a
+// packed linear failed.
 extern "C" int64_t fulcrum_decode_stack(int64_t bf16, const int64_t* fns, const int64_t* layers, const float* scales,
                                         int64_t L, const int64_t* dims, float eps, float softcap, void* x,
                                         const void* cos, const void* sin, const int64_t* slots, const int64_t* tables,
