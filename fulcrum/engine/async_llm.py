@@ -4,6 +4,7 @@ engine/core_client.py), detokenizes and streams outputs back per request, and en
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -127,8 +128,14 @@ class AsyncLLM:
                 failed = next((o for o in ro.outputs if o.finish_reason == "error"), None)
                 if failed is not None:
                     if failed.error_status == 400:  # the request's own fault: its grammar cannot be compiled
-                        raise InvalidRequestError(failed.error)
-                    raise RequestFailedError(failed.error or "the engine failed on this request")
+                        error: Exception = InvalidRequestError(failed.error)
+                    else:
+                        error = RequestFailedError(failed.error or "the engine failed on this request")
+                    # text of steps before the failure, read together with it (the frontend behind a fast engine):
+                    # sent first, so a stream has them before its error event as when it keeps up
+                    if any(item[1].values()):
+                        yield _before_failure(item)
+                    raise error
                 yield item
                 if finished:
                     return
@@ -267,6 +274,14 @@ def check_kv_transfer(
             "(start it with --kv-role producer or both)",
             "kv_transfer_params",
         )
+
+
+def _before_failure(item: tuple[RequestOutput, dict[int, str]]) -> tuple[RequestOutput, dict[int, str]]:
+    """A failed request's output as it stood before the failure: its tokens and texts, unfinished (a copy: the
+    output is one object, updated in place)."""
+    ro, deltas = item
+    outputs = [dataclasses.replace(o, finish_reason=None, stop_reason=None, error=None) for o in ro.outputs]
+    return dataclasses.replace(ro, outputs=outputs, finished=False), deltas
 
 
 def _coalesce(item: tuple[RequestOutput, dict[int, str]], queue: asyncio.Queue) -> tuple[RequestOutput, dict[int, str]]:
