@@ -156,8 +156,7 @@ class DecodeStack:
     """The plan of one model's local decoder layers for decode-only steps of up to `max_rows` sequences."""
 
     def __init__(self, layers: list[LayerTensors], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 softcap: float | None, packed: bool = False):  # fmt: skip
-        """`packed`: every linear also holds oneDNN's packed weight, which takes steps past its stack_rows."""
+                 softcap: float | None):  # fmt: skip
         first = layers[0]
         self.dtype = first.qkv_weight.dtype
         self.hidden = first.qkv_weight.shape[1]
@@ -173,10 +172,8 @@ class DecodeStack:
         # between the layers' kernels at any batch): the stack takes every decode step. Without the C entry point
         # the modules keep the steps past stack_rows.
         self.packed_rows = 0
-        if packed:
-            if cpu_prepack.c_linear() is not None and all(
-                x.packed is not None and all(p.dtype == self.dtype for p in x.packed) for x in layers
-            ):
+        if all(x.packed is not None for x in layers):  # every linear also holds oneDNN's packed weight
+            if cpu_prepack.c_linear() is not None and all(p.dtype == self.dtype for x in layers for p in x.packed):
                 self.packed_rows, self.max_rows = cpu_prepack.min_rows(self.dtype), MAX_ROWS
             else:
                 self.max_rows = min(self.max_rows, cpu_prepack.stack_rows(self.dtype))

@@ -166,12 +166,7 @@ def fused_decode_stack(layers: list[nn.Module]) -> DecodeStack | None:
         return None
     if not DecodeStack.supported(tensors, a.head_dim, a.num_heads // a.num_kv_heads):
         return None
-    packed = all(
-        getattr(lin, "packed_weight", None) is not None
-        for x in layers
-        for lin in (x.self_attn.qkv_proj, x.self_attn.o_proj, x.mlp.gate_up_proj, x.mlp.down_proj)
-    )
-    return DecodeStack(tensors, a.num_heads, a.num_kv_heads, a.head_dim, eps, softcaps.pop(), packed)
+    return DecodeStack(tensors, a.num_heads, a.num_kv_heads, a.head_dim, eps, softcaps.pop())
 
 
 class MissingLayer(nn.Module):

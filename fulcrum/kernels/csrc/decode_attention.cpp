@@ -45,7 +45,8 @@ static inline vf vload_head(const P* p, int c) {
 // Calls fn(i, row, slot) for the cached tokens start..ctx-1 in order (i counts from 0; slot: the token's cache
 // slot), walking the block table once instead of dividing every position by the block size. While a block is
 // read, the next block's `head_bytes` of each token are prefetched: blocks lie anywhere in the cache, where the
-// hardware prefetchers do not follow.
+// hardware prefetchers do not follow. `row_bytes` (a sequence's first KV head): the tokens' whole rows too, into L2,
+// where the other heads' tasks of the sequence (next on this thread) find them instead of going back to DRAM.
 template <typename C, typename Fn>
 static inline void for_each_token(const C* cache, const int64_t* table, int64_t start, int64_t ctx, int64_t bs,
                                   int64_t kv_stride, Fn fn, int64_t head_bytes = 64, int64_t row_bytes = 0) {
