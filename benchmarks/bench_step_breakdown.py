@@ -125,6 +125,8 @@ def main() -> None:
     from fulcrum.utils import cpu_isa
 
     folder = model_folder(argparse.Namespace(model=args.model, work_dir=args.work_dir))
+    if not (folder / "config.json").is_file():
+        p.error(f"--model {args.model}: no config.json in {folder}")
     llm = LLM(model=str(folder), dtype=args.dtype, device="cpu", kv_cache_memory=4 << 30)
     core = llm.core
     model = core.runner.model
