@@ -34,6 +34,6 @@ def warm_up(device: str | torch.device, quantized: bool = False, quantized_kv: b
         (cpu_qgemv, cpu_qgemv_vnni) if quantized else ()
     )
     builds = [k.available for k in kernels] + ([lambda: cpu_attention.available(True)] if quantized_kv else [])
-    builds.append(cpu_prepack.c_linear)  # the decode stack's way to the packed matmul
+    builds.append(cpu_prepack.c_linear)  # the decode stack's ways to the packed weights (both layouts)
     with ThreadPoolExecutor(max_workers=len(builds)) as pool:  # each build is a compiler process: threads suffice
         list(pool.map(lambda build: build(), builds))

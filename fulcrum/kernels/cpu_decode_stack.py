@@ -145,7 +145,7 @@ class LayerTensors:
     sliding_window: int | None
     # LoRA slots of qkv, o, gate_up and down (layers/lora.py): (A, B transposed) each, or None without LoRA
     lora: tuple | None = None
-    # oneDNN's packed weights of qkv, o, gate_up and down (cpu_prepack.pack), or None
+    # the packed weights of qkv, o, gate_up and down (cpu_prepack.pack: fulcrum's blocked layout or oneDNN's), or None
     packed: tuple | None = None
 
     def weights(self) -> list:
@@ -172,8 +172,10 @@ class DecodeStack:
         # between the layers' kernels at any batch): the stack takes every decode step. Without the C entry point
         # the modules keep the steps past stack_rows.
         self.packed_rows = 0
-        if all(x.packed is not None for x in layers):  # every linear also holds oneDNN's packed weight
-            if cpu_prepack.c_linear() is not None and all(p.dtype == self.dtype for x in layers for p in x.packed):
+        if all(x.packed is not None for x in layers):  # every linear also holds a packed weight, all of one layout
+            every = [p for x in layers for p in x.packed]
+            if (cpu_prepack.c_linear(every[0]) is not None and all(p.dtype == self.dtype for p in every)
+                    and len({cpu_prepack.is_blocked(p) for p in every}) == 1):  # fmt: skip
                 self.packed_rows, self.max_rows = cpu_prepack.min_rows(self.dtype), MAX_ROWS
             else:
                 self.max_rows = min(self.max_rows, cpu_prepack.stack_rows(self.dtype))
@@ -224,7 +226,7 @@ class DecodeStack:
         fns = {"GEMV": _address(cpu_gemv._module()[self.dtype]), "NORM": _address(cpu_norm._module()),
                "ROPE": _address(cpu_rope._module()), "ATTN": _address(cpu_attention._decode(bool(self.kind))),
                "ACT": _address(cpu_act._module()), "SGEMM": blas_sgemm(),
-               "PACKED": _address(cpu_prepack.c_linear()) if self.packed_rows else 0}  # fmt: skip
+               "PACKED": _address(cpu_prepack.c_linear(first.packed[0])) if self.packed_rows else 0}  # fmt: skip
         q, qv = (cpu_qgemv._module() or {}) if quant else {}, (cpu_qgemv_vnni._module() or {}) if vnni_rows else {}
         for name, lib, key in (("Q4", q, "int4"), ("Q8G", q, "int8g"), ("Q8", q, "int8"), ("Q4V", qv, "int4"),
                                ("Q8GV", qv, "int8g"), ("Q8V", qv, "int8"), ("Q5", q, "int5"),
@@ -290,7 +292,7 @@ class DecodeStack:
             self.scratch.data_ptr(), 0 if lora_slots is None else lora_slots.data_ptr(),
         )  # fmt: skip
         if rc == -2:
-            raise RuntimeError("decode stack: oneDNN's packed matmul failed")
+            raise RuntimeError("decode stack: the packed weights' matmul failed")
         if rc != 0:
             raise ValueError(f"decode stack: unsupported head_dim {self.head_dim}")
         return x

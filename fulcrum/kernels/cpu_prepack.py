@@ -1,7 +1,10 @@
-"""oneDNN's prepacked matmul for linears with more rows than fulcrum's GEMV wins at (prefill, batched decode): the
-weight reordered into oneDNN's blocked layout once at load, where F.linear reorders it on every bf16 call (and fp32
-takes MKL's sgemm). The packed copy is a second weight, made only while RESERVE_BYTES stay free and at a level
-fulcrum's kernels run at; bf16 is packed widened to fp32 without native bf16. FULCRUM_CPU_PREPACK=0 turns it off.
+"""A second, blocked copy of each linear's weight for more rows than fulcrum's GEMV wins at (prefill, batched
+decode), made once at load: fulcrum's own layout (csrc/blocked_linear.cpp: tiles of output columns side by side per
+input, read in the outer-product order) for fp32 at every level and for bf16 at AVX-512 BF16, where it beat oneDNN's
+prepacked matmul (1.4x at 8 bf16 rows, up to 2.5x at 16 fp32 rows; level with it at prefill); elsewhere (bf16 below
+AVX-512 BF16, packed widened to fp32; AMX, whose tiles oneDNN uses) oneDNN's blocked layout, where F.linear reorders
+the weight on every bf16 call and fp32 takes MKL's sgemm. The copy is made only while RESERVE_BYTES stay free and at
+a level fulcrum's kernels run at. FULCRUM_CPU_PREPACK=0 turns both off, FULCRUM_CPU_BLOCKED=0 fulcrum's layout alone.
 """
 
 from __future__ import annotations
@@ -28,7 +31,11 @@ MIN_ROWS = {
     "avx2": {torch.bfloat16: 16, torch.float32: 8},
 }
 RESERVE_BYTES = 6 << 30
-BINDINGS = {"packed_linear.cpp": {"fulcrum_packed_linear": (I64, I64, PTR, PTR, PTR, PTR, I64, I64, I64)}}
+_LINEAR = (I64, I64, PTR, PTR, PTR, PTR, I64, I64, I64)
+BINDINGS = {
+    "packed_linear.cpp": {"fulcrum_packed_linear": _LINEAR},
+    "blocked_linear.cpp": {"fulcrum_blocked_linear": _LINEAR},
+}
 # A decode step's fused stack (cpu_decode_stack.py: the GEMV, and BLAS's sgemm past it) beat the modules through the
 # packed weights up to these rows, by level, and lost past them (the same two logs). Where the stack calls the packed
 # matmul itself (`c_linear`) it takes every decode step instead.
@@ -56,9 +63,16 @@ def packed_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.bfloat16 and not cpu_gemv.native_bf16_matmul() else dtype
 
 
+# From this many rows fulcrum's blocked matmul beat the GEMV, at every level it runs at: 1.4-1.7x at 2-4 rows of the
+# 0.5B shape's cold weights (bf16 and fp32, AVX-512 BF16 and forced AVX2, 2-core AMD EPYC); 1 row was level or slower
+BLOCKED_MIN_ROWS = 2
+
+
 @functools.cache
 def min_rows(dtype: torch.dtype) -> int:
     """Rows from which a `dtype` weight's linear takes its packed copy (where `supported`)."""
+    if blocked_dtype(dtype):
+        return BLOCKED_MIN_ROWS
     return MIN_ROWS[cpu_isa.isa()][dtype]
 
 
@@ -89,13 +103,60 @@ def _stop(reason: str, *args) -> None:
         _stopped = True
 
 
+@functools.cache
+def _blocked():
+    """`fulcrum_blocked_linear`, or None where it is turned off or cannot be built."""
+    if os.environ.get("FULCRUM_CPU_BLOCKED", "1") == "0" or not supported():
+        return None
+    lib = cpu_ext.load("blocked_linear.cpp", cpu_gemv.level(), BINDINGS["blocked_linear.cpp"])
+    return None if lib is None else lib.fulcrum_blocked_linear
+
+
+def tile() -> int:
+    """Output columns per tile of fulcrum's fp32 layout: two vectors of the level (TW in blocked_linear.cpp)."""
+    return 16 if cpu_gemv.level() == "avx2" else 32
+
+
+def blocks(weight: torch.Tensor) -> bool:
+    """Whether `weight` [out, in] takes fulcrum's blocked layout (else oneDNN's): fp32 whose rows fill whole tiles,
+    bf16 at AVX-512 BF16 (not AMX) with rows in tiles of 32 and inputs in pairs."""
+    out, inp = weight.shape
+    if weight.dtype == torch.bfloat16:
+        fits = cpu_gemv.level() == "avx512_bf16" and cpu_isa.isa() != "amx" and out % 32 == 0 and inp % 2 == 0
+    else:
+        fits = weight.dtype == torch.float32 and out % tile() == 0
+    return fits and _blocked() is not None
+
+
+def blocked_dtype(dtype: torch.dtype) -> bool:
+    """Whether weights of `dtype` take fulcrum's layout here (those whose rows fill its tiles)."""
+    return blocks(torch.empty(64, 2, dtype=dtype))
+
+
+def block(weight: torch.Tensor) -> torch.Tensor:
+    """The weight [out, in] in fulcrum's layout: fp32 [out / TW, in, TW], bf16 [out / 32, in / 2, 32, 2]."""
+    out, inp = weight.shape
+    w = weight.detach().contiguous()
+    if w.dtype == torch.bfloat16:
+        return w.view(out // 32, 32, inp // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return w.view(out // tile(), tile(), inp).permute(0, 2, 1).contiguous()
+
+
+def is_blocked(packed: torch.Tensor) -> bool:
+    """A weight from `block` (a plain tensor), not oneDNN's (an opaque mkldnn one)."""
+    return packed.layout == torch.strided
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight [out, in] in oneDNN's blocked layout, or None where it does not apply or would not fit."""
+    """The weight [out, in] in fulcrum's blocked layout where it `blocks`, else oneDNN's, or None where neither
+    applies or a copy would not fit."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32) or not supported():
         return None
     dtype = packed_dtype(weight.dtype)
     if _mem_available() - weight.numel() * dtype.itemsize < RESERVE_BYTES:
         return _stop("a second copy would leave under %d GiB free", RESERVE_BYTES >> 30)
+    if blocks(weight):
+        return block(weight)
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), PACKED_FOR_ROWS)
     except RuntimeError as e:  # oneDNN capped below what it needs (ONEDNN_MAX_CPU_ISA set by hand): the plain path
@@ -105,6 +166,15 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ W^T + bias through the packed weight, in x's dtype (computed in the packed weight's)."""
     lead, dtype = x.shape[:-1], x.dtype
+    if is_blocked(packed):
+        out = packed.shape[0] * packed.shape[2]
+        x2 = x.reshape(-1, x.shape[-1]).to(packed.dtype).contiguous()
+        bias = None if bias is None else bias.to(packed.dtype).contiguous()
+        y = torch.empty(x2.shape[0], out, dtype=packed.dtype)
+        if _blocked()(packed.dtype == torch.bfloat16, x2.data_ptr(), packed.data_ptr(),
+                      None if bias is None else bias.data_ptr(), y.data_ptr(), *x2.shape, out) != 0:  # fmt: skip
+            raise RuntimeError("fulcrum_blocked_linear: no native bf16 dot product in this build")
+        return y.to(dtype).reshape(*lead, out)
     x2 = x.reshape(-1, x.shape[-1]).to(packed.dtype).contiguous()
     bias = None if bias is None else bias.to(packed.dtype)
     y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "").to(dtype)
@@ -112,15 +182,23 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @functools.cache
-def c_linear():
-    """`fulcrum_packed_linear` (csrc/packed_linear.cpp): this matmul as a C entry point the decode stack calls,
-    or None where packing does not apply or it cannot be built."""
+def _onednn_linear():
     if not supported():
         return None
     lib = cpu_ext.load("packed_linear.cpp", cpu_gemv.level(), BINDINGS["packed_linear.cpp"])
     return None if lib is None else lib.fulcrum_packed_linear
 
 
+def c_linear(packed: torch.Tensor | None = None):
+    """The C entry point the decode stack calls for weights packed like `packed`: `fulcrum_blocked_linear` for
+    fulcrum's layout, `fulcrum_packed_linear` (csrc/packed_linear.cpp) for oneDNN's; None where it cannot be built.
+    Without `packed`: builds both (kernels.warm_up)."""
+    if packed is None:
+        return _blocked(), _onednn_linear()
+    return _blocked() if is_blocked(packed) else _onednn_linear()
+
+
 def handle(packed: torch.Tensor) -> int:
-    """The packed weight's TensorImpl address, as packed_linear.cpp takes it (the caller keeps the tensor alive)."""
-    return packed._cdata
+    """The packed weight as its C entry point takes it: fulcrum's layout its data's address, oneDNN's its
+    TensorImpl's (packed_linear.cpp; the caller keeps the tensor alive)."""
+    return packed.data_ptr() if is_blocked(packed) else packed._cdata

@@ -303,7 +303,8 @@ def measure_machine(
         beyond = "F.linear"
         if cpu_prepack.supported():  # packed from min_rows on
             widened = " (widened to fp32 at load)" if cpu_prepack.packed_dtype(dt) != dt else ""
-            beyond, limit = f"oneDNN's prepacked weight{widened}", min(limit, cpu_prepack.min_rows(dt) - 1)
+            layout = "fulcrum's blocked" if cpu_prepack.blocked_dtype(dt) else "oneDNN's prepacked"
+            beyond, limit = f"{layout} weight{widened}", min(limit, cpu_prepack.min_rows(dt) - 1)
         elif dt == torch.bfloat16 and not cpu_gemv.native_bf16_matmul():
             beyond = "the weight widened to fp32 + F.linear"
         kernel = f"{'fulcrum GEMV kernel' if cpu_gemv.available() else 'F.linear'} up to {limit} rows, {beyond} beyond"

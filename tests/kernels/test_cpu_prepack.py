@@ -1,6 +1,6 @@
-"""oneDNN's prepacked weights: the same outputs as F.linear at every row count and level (bf16 packed widened to
-fp32 where torch has no native bf16 matmul), the GEMV kept for few rows, and nothing packed below avx2 or when
-turned off."""
+"""The packed weights, fulcrum's blocked layout and oneDNN's: the same outputs as F.linear at every row count and
+level (bf16 packed widened to fp32 where torch has no native bf16 matmul), each layout where it applies, the GEMV kept
+for few rows, and nothing packed below avx2 or when turned off."""
 
 import os
 import subprocess
@@ -28,11 +28,15 @@ def _layer(out_features, in_features, dtype):
 
 @needs_packing
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 4, 5, 16, 300])
-def test_packed_linear_matches_f_linear(dtype, rows):
+@pytest.mark.parametrize("rows", [1, 4, 5, 9, 16, 300])
+@pytest.mark.parametrize("layout", ["fulcrum", "onednn"])
+def test_packed_linear_matches_f_linear(dtype, rows, layout, monkeypatch):
     torch.manual_seed(rows)
+    if layout == "onednn":
+        monkeypatch.setattr(cpu_prepack, "blocks", lambda weight: False)
     layer, method = _layer(1152, 896, dtype)
     assert layer.packed_weight is not None
+    assert cpu_prepack.is_blocked(layer.packed_weight) == (layout == "fulcrum" and cpu_prepack.blocks(layer.weight))
     assert layer.packed_weight.dtype == cpu_prepack.packed_dtype(dtype)
     bias = torch.randn(1152, dtype=dtype)
     x = torch.randn(rows, 896, dtype=dtype)
@@ -68,10 +72,51 @@ def test_a_weight_onednn_refuses_to_pack_stays_unpacked():
         "import torch; from fulcrum.kernels import cpu_prepack; "
         "print(cpu_prepack.pack(torch.randn(64, 64, dtype=torch.bfloat16)) is None)"
     )
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "FULCRUM_CPU_BLOCKED": "0"}  # oneDNN's layout, not fulcrum's
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["True"]
+
+
+def test_each_weight_takes_the_layout_its_level_and_shape_allow():
+    """fulcrum's blocked layout for fp32 at every level and bf16 at AVX-512 BF16 (not AMX), where the rows fill its
+    tiles; oneDNN's for the rest (bf16 below AVX-512 BF16, widened; rows that do not fill a tile)."""
+    code = (
+        "import torch; from fulcrum.kernels import cpu_prepack as c; "
+        "print(*[c.is_blocked(c.pack(torch.randn(o, 64, dtype=d))) for d in (torch.float32, torch.bfloat16) "
+        "for o in (64, 40)])"
+    )
+    levels = cpu_isa.ISA_LEVELS[cpu_isa.ISA_LEVELS.index("avx2") : cpu_isa.ISA_LEVELS.index(cpu_isa.detected_isa()) + 1]
+    for level in levels:
+        env = {k: v for k, v in os.environ.items() if k not in cpu_isa.TORCH_ISA_ENV["none"]}
+        env["FULCRUM_CPU_ISA"] = level
+        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        # fp32 64 rows, fp32 40 rows (a tile of 16 at AVX2 does not divide it either), bf16 64, bf16 40
+        want = ["True", "False", str(level == "avx512_bf16"), "False"]
+        assert res.stdout.split() == want, level
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [2, 7, 8, 9, 13, 64])
+def test_blocked_layout_with_bias_and_row_groups(dtype, rows):
+    """fulcrum's kernel over several tiles and row groups (8 rows a pass at AVX-512, 6 at AVX2, and the rest), with a
+    bias, equals F.linear; it keeps x's leading dims."""
+    weight = torch.randn(96, 70, dtype=dtype) * 0.1
+    if not cpu_prepack.blocks(weight):
+        pytest.skip(f"{dtype} takes oneDNN's layout at this level")
+    packed = cpu_prepack.pack(weight)
+    assert cpu_prepack.is_blocked(packed)
+    torch.manual_seed(rows)
+    x, bias = torch.randn(rows, 70, dtype=dtype), torch.randn(96, dtype=dtype)
+    got = cpu_prepack.linear(x, packed, bias)
+    want = F.linear(x.float(), weight.float(), bias.float())
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(cpu_prepack.linear(x.reshape(1, rows, 70), packed, None).float()[0],
+                               F.linear(x.float(), weight.float()), atol=tol, rtol=tol)  # fmt: skip
 
 
 @needs_packing
@@ -111,9 +156,8 @@ def test_decode_steps_past_the_stacks_rows_go_to_the_packed_weights(dtype, tiny_
     model = llm.core.runner.model.model
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert isinstance(model._stack, DecodeStack)
-    in_driver = cpu_prepack.c_linear() is not None and cpu_prepack.packed_dtype(getattr(torch, dtype)) == getattr(
-        torch, dtype
-    )
+    packed = model.layers[0].mlp.down_proj.packed_weight
+    in_driver = cpu_prepack.c_linear(packed) is not None and packed.dtype == getattr(torch, dtype)
     if in_driver:
         assert model._stack.max_rows == MAX_ROWS
         assert model._stack.packed_rows == cpu_prepack.min_rows(getattr(torch, dtype))

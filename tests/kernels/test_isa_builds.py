@@ -36,6 +36,7 @@ SOURCES = {
     "rope": ("rope.cpp", {}),
     "decode stack": ("decode_stack.cpp", {}),
     "packed linear": ("packed_linear.cpp", {}),
+    "blocked linear": ("blocked_linear.cpp", {}),
     "qgemv": ("qgemv.cpp", {}),
     "qgemv_vnni": ("qgemv_vnni.cpp", {}),
 }
@@ -48,6 +49,7 @@ BUILDS += [(kernel, lvl) for kernel in ("decode attention", "prefill attention",
            for lvl in ("avx2", "avx512")]  # fmt: skip
 BUILDS += [("decode attention, quantized KV", "avx512"), ("rope", "avx2"), ("decode stack", "avx2")]
 BUILDS += [("packed linear", "avx2")]
+BUILDS += [("blocked linear", lvl) for lvl in ("avx2", "avx512", "avx512_bf16")]
 BUILDS += [("qgemv_vnni", "avx512_bf16")]
 
 

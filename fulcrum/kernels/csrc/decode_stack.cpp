@@ -31,7 +31,8 @@ typedef void (*sgemm_fn)(const char*, const char*, const int*, const int*, const
 // array by these names): the kernels' addresses, the model's dimensions, and one row of LAYER_FIELDS per layer.
 enum Fn { GEMV, NORM, ROPE, ATTN, ACT, SGEMM, Q4, Q8G, Q8, Q4V, Q8GV, Q8V, Q5, Q5V, PACKED, NUM_FNS };
 // PACKED_ROWS: from this many rows a dense linear with a packed weight (the layer's *_P fields) takes PACKED,
-// oneDNN's prepacked matmul (packed_linear.cpp); 0: never
+// fulcrum's blocked matmul (blocked_linear.cpp) or oneDNN's prepacked one (packed_linear.cpp), as the weights are
+// packed (both take the same arguments); 0: never
 enum Dim { HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, CACHE_KIND, GEMV_ROWS, QUANT, VNNI_ROWS, LORA_RANK,
            PACKED_ROWS, NUM_DIMS };
 // With dims[QUANT] set, each layer's weight fields (QKV_W, O_W, GU_W, DOWN_W) point to a descriptor of the linear's
@@ -41,7 +42,7 @@ enum PartField { KIND, ROWS, W, SCALE, OFFSET, GROUP, HIGH, PART_FIELDS };
 enum Kind { DENSE, INT4, INT8G, INT8, FP8, INT5, NUM_KINDS };
 // With dims[LORA_RANK] R set, each linear's LoRA slots (layers/lora.py): A [slots, shards * R, in] and B transposed
 // [slots, out, R], and the step's slot per row (-1: none) as an argument.
-// QKV_P .. DOWN_P: the linears' oneDNN-packed weights as TensorImpl handles (0: none)
+// QKV_P .. DOWN_P: the linears' packed weights as PACKED takes them (cpu_prepack.handle; 0: none)
 enum LayerField { IN_NORM, QKV_W, QKV_B, O_W, O_B, POST_NORM, GU_W, GU_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE, K_SCALES,
                   V_SCALES, WINDOW, QKV_LA, QKV_LB, O_LA, O_LB, GU_LA, GU_LB, DOWN_LA, DOWN_LB, QKV_P, O_P, GU_P,
                   DOWN_P, LAYER_FIELDS };
@@ -52,7 +53,7 @@ static void add_into(T* x, const T* t, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = T(float(x[i]) + float(t[i]));
 }
 
-// y [M, O] = x [M, I] @ w [O, I]^T + bias: oneDNN's packed weight from `packed_rows` rows where the layer has one,
+// y [M, O] = x [M, I] @ w [O, I]^T + bias: the packed weight from `packed_rows` rows where the layer has one,
 // else the GEMV kernel up to `gemv_rows` rows and BLAS's sgemm past them (fp32). False where the packed call failed.
 template <typename T>
 static bool linear(const int64_t* fns, int64_t gemv_rows, const T* x, const void* w, const void* bias, T* y,

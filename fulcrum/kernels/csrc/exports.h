@@ -38,6 +38,10 @@ int64_t fulcrum_prefill_attention(int64_t bf16, const void* q, const void* k, co
 int64_t fulcrum_packed_linear(int64_t bf16, const void* x, const void* packed, const void* bias, void* y, int64_t M,
                               int64_t I, int64_t O);
 
+// blocked_linear.cpp
+int64_t fulcrum_blocked_linear(int64_t bf16, const void* x, const void* w, const void* bias, void* y, int64_t M,
+                               int64_t I, int64_t O);
+
 // gemv.cpp
 void fulcrum_gemv_bf16(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t I, int64_t O);
 void fulcrum_gemv_f32(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t I, int64_t O);

@@ -1,0 +1,126 @@
+// y [M, O] = x [M, I] @ W^T + bias over a weight blocked once at load (cpu_prepack.block): tiles of TW = 2 VW output
+// columns, each tile's columns side by side for every input index, so that one vector load holds VW columns of one
+// input (fp32: [O/TW][I][TW]) or of one input pair (bf16: [O/32][I/2][32][2], the pairs `vdpbf16ps` multiplies).
+// Each tile is one contiguous stream, read against up to MG input rows at a time whose values are broadcast: the
+// outer-product order, where the GEMV (gemv.cpp) walks each weight row against the inputs (dot products, a horizontal
+// sum per output). Against oneDNN's prepacked matmul on a 2-core AMD EPYC (AVX-512 BF16), cold weights: bf16 8 rows
+// of the 0.5B shape 35-36 GB/s where oneDNN read 19-26, fp32 4 rows 29-38 against 25-33, fp32 16-64 rows of the
+// bundled model's widths 1.1-2.5x its speed; at 512-1822 rows (prefill) bf16 level with it, fp32 within 5%.
+#include <type_traits>
+
+#include "exports.h"
+#include "prelude.h"
+#include "vec.h"
+
+constexpr int TW = 2 * VW;  // a tile's columns: two vectors (cpu_prepack.TILE reads this from the build's level)
+// input rows per pass over a tile: two accumulators each, with the two weight vectors and a broadcast in registers
+constexpr int MG = VW == 16 ? 8 : 6;
+
+// rows m0.. (n of them) against one fp32 tile: y[:, t * TW + ...]
+template <int N, typename Out>
+static void tile_f32(const float* x, const float* wt, const float* bias, Out* y, int64_t I, int64_t O) {
+  vf a0[N], a1[N];
+  for (int m = 0; m < N; ++m) a0[m] = a1[m] = vzero();
+  for (int64_t k = 0; k < I; ++k) {
+    const float* w = wt + k * TW;
+    prefetch_span<TW * sizeof(float)>(w, k * TW * sizeof(float));
+    const vf w0 = vload(w), w1 = vload(w + VW);
+    for (int m = 0; m < N; ++m) {
+      const vf b = vset1(x[m * I + k]);
+      a0[m] = vfmadd(w0, b, a0[m]);
+      a1[m] = vfmadd(w1, b, a1[m]);
+    }
+  }
+  const vf b0 = bias ? vload(bias) : vzero(), b1 = bias ? vload(bias + VW) : vzero();
+  for (int m = 0; m < N; ++m) {
+    vstore(y + m * O, vadd(a0[m], b0));
+    vstore(y + m * O + VW, vadd(a1[m], b1));
+  }
+}
+
+#if defined(__AVX512BF16__)
+// the same for a bf16 tile: an input pair broadcast as one 32-bit value, `vdpbf16ps` adding both products to fp32
+template <int N>
+static void tile_bf16(const uint16_t* x, const uint16_t* wt, const uint16_t* bias, c10::BFloat16* y, int64_t I,
+                      int64_t O) {
+  __m512 a0[N], a1[N];
+  for (int m = 0; m < N; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < I / 2; ++k) {
+    const uint16_t* w = wt + k * 64;
+    prefetch_span<128>(w, k * 128);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+    for (int m = 0; m < N; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * I + 2 * k, 4);
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
+      a0[m] = _mm512_dpbf16_ps(a0[m], w0, b);
+      a1[m] = _mm512_dpbf16_ps(a1[m], w1, b);
+    }
+  }
+  const __m512 b0 = bias ? vload((const c10::BFloat16*)bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? vload((const c10::BFloat16*)bias + 16) : _mm512_setzero_ps();
+  for (int m = 0; m < N; ++m) {  // rounded to nearest even, as PyTorch's bf16 matmul rounds its fp32 sums
+    _mm256_storeu_si256((__m256i*)(y + m * O), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a0[m], b0)));
+    _mm256_storeu_si256((__m256i*)(y + m * O + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a1[m], b1)));
+  }
+}
+#endif
+
+// tile(n, m0, t): rows m0..m0+n-1 against tile t, for the tiles over torch's threads: each thread's tiles against
+// every row group (a tile read from memory once, from cache for the next groups), MB rows at a time, so that many
+// rows (prefill) read their inputs from L2 and write their outputs a block of rows at a time (one tile's column
+// strip down all rows ran 5-12% slower at 1841 rows of the bundled model)
+constexpr int64_t MB = 8 * MG;
+template <typename F>
+static void over_tiles(int64_t M, int64_t O, F tile) {
+  at::parallel_for(0, O / TW, 1, [&](int64_t b, int64_t e) {
+    for (int64_t mb = 0; mb < M; mb += MB)
+      for (int64_t t = b; t < e; ++t)
+        for (int64_t m0 = mb; m0 < std::min(M, mb + MB); m0 += MG) tile(std::min<int64_t>(MG, M - m0), m0, t);
+  });
+}
+
+// a row count known at compile time, 1..MG, for fn<N>()
+template <typename F>
+static void with_rows(int64_t n, F fn) {
+  switch (n) {
+    case 1: return fn(std::integral_constant<int, 1>());
+    case 2: return fn(std::integral_constant<int, 2>());
+    case 3: return fn(std::integral_constant<int, 3>());
+    case 4: return fn(std::integral_constant<int, 4>());
+    case 5: return fn(std::integral_constant<int, 5>());
+    case 6: return fn(std::integral_constant<int, 6>());
+#if defined(__AVX512F__)
+    case 7: return fn(std::integral_constant<int, 7>());
+    case 8: return fn(std::integral_constant<int, 8>());
+#endif
+  }
+}
+
+// x [M, I], bias [O] or null, y [M, O]: contiguous, of one dtype (bf16 when `bf16`, else fp32); w blocked as above,
+// O a multiple of TW (bf16: 32, I even). Returns 0; -1 for bf16 where this build has no native bf16 dot product.
+extern "C" int64_t fulcrum_blocked_linear(int64_t bf16, const void* x, const void* w, const void* bias, void* y,
+                                          int64_t M, int64_t I, int64_t O) {
+  if (bf16) {
+#if defined(__AVX512BF16__)
+    const uint16_t *xb = (const uint16_t*)x, *wb = (const uint16_t*)w, *bb = (const uint16_t*)bias;
+    c10::BFloat16* yb = (c10::BFloat16*)y;
+    over_tiles(M, O, [&](int64_t n, int64_t m0, int64_t t) {
+      with_rows(n, [&](auto N) {
+        tile_bf16<N>(xb + m0 * I, wb + t * I * TW, bb ? bb + t * TW : nullptr, yb + m0 * O + t * TW, I, O);
+      });
+    });
+    return 0;
+#else
+    return -1;
+#endif
+  }
+  const float *xf = (const float*)x, *wf = (const float*)w, *bf = (const float*)bias;
+  float* yf = (float*)y;
+  over_tiles(M, O, [&](int64_t n, int64_t m0, int64_t t) {
+    with_rows(n, [&](auto N) {
+      tile_f32<N>(xf + m0 * I, wf + t * I * TW, bf ? bf + t * TW : nullptr, yf + m0 * O + t * TW, I, O);
+    });
+  });
+  return 0;
+}
