@@ -60,7 +60,7 @@ def test_large_batches_decode_in_the_stack_through_the_packed_matmul(dtype, tiny
     stack = llm.core.runner.model.model._stack
     proj = llm.core.runner.model.model.layers[0].self_attn.qkv_proj
     packed = getattr(proj, "packed_weight", None)
-    if cpu_prepack.c_linear() is not None and packed is not None and packed.dtype == getattr(torch, dtype):
+    if packed is not None and cpu_prepack.c_linear(packed) is not None and packed.dtype == getattr(torch, dtype):
         assert stack.packed_rows > 0 and 40 in rows, "40 rows decoded outside the stack"
     else:  # no packed matmul the driver can call (forced AVX2's bf16 packs in fp32): the modules take those steps
         assert 40 not in rows
