@@ -166,19 +166,16 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ W^T + bias through the packed weight, in x's dtype (computed in the packed weight's)."""
     lead, dtype = x.shape[:-1], x.dtype
-    if is_blocked(packed):
-        out = packed.shape[0] * packed.shape[2]
-        x2 = x.reshape(-1, x.shape[-1]).to(packed.dtype).contiguous()
-        bias = None if bias is None else bias.to(packed.dtype).contiguous()
-        y = torch.empty(x2.shape[0], out, dtype=packed.dtype)
-        if _blocked()(packed.dtype == torch.bfloat16, x2.data_ptr(), packed.data_ptr(),
-                      None if bias is None else bias.data_ptr(), y.data_ptr(), *x2.shape, out) != 0:  # fmt: skip
-            raise RuntimeError("fulcrum_blocked_linear: no native bf16 dot product in this build")
-        return y.to(dtype).reshape(*lead, out)
     x2 = x.reshape(-1, x.shape[-1]).to(packed.dtype).contiguous()
-    bias = None if bias is None else bias.to(packed.dtype)
-    y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "").to(dtype)
-    return y.reshape(*lead, y.shape[-1])
+    bias = None if bias is None else bias.to(packed.dtype).contiguous()
+    if is_blocked(packed):
+        y = torch.empty(x2.shape[0], packed.shape[0] * packed.shape[2], dtype=packed.dtype)
+        if _blocked()(packed.dtype == torch.bfloat16, x2.data_ptr(), packed.data_ptr(),
+                      None if bias is None else bias.data_ptr(), y.data_ptr(), *x2.shape, y.shape[1]) != 0:  # fmt: skip
+            raise RuntimeError("fulcrum_blocked_linear: no native bf16 dot product in this build")
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
+    return y.to(dtype).reshape(*lead, y.shape[-1])
 
 
 @functools.cache
