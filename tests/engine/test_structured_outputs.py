@@ -393,6 +393,9 @@ def test_a_compile_that_needs_too_much_memory_fails_and_the_core_stays_small(mon
     quadratic in them: tens of GB. The compile runs in a worker capped by --grammar-compile-memory; the request
     ends with an error naming that limit, and the engine's own memory does not grow."""
     monkeypatch.setenv("FULCRUM_GRAMMAR_COMPILE_MEMORY_MB", "512")
+    # the memory cap is what must end it: on a starved CPU (the suite's other processes) the compile once took past
+    # the default 30 s before reaching 512 MiB and ended with the timeout's error instead (3.5 s alone)
+    monkeypatch.setenv("FULCRUM_GRAMMAR_COMPILE_TIMEOUT", "120")
     huge = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}}
     validate(StructuredOutputsParams(json=huge))  # passes the frontend's checks: only compiling shows its cost
     llm = LLM(max_num_seqs=4, kv_cache_memory=16 << 20)
@@ -400,7 +403,7 @@ def test_a_compile_that_needs_too_much_memory_fails_and_the_core_stays_small(mon
     rss = _rss_mb()
     core.add_request("huge", [1, 2, 3], sampled(StructuredOutputsParams(json=huge), 0, max_tokens=10))
     core.add_request("plain", [4, 5, 6], SamplingParams(temperature=0, max_tokens=5))
-    done = _run(core, 60)
+    done = _run(core, 150)
     reason, error, _ = done["huge"]
     assert reason == "error" and "512 MiB" in error and "--grammar-compile-memory" in error, error
     assert done["plain"][0] == "length"
