@@ -12,13 +12,13 @@
 #include "prelude.h"
 #include "vec.h"
 
-constexpr int TW = 2 * VW;  // a tile's columns: two vectors (cpu_prepack.TILE reads this from the build's level)
+constexpr int TW = 2 * VW;  // a tile's columns: two vectors (cpu_prepack.tile() gives the same by level)
 // input rows per pass over a tile: two accumulators each, with the two weight vectors and a broadcast in registers
 constexpr int MG = VW == 16 ? 8 : 6;
 
 // rows m0.. (n of them) against one fp32 tile: y[:, t * TW + ...]
-template <int N, typename Out>
-static void tile_f32(const float* x, const float* wt, const float* bias, Out* y, int64_t I, int64_t O) {
+template <int N>
+static void tile_f32(const float* x, const float* wt, const float* bias, float* y, int64_t I, int64_t O) {
   vf a0[N], a1[N];
   for (int m = 0; m < N; ++m) a0[m] = a1[m] = vzero();
   for (int64_t k = 0; k < I; ++k) {
