@@ -26,7 +26,10 @@ def level() -> str:
 
 BINDINGS = {
     "decode_attention.cpp": {"fulcrum_decode_attention": (I64, I64, I64, *[PTR] * 8, *[I64] * 6, F32, I64, F32, PTR)},
-    "prefill_attention.cpp": {"fulcrum_prefill_attention": (I64, I64, *[PTR] * 4, *[I64] * 9, F32, I64, PTR)},
+    "prefill_attention.cpp": {
+        "fulcrum_prefill_attention": (I64, I64, *[PTR] * 4, *[I64] * 9, F32, I64, PTR),
+        "fulcrum_prefill_attention_varlen": (I64, I64, *[PTR] * 8, *[I64] * 8, F32, I64, PTR),
+    },
 }
 
 
@@ -40,8 +43,12 @@ def _decode(quantized_kv: bool = False):
 
 
 @functools.cache
+def _prefill_lib():
+    return cpu_ext.load("prefill_attention.cpp", level(), BINDINGS["prefill_attention.cpp"])
+
+
 def _prefill():
-    lib = cpu_ext.load("prefill_attention.cpp", level(), BINDINGS["prefill_attention.cpp"])
+    lib = _prefill_lib()
     return None if lib is None else lib.fulcrum_prefill_attention
 
 
@@ -134,3 +141,24 @@ def prefill(
     if rc != 0:
         raise ValueError(f"prefill attention: unsupported head_dim {hd} or group {h // k.shape[1]}")
     return out
+
+
+def prefill_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, spans: list[tuple[int, int, int, int]],
+    scale: float, sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """`prefill` for several sequences in one call, into `out` (q's shape and strides): each span (q_start, n,
+    k_start, m) is a sequence whose n queries are rows q_start.. of q and out, attending causally over rows
+    k_start..k_start+m of k and v (its queries the last n of those m positions). A step's fresh prompts in one call
+    instead of one each: their tasks share two parallel regions (prefill_usable must hold for q, k, v)."""
+    _, h, hd = q.shape
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+    cols = torch.tensor(spans, dtype=torch.int64).t().contiguous()  # q_start, n, k_start, m: [4, S]
+    rc = _prefill_lib().fulcrum_prefill_attention_varlen(
+        q.dtype == torch.bfloat16, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), cols[0].data_ptr(),
+        cols[1].data_ptr(), cols[2].data_ptr(), cols[3].data_ptr(), len(spans), h, k.shape[1], hd, q.stride(0),
+        k.stride(0), v.stride(0), out.stride(0), scale, sliding_window or 0, None if sinks is None else sinks.data_ptr(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"prefill attention: unsupported head_dim {hd} or group {h // k.shape[1]}")

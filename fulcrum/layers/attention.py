@@ -185,10 +185,16 @@ class Attention(nn.Module):
         if not meta.prefills and meta.decode_token_idx is not None:
             return self._decode(q, meta)  # a step of decodes only: the tokens are the decodes, in order
         out = torch.empty_like(q)
+        fresh = [(start, q_len) for start, q_len, ctx_len, _ in meta.prefills if ctx_len == q_len]
+        together = len(fresh) > 1 and self._kernel_prefill(q, k, v)
+        if together:  # the fresh prompts (their k/v all new) in one kernel call
+            cpu_attention.prefill_varlen(q, k, v, out, [(s, n, s, n) for s, n in fresh], self.scale,
+                                         self.sliding_window, self.sinks)  # fmt: skip
         for start, q_len, ctx_len, row in meta.prefills:
             end = start + q_len
             if ctx_len == q_len:  # a fresh prompt: its k/v are all new
-                out[start:end] = self._attend(q[start:end], k[start:end], v[start:end])
+                if not together:
+                    out[start:end] = self._attend(q[start:end], k[start:end], v[start:end])
             else:
                 ks, vs = self._gather(meta.block_tables[row], ctx_len, q.dtype)
                 out[start:end] = self._attend(q[start:end], ks, vs)
@@ -222,12 +228,20 @@ class Attention(nn.Module):
 
     def _forward_no_cache(self, q, k, v, meta):
         out = torch.empty_like(q)
-        start = 0
+        spans, start = [], 0
         for n in meta.query_lens:
-            end = start + n
-            out[start:end] = self._attend(q[start:end], k[start:end], v[start:end])
-            start = end
+            spans.append((start, n, start, n))
+            start += n
+        if len(spans) > 1 and self._kernel_prefill(q, k, v):
+            cpu_attention.prefill_varlen(q, k, v, out, spans, self.scale, self.sliding_window, self.sinks)
+            return out
+        for start, n, _, _ in spans:
+            out[start : start + n] = self._attend(q[start : start + n], k[start : start + n], v[start : start + n])
         return out
+
+    def _kernel_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """The CPU prefill kernel takes this layer's fresh prompts (what `_attend` would give them, uncapped)."""
+        return self.logit_softcap is None and cpu_attention.prefill_usable(q, k, v)
 
     def _write(self, cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Tokens' k or v [T, KVH, hd] into their cache slots, quantized where the cache is."""
@@ -255,7 +269,7 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [n, H, D], k/v [m, KVH, D] with the queries at the last n positions."""
         n, m = q.shape[0], k.shape[0]
-        if self.logit_softcap is None and cpu_attention.prefill_usable(q, k, v):  # flash-style, no score matrix
+        if self._kernel_prefill(q, k, v):  # flash-style, no score matrix
             return cpu_attention.prefill(q, k, v, self.scale, self.sliding_window, self.sinks)
         if self.logit_softcap is not None or self.sinks is not None:
             return self._attend_capped(q, k, v)

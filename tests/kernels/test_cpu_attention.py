@@ -175,3 +175,52 @@ def test_attention_layer_prefills_through_the_kernel_and_agrees_without_it(monke
     fast = layer._attend(q, k, v)
     monkeypatch.setattr(cpu_attention, "prefill_usable", lambda *a: False)
     assert torch.allclose(fast, layer._attend(q, k, v), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window, sinks", [(None, False), (37, False), (None, True)])
+def test_prefill_of_several_sequences_in_one_call_matches_one_call_each(dtype, tol, window, sinks):
+    # a step's prompts: fresh ones (their k/v rows are their query rows) and a chunk after cached context (its k/v
+    # elsewhere), as strided views of one fused qkv output
+    heads, kv_heads, hd = 8, 2, 32
+    g = torch.Generator().manual_seed(7)
+    spans, rows = [], 0
+    for n, m in [(128, 128), (1, 1), (37, 100), (300, 300), (64, 64), (5, 5)]:
+        spans.append((rows + m - n, n, rows, m))  # queries: the last n of the sequence's m rows
+        rows += m
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * hd, generator=g).to(dtype)
+    q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    q, k, v = q.view(rows, heads, hd), k.view(rows, kv_heads, hd), v.view(rows, kv_heads, hd)
+    head_sinks = torch.randn(heads, generator=g) if sinks else None
+    assert cpu_attention.prefill_usable(q, k, v)
+    out = torch.full_like(q, float("nan"))
+    cpu_attention.prefill_varlen(q, k, v, out, spans, hd**-0.5, window, head_sinks)
+    for qs, n, ks, m in spans:
+        one = cpu_attention.prefill(q[qs : qs + n], k[ks : ks + m], v[ks : ks + m], hd**-0.5, window, head_sinks)
+        assert torch.equal(out[qs : qs + n], one)  # the same tasks, the same sums
+        if not sinks:
+            ref = causal_reference(q[qs : qs + n], k[ks : ks + m], v[ks : ks + m], hd**-0.5, window)
+            assert (out[qs : qs + n].double() - ref).abs().max() < tol
+    between = torch.ones(rows, dtype=torch.bool)
+    for qs, n, _, _ in spans:
+        between[qs : qs + n] = False
+    assert out[between].isnan().all()  # rows that are no sequence's queries are left alone
+
+
+def test_prefill_of_several_sequences_takes_turns_past_the_widened_budget():
+    # five 128-token prompts widen to 16 MiB each (64 KV heads of 256): they run in two turns of the 64 MiB budget,
+    # and one of 520 tokens (65 MiB) alone, its KV heads in turns
+    hd, h = 256, 64
+    g = torch.Generator().manual_seed(1)
+    lens = [128] * 5 + [520, 16]
+    rows = sum(lens)
+    q, k, v = (torch.randn(rows, h, hd, generator=g) for _ in range(3))
+    spans, start = [], 0
+    for n in lens:
+        spans.append((start, n, start, n))
+        start += n
+    out = torch.empty_like(q)
+    cpu_attention.prefill_varlen(q, k, v, out, spans, hd**-0.5)
+    for qs, n, _, _ in spans:
+        one = cpu_attention.prefill(q[qs : qs + n], k[qs : qs + n], v[qs : qs + n], hd**-0.5)
+        assert torch.equal(out[qs : qs + n], one)

@@ -33,6 +33,10 @@ int64_t fulcrum_decode_attention(int64_t bf16, int64_t kind, const void* q, cons
 int64_t fulcrum_prefill_attention(int64_t bf16, const void* q, const void* k, const void* v, void* out, int64_t n,
                                   int64_t m, int64_t H, int64_t KVH, int64_t hd, int64_t qs, int64_t ks, int64_t vs,
                                   int64_t os, float scale, int64_t window, const float* sinks);
+int64_t fulcrum_prefill_attention_varlen(int64_t bf16, const void* q, const void* k, const void* v, void* out,
+                                         const int64_t* q0, const int64_t* n, const int64_t* k0, const int64_t* m,
+                                         int64_t S, int64_t H, int64_t KVH, int64_t hd, int64_t qs, int64_t ks,
+                                         int64_t vs, int64_t os, float scale, int64_t window, const float* sinks);
 
 // packed_linear.cpp
 int64_t fulcrum_packed_linear(int64_t bf16, const void* x, const void* packed, const void* bias, void* y, int64_t M,

@@ -1,4 +1,7 @@
 // Prefill attention: causal attention of n queries (the last n of m positions) over m keys, flash-style.
+#include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -194,6 +197,89 @@ static void prefill_all(const T* q, const T* k, const T* v, T* out, int64_t n, i
   }
 }
 
+// Several sequences' prefills in one call (a step's fresh prompts): sequence s has its n[s] queries at rows
+// q0[s].. of q and out, and its m[s] keys and values at rows k0[s].. of k and v (its queries the last n[s] of them).
+// One call per sequence spent most of a short prompt's time in the two parallel regions' fork and join (a 128-token
+// prompt is 8 tasks a region on the bundled model); here the sequences are widened in one region and their tasks
+// run in another, the costliest first, each thread taking the next from a shared counter. Sequences go in turns of
+// at most WIDE_BYTES widened; one longer than that alone takes prefill_all (which turns its KV heads).
+template <typename T>
+static void prefill_varlen(const T* q, const T* k, const T* v, T* out, const int64_t* q0, const int64_t* n,
+                           const int64_t* k0, const int64_t* m, int64_t S, int64_t H, int64_t KVH, int64_t hd,
+                           int64_t qs, int64_t ks, int64_t vs, int64_t os, float scale, int64_t window,
+                           const float* sinks) {
+  const int64_t g = H / KVH, hdp = (hd + VW - 1) / VW * VW;
+  const int64_t qb = std::max<int64_t>(16, std::min<int64_t>(64, TASK_ROWS / g));
+  const int64_t floats = qb * MAX_G * (hd + hdp) + 2 * qb * MAX_G;
+  auto tiles = [&](int64_t s) { return (m[s] + KT - 1) / KT; };
+  auto head_floats = [&](int64_t s) { return tiles(s) * KT * (hd + hdp); };
+  // the first tile any query of s sees (a sliding window's), as prefill_all
+  auto first_tile = [&](int64_t s) { return window > 0 ? std::max<int64_t>(0, m[s] - n[s] + 1 - window) / KT : 0; };
+  std::vector<float> wide;
+  std::vector<int64_t> base;                                 // each sequence's widened K/V in `wide`
+  std::vector<std::array<int64_t, 3>> widen, tasks;          // (sequence, KV head, tile or query block)
+  std::vector<int64_t> cost;
+  auto run = [&](int64_t s0, int64_t s1) {
+    base.assign(S, 0);
+    int64_t total = 0;
+    widen.clear();
+    tasks.clear();
+    for (int64_t s = s0; s < s1; ++s) {
+      base[s] = total;
+      total += KVH * head_floats(s);
+      for (int64_t h = 0; h < KVH; ++h) {
+        for (int64_t t = first_tile(s); t < tiles(s); ++t) widen.push_back({s, h, t});
+        for (int64_t b = 0; b < (n[s] + qb - 1) / qb; ++b) tasks.push_back({s, h, b});
+      }
+    }
+    // the costliest tasks first (keys seen by a block's last query, times its rows), so the shared counter ends
+    // on short ones
+    std::stable_sort(tasks.begin(), tasks.end(), [&](const auto& a, const auto& b) {
+      auto c = [&](const std::array<int64_t, 3>& x) {
+        const int64_t s = x[0], q1 = std::min(n[s], (x[2] + 1) * qb), keys = m[s] - n[s] + q1;
+        return (window > 0 ? std::min(keys, window + qb) : keys) * (q1 - x[2] * qb);
+      };
+      return c(a) > c(b);
+    });
+    wide.resize(total);
+    at::parallel_for(0, (int64_t)widen.size(), 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const auto [s, h, t] = widen[i];
+        float* kt = wide.data() + base[s] + h * head_floats(s);
+        widen_tile(k + k0[s] * ks, v + k0[s] * vs, m[s], h, hd, hdp, ks, vs, t, kt, kt + tiles(s) * KT * hd);
+      }
+    });
+    std::atomic<int64_t> next{0};
+    const int64_t N = (int64_t)tasks.size();
+    at::parallel_for(0, std::min<int64_t>(N, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+      std::vector<float> scratch(floats + 16);
+      std::vector<int64_t> seen(qb * MAX_G);
+      for (int64_t i = next++; i < N; i = next++) {
+        const auto [s, h, blk] = tasks[i];
+        const float* kt = wide.data() + base[s] + h * head_floats(s);
+        prefill_task(q + q0[s] * qs, out + q0[s] * os, kt, kt + tiles(s) * KT * hd, n[s], m[s], H, KVH, hd, qs, os,
+                     scale, h, blk * qb, qb, window, sinks, scratch.data(), seen.data());
+      }
+    });
+  };
+  int64_t s0 = 0, bytes = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t b = KVH * head_floats(s) * 4;
+    if (b > WIDE_BYTES) {  // alone, in turns of KV heads
+      if (s > s0) run(s0, s);
+      prefill_all(q + q0[s] * qs, k + k0[s] * ks, v + k0[s] * vs, out + q0[s] * os, n[s], m[s], H, KVH, hd, qs, ks,
+                  vs, os, scale, window, sinks);
+      s0 = s + 1, bytes = 0;
+    } else if (bytes + b > WIDE_BYTES) {
+      run(s0, s);
+      s0 = s, bytes = b;
+    } else {
+      bytes += b;
+    }
+  }
+  if (S > s0) run(s0, S);
+}
+
 // q [n, H, hd], k and v [m, KVH, hd], out [n, H, hd], each with its own row stride (elements between tokens; the
 // heads of a token packed); the queries are the last n of the m positions. sinks: [H] fp32, one more logit per head
 // in its softmax (gpt-oss), or null. Returns 0, or -1 for a head_dim that is not a multiple of 8 or a group over
@@ -212,3 +298,20 @@ extern "C" int64_t fulcrum_prefill_attention(int64_t bf16, const void* q, const 
   return 0;
 }
 
+
+// prefill_varlen over S sequences: q0, n, k0, m are [S] int64 (rows of q/out, and of k/v; see above); the rest as
+// fulcrum_prefill_attention. Returns 0, or -1 as it does.
+extern "C" int64_t fulcrum_prefill_attention_varlen(int64_t bf16, const void* q, const void* k, const void* v,
+                                                    void* out, const int64_t* q0, const int64_t* n, const int64_t* k0,
+                                                    const int64_t* m, int64_t S, int64_t H, int64_t KVH, int64_t hd,
+                                                    int64_t qs, int64_t ks, int64_t vs, int64_t os, float scale,
+                                                    int64_t window, const float* sinks) {
+  if (hd % 8 || H / KVH > MAX_G) return -1;
+  if (bf16)
+    prefill_varlen((const c10::BFloat16*)q, (const c10::BFloat16*)k, (const c10::BFloat16*)v, (c10::BFloat16*)out, q0,
+                   n, k0, m, S, H, KVH, hd, qs, ks, vs, os, scale, window, sinks);
+  else
+    prefill_varlen((const float*)q, (const float*)k, (const float*)v, (float*)out, q0, n, k0, m, S, H, KVH, hd, qs,
+                   ks, vs, os, scale, window, sinks);
+  return 0;
+}
