@@ -10,8 +10,8 @@ Offline (benchmarks/bench_vs_vllm.py, one engine process at a time, the same tok
   vLLM is given both cores (VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_NUM_OF_RESERVED_CPU=0); fulcrum its defaults.
   Each level's compile caches are kept between its repeats, so the first run of each engine is cold, the rest warm.
 Served (`fulcrum bench serve` with the tokenizer: 128-token prompts, 64 out, eos ignored, streamed): `fulcrum
-serve` on the bundled model, then vLLM's OpenAI server (eager, both cores), closed loop at each concurrency,
-`--repeats` runs each in turn. Ratios are fulcrum / vLLM of the median of the runs; every run is kept.
+serve` on the bundled model, then vLLM's OpenAI server (eager, both cores), closed loop at each concurrency with
+prompts of its own (the same for both engines; none found in the prefix cache), `--repeats` runs each in turn. Ratios are fulcrum / vLLM of the median of the runs; every run is kept.
 """
 
 from __future__ import annotations
@@ -73,7 +73,19 @@ def bench_serve(url: str, conc: int, args, out: Path) -> dict:
         "--concurrency",
         str(conc),
     ]
-    cmd += ["--input-len", "128", "--output-len", "64", "--ignore-eos", "--tokenizer", str(BUNDLED)]
+    # prompts of their own per concurrency (the seed), the same for both engines: with one seed for all, each
+    # concurrency after the first on a server found its prompts in the prefix cache
+    cmd += [
+        "--input-len",
+        "128",
+        "--output-len",
+        "64",
+        "--ignore-eos",
+        "--tokenizer",
+        str(BUNDLED),
+        "--seed",
+        str(conc),
+    ]
     cmd += ["--num-prompts", str(args.served_prompts), "--warmup", str(conc), "--out", str(out), "--quiet"]
     subprocess.run(cmd, check=True)
     run = json.loads(out.read_text())["runs"][0]

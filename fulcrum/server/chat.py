@@ -64,9 +64,11 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         params = replace(params, skip_special_tokens=False)
     check_kv_transfer_request(req.kv_transfer_params, 1, req.stream)
     clock.mark("params")
+    timer = state.metrics.stream_timer(clock.arrival) if req.stream else None
     run = await StartedRequest.start(
         generate_prompts(state.engine, [(None, ids)], params, req.priority, req.kv_transfer_params, lora_name,
-                         clock.arrival, images)
+                         clock.arrival, images, timer),
+        timer,
     )  # fmt: skip
     rid = random_id("chatcmpl")
 

@@ -35,9 +35,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     params = await off_loop(sampling_params, req, 1 if zero else req.max_tokens, k, max(wanted) if wanted else None)
     check_kv_transfer_request(req.kv_transfer_params, len(prompts), req.stream)
     clock.mark("params")
+    timer = state.metrics.stream_timer(clock.arrival) if req.stream else None
     run = await StartedRequest.start(
-        generate_prompts(state.engine, prompts, params, req.priority, req.kv_transfer_params, lora_name, clock.arrival)
-    )
+        generate_prompts(state.engine, prompts, params, req.priority, req.kv_transfer_params, lora_name, clock.arrival,
+                         timer=timer),
+        timer,
+    )  # fmt: skip
     echo = [(p if p is not None else tok.decode(ids)) if req.echo else "" for p, ids in prompts]
     rid, n = random_id("cmpl"), req.n
 

@@ -5,12 +5,14 @@ runs on a worker thread so that a huge prompt never stalls the event loop (and /
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from fulcrum.errors import InvalidRequestError
 from fulcrum.http_errors import error
+from fulcrum.server.stages import ARRIVAL
 
 # one thread: transformers' fast tokenizers may refuse concurrent calls on one instance ("Already borrowed")
 _tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fulcrum-tokenize")
@@ -101,6 +103,7 @@ def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
     class HeaderTimeoutProtocol(H11Protocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            self._first_bytes_at: float | None = None
             self._arm()
 
         def _arm(self) -> None:
@@ -113,9 +116,16 @@ def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
                 self.transport.close()  # no request began since: nothing to answer
 
         def data_received(self, data: bytes) -> None:
+            # a request's first bytes, read from the socket: its arrival (server/stages.py), before they wait for
+            # the rest of the headers and for the event loop to start the app on them
+            if self._first_bytes_at is None and (self.cycle is None or self.cycle.response_complete):
+                self._first_bytes_at = time.time()
             super().data_received(data)
             if self.cycle is not self._cycle_seen:  # a request's headers are complete
                 self._header_timer.cancel()
+                if self.cycle is not None and self._first_bytes_at is not None:
+                    self.cycle.scope[ARRIVAL] = self._first_bytes_at
+                self._first_bytes_at = None
 
         def on_response_complete(self) -> None:
             super().on_response_complete()

@@ -3,6 +3,9 @@ also under vLLM's own names so that dashboards and autoscalers written for vLLM 
 
 from __future__ import annotations
 
+import time
+import uuid
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
@@ -257,6 +260,8 @@ class ServerMetrics:
         self._last = {"q": 0, "h": 0, "p": 0, "sd": 0, "st": 0, "sa": 0}
         self._last_per_pos: list[int] = []
         self._last_token_time: dict[str, float] = {}
+        # streamed requests' ids -> their arrival: TTFT taken when the first token's chunk is written (StreamTimer)
+        self._write_timed: dict[str, float] = {}
 
     def record_engines(self, given: list[int], running: list[int]) -> None:
         """Each engine core's cumulative requests given and its running count (the frontend's, at scrape time)."""
@@ -277,6 +282,12 @@ class ServerMetrics:
             self.weights_info.labels(model_name=self.kv_capacity.model, quantization=ready.weights).set(
                 ready.weight_bytes
             )
+
+    def stream_timer(self, arrival: float) -> StreamTimer:
+        """The TTFT clock of one streamed HTTP request (its prompts and their samples), which stops when the chunk
+        carrying each prompt's first token has been written to the connection (as the client will see it), not
+        when the token reaches the frontend."""
+        return StreamTimer(self, arrival)
 
     def record(self, msg: CoreOutputs, now: float) -> None:
         """A core's message, received by the frontend at `now`. TTFT and end-to-end latency run from the request's
@@ -323,7 +334,9 @@ class ServerMetrics:
                 last = self._last_token_time.get(rid)
                 if last is None:
                     self.prompt_tokens.inc(o.num_prompt_tokens)
-                    if o.first_token_time:  # the frontend's clock (`now`), as vLLM's: the token has reached it
+                    # the frontend's clock (`now`): the token has reached it; a streamed request's when its chunk is
+                    # written (StreamTimer)
+                    if o.first_token_time and rid.rpartition("-")[0] not in self._write_timed:
                         self.ttft.observe(now - o.arrival_time)
                 else:
                     self.itl.observe(now - last)
@@ -336,3 +349,34 @@ class ServerMetrics:
                     self.e2e.observe(now - o.arrival_time)
                 if o.first_scheduled_time:
                     self.queue.observe(o.first_scheduled_time - o.arrival_time)
+
+
+class StreamTimer:
+    """TTFT for a streamed response (ServerMetrics.stream_timer): `request_id(i)` names prompt i's engine request
+    (its samples `{id}-{k}` are excluded from the output loop's TTFT), `written(ids)` is called after each chunk is
+    written with the prompts that have had tokens so far, and `close()` when the stream ends (a prompt whose first
+    token was never written, a client gone, gets no TTFT)."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float):
+        self.metrics, self.arrival = metrics, arrival
+        self.prefix = f"stream-{uuid.uuid4().hex[:16]}"
+        self.ids: dict[str, int] = {}  # request id -> its samples
+        self.timed: set[str] = set()
+
+    def request_id(self, i: int, samples: int) -> str:
+        rid = f"{self.prefix}-{i}"
+        self.ids[rid] = samples
+        self.metrics._write_timed[rid] = self.arrival
+        return rid
+
+    def written(self, started) -> None:
+        now = time.time()
+        for rid in started:
+            if rid in self.ids and rid not in self.timed:
+                self.timed.add(rid)
+                for _ in range(self.ids[rid]):
+                    self.metrics.ttft.observe(now - self.arrival)
+
+    def close(self) -> None:
+        for rid in self.ids:
+            self.metrics._write_timed.pop(rid, None)

@@ -1,9 +1,11 @@
-"""Where a request's time goes before the engine sees it. An ASGI middleware stamps the moment a request arrives
-over HTTP; the server's TTFT, end-to-end and queue clocks start there (as the user feels it, not after the body is
-parsed and the prompt tokenized), and each frontend stage up to the engine is timed into
+"""Where a request's time goes before the engine sees it. The HTTP protocol (server/limits.py) stamps the moment
+it reads a request's first bytes (an ASGI middleware, when another protocol runs the app, the moment the app gets
+it); the server's TTFT, end-to-end and queue clocks start there (as the user feels it, not after the headers are
+complete, the body parsed and the prompt tokenized), and each frontend stage up to the engine is timed into
 fulcrum:frontend_stage_seconds{stage} and logged at debug level:
 
-- receive: the body read, parsed and validated, and the route's own translation (Responses, Messages);
+- receive: the rest of the headers, the body read, parsed and validated, and the route's own translation
+  (Responses, Messages);
 - tokenize: the chat template rendered and the prompt tokenized;
 - params: the sampling parameters checked (a grammar built).
 """
@@ -23,14 +25,15 @@ STAGE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064
 
 
 class StampArrival:
-    """ASGI middleware, outermost but for CORS: the time each HTTP request arrived, in its scope."""
+    """ASGI middleware, outermost but for CORS: the time each HTTP request arrived, in its scope, unless the HTTP
+    protocol (server/limits.py) stamped it when it read the request's first bytes."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            scope[ARRIVAL] = time.time()
+            scope.setdefault(ARRIVAL, time.time())  # stamped already where the protocol read its first bytes
         return await self.app(scope, receive, send)
 
 

@@ -20,6 +20,7 @@ from fulcrum.errors import InvalidRequestError, ShuttingDownError
 from fulcrum.http_errors import sse_error, status_of
 from fulcrum.protocol import UsageInfo
 from fulcrum.sampling_params import SamplingParams
+from fulcrum.server.metrics import StreamTimer
 
 log = logging.getLogger("fulcrum.server")
 PromptStep = tuple[int, RequestOutput, dict[int, str]]  # (prompt index, output so far, new text per sample)
@@ -34,12 +35,15 @@ async def generate_prompts(
     lora_name: str | None = None,
     arrival_time: float | None = None,
     images: ImageInput | None = None,
+    timer: StreamTimer | None = None,
 ) -> AsyncIterator[PromptStep]:
     """Run every prompt concurrently; yield items as steps land. `lora_name`: the LoRA adapter they run with (None:
-    the base model); `arrival_time`: when the HTTP request arrived (server/stages.py)."""
+    the base model); `arrival_time`: when the HTTP request arrived (server/stages.py); `timer`: a streamed
+    response's TTFT clock (it names the engine requests)."""
     gens = [engine.generate(p, ids, params, priority=priority, kv_transfer_params=kv_transfer_params,
-                            lora_name=lora_name, arrival_time=arrival_time, images=images)
-            for p, ids in prompts]  # fmt: skip
+                            lora_name=lora_name, arrival_time=arrival_time, images=images,
+                            request_id=None if timer is None else timer.request_id(i, params.n))
+            for i, (p, ids) in enumerate(prompts)]  # fmt: skip
     if len(gens) == 1:
         async for ro, deltas in gens[0]:
             yield 0, ro, deltas
@@ -84,23 +88,35 @@ def check_kv_transfer_request(params: dict | None, num_prompts: int, stream: boo
 
 class StartedRequest:
     """A started request: its first item is awaited at once, so that a refusal (a bad value, a full queue)
-    raises before any response is sent and becomes a plain error response."""
+    raises before any response is sent and becomes a plain error response. `timer` (the one generate_prompts
+    took): a streamed response's TTFT clock, stopped as chunks are written."""
 
-    def __init__(self, it: AsyncIterator[PromptStep]):
+    def __init__(self, it: AsyncIterator[PromptStep], timer: StreamTimer | None = None):
         self.it = it
         self.first: PromptStep | None = None
+        self.timer = timer
+        self.started: set[str] = set()  # the engine requests that have had tokens
 
     @classmethod
-    async def start(cls, it: AsyncIterator[PromptStep]) -> StartedRequest:
-        run = cls(it)
-        run.first = await run._next()
+    async def start(cls, it: AsyncIterator[PromptStep], timer: StreamTimer | None = None) -> StartedRequest:
+        run = cls(it, timer)
+        try:
+            run.first = await run._next()
+        except BaseException:
+            if timer is not None:
+                timer.close()
+            raise
         return run
 
     async def _next(self) -> PromptStep | None:
         try:
-            return await self.it.__anext__()
+            item = await self.it.__anext__()
         except StopAsyncIteration:
             return None
+        ro = item[1]
+        if self.timer is not None and ro.request_id not in self.started and any(o.token_ids for o in ro.outputs):
+            self.started.add(ro.request_id)
+        return item
 
     async def items(self) -> AsyncIterator[PromptStep]:
         item = self.first
@@ -131,11 +147,15 @@ class StartedRequest:
             try:
                 async for event in events:
                     yield encode(event)
+                    if self.timer is not None:  # the chunk is written: the tokens it carries have reached the client
+                        self.timer.written(self.started)
             except Exception as e:
                 if status_of(e) >= 500 and not isinstance(e, ShuttingDownError):
                     log.error("stream failed: %s: %s", type(e).__name__, e)
                 yield encode_error(e)
             finally:
+                if self.timer is not None:
+                    self.timer.close()
                 await self.it.aclose()
             if done:
                 yield done

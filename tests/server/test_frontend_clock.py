@@ -67,3 +67,48 @@ def test_clocks_start_at_http_arrival(fresh_server):
         got, "fulcrum:time_to_first_token_seconds_sum"
     )
     assert 0 < frontend < ttft < PAUSE
+
+
+def test_arrival_is_when_the_request_s_first_bytes_are_read(fresh_server):
+    # half the request line and headers, a pause, then the rest: the clocks start at the first bytes, not when the
+    # headers are complete and the app is started on them
+    s = fresh_server()
+    u = urlparse(s.url)
+    raw = json.dumps({"prompt": "ROMEO:", "max_tokens": 2, "temperature": 0}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {u.hostname}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(raw)}\r\nConnection: close\r\n\r\n").encode()  # fmt: skip
+    with socket.create_connection((u.hostname, u.port), timeout=60) as c:
+        c.sendall(head[:20])
+        time.sleep(PAUSE)
+        c.sendall(head[20:] + raw)
+        reply = b""
+        while chunk := c.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
+    got = samples(s.url)
+    assert value(got, "fulcrum:time_to_first_token_seconds_sum") >= PAUSE
+    assert value(got, "fulcrum:frontend_stage_seconds_sum", stage="receive") >= PAUSE
+
+
+def test_a_streamed_answer_s_first_tokens_are_timed_once_each_when_written(fresh_server):
+    # streamed: TTFT ends when the chunk with each prompt's first token is written (one observation per sample);
+    # whole: when the tokens reach the frontend; the same counts either way
+    s = fresh_server()
+    body = {"prompt": ["ROMEO:", "JULIET:"], "n": 2, "max_tokens": 3, "temperature": 0.8, "seed": 1}
+    with httpx.stream("POST", f"{s.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data:")]
+    assert lines[-1] == "data: [DONE]" and len(lines) > 4
+    got = samples(s.url)
+    assert value(got, "fulcrum:time_to_first_token_seconds_count") == 4
+    httpx.post(f"{s.url}/v1/completions", json=body, timeout=60).raise_for_status()
+    assert value(samples(s.url), "fulcrum:time_to_first_token_seconds_count") == 8
+    # a stream of one token (its first token and its end in one engine message), through the chat route
+    chat = {"messages": [{"role": "user", "content": "ROMEO:"}], "max_tokens": 1, "stream": True}
+    with httpx.stream("POST", f"{s.url}/v1/chat/completions", json=chat, timeout=60) as r:
+        assert r.status_code == 200 and list(r.iter_lines())
+    after = samples(s.url)
+    assert value(after, "fulcrum:time_to_first_token_seconds_count") == 9
+    assert value(after, "fulcrum:time_to_first_token_seconds_sum") > value(
+        got, "fulcrum:time_to_first_token_seconds_sum"
+    )
