@@ -81,7 +81,7 @@ def test_a_binding_with_a_wrong_result_or_name_fails_at_load(load_with):
     no_result["decode_attention.cpp"] = {
         "fulcrum_decode_attention": (None, I64, I64, *[PTR] * 8, *[I64] * 6, F32, I64, F32, PTR)
     }
-    caches = [cpu_attention._decode, cpu_attention._prefill]
+    caches = [cpu_attention._decode, cpu_attention._prefill_lib]
     with pytest.raises(KernelBindingError, match=r"kernel decode_attention .*fulcrum_decode_attention returns void"):
         load_with(cpu_attention, caches, cpu_attention.available, BINDINGS=no_result)
     elsewhere = {
