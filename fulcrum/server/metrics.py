@@ -260,8 +260,8 @@ class ServerMetrics:
         self._last = {"q": 0, "h": 0, "p": 0, "sd": 0, "st": 0, "sa": 0}
         self._last_per_pos: list[int] = []
         self._last_token_time: dict[str, float] = {}
-        # streamed requests' ids -> their arrival: TTFT taken when the first token's chunk is written (StreamTimer)
-        self._write_timed: dict[str, float] = {}
+        # streamed requests' ids: their TTFT is taken when the first token's chunk is written (StreamTimer)
+        self._write_timed: set[str] = set()
 
     def record_engines(self, given: list[int], running: list[int]) -> None:
         """Each engine core's cumulative requests given and its running count (the frontend's, at scrape time)."""
@@ -366,7 +366,7 @@ class StreamTimer:
     def request_id(self, i: int, samples: int) -> str:
         rid = f"{self.prefix}-{i}"
         self.ids[rid] = samples
-        self.metrics._write_timed[rid] = self.arrival
+        self.metrics._write_timed.add(rid)
         return rid
 
     def written(self, started) -> None:
@@ -379,4 +379,4 @@ class StreamTimer:
 
     def close(self) -> None:
         for rid in self.ids:
-            self.metrics._write_timed.pop(rid, None)
+            self.metrics._write_timed.discard(rid)
