@@ -56,6 +56,7 @@ def reference(q, kc, vc, tables, ctxs, scale, window, softcap=None, sinks=None):
     [
         ([1, 17, 300], 14, 2, 64, 16, None),  # Qwen2.5-0.5B's grouping, partial last blocks, one-token context
         ([40, 5], 8, 8, 128, 16, None),  # no GQA
+        ([200, 3], 16, 8, 128, 16, None),  # keys past 256 KiB: the next block prefetched, not read in order
         ([100, 1, 33, 64], 32, 8, 80, 32, None),
         ([70, 9], 4, 1, 256, 16, None),  # MQA, the widest head
         ([1, 50, 300], 14, 2, 64, 16, 32),  # sliding window
@@ -103,6 +104,49 @@ def test_a_head_dim_of_24_reads_the_quantized_cache(name, dtype):
     kd, vd = kv_quant.dequantize(kq, ks, torch.float64), kv_quant.dequantize(vq, vs, torch.float64)
     want = reference(q, kd, vd, tables, lens, 24**-0.5, None)
     assert (got.double() - want).abs().max() < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim, block, window, softcap, sinks, cache",
+    [
+        (8, 4, 32, 16, None, None, False, None),  # the bundled model's shape
+        (16, 4, 24, 16, 21, None, False, None),  # half-filled last vectors on AVX-512, a window mid-vector
+        (8, 4, 32, 8, None, 2.0, True, None),  # blocks of 8, soft cap, sinks
+        (4, 4, 16, 24, 10, None, False, None),  # blocks of 24, no GQA
+        (8, 8, 64, 16, None, None, False, None),  # 1 KiB bf16 rows (2 KiB fp32 ones take a task per head)
+        (8, 4, 32, 16, None, None, False, "int8"),
+        (8, 4, 32, 16, 21, None, True, "fp8"),
+    ],
+)
+def test_a_batch_gives_each_sequence_what_it_gets_alone(
+    dtype, tol, heads, kv_heads, head_dim, block, window, softcap, sinks, cache
+):
+    """A step of many sequences reads each one's cache rows once for all its heads (a task per sequence), a lone
+    sequence head by head (a task per KV head): the same output, bit for bit, and attention's within tolerance."""
+    if cache and not cpu_attention.available(True):
+        pytest.skip("needs the quantized caches' build")
+    n = 2 * torch.get_num_threads() + 3
+    ctxs = [1, 300, 17, 64, 129, 5, 200, 48, 33, 90][:n] + [77] * max(0, n - 10)
+    q, kc, vc, tables, lens = paged(ctxs, heads, kv_heads, head_dim, block, torch.float32, seed=2)
+    q = (q * 3).to(dtype)
+    extra = {"softcap": softcap, "sinks": torch.linspace(-1.0, 3.0, heads) if sinks else None}
+    if cache:
+        fmt = kv_quant.FORMATS[cache]
+        (kq, ks), (vq, vs) = kv_quant.quantize(kc, fmt), kv_quant.quantize(vc, fmt)
+        args = (kq, vq)
+        extra.update(k_scales=ks, v_scales=vs)
+        kc, vc = kv_quant.dequantize(kq, ks, torch.float64), kv_quant.dequantize(vq, vs, torch.float64)
+    else:
+        kc, vc = kc.to(dtype), vc.to(dtype)
+        args = (kc, vc)
+    got = cpu_attention.decode(q, *args, tables, lens, head_dim**-0.5, window, **extra)
+    for j in range(n):
+        alone = cpu_attention.decode(q[j : j + 1], *args, tables[j : j + 1], lens[j : j + 1], head_dim**-0.5, window,
+                                     **extra)  # fmt: skip
+        assert torch.equal(got[j : j + 1], alone), f"sequence {j} (context {ctxs[j]})"
+    want = reference(q, kc, vc, tables, lens, head_dim**-0.5, window, softcap, extra["sinks"])
+    assert (got.double() - want).abs().max() < tol
 
 
 @pytest.mark.parametrize("sinks", [False, True])  # gpt-oss's logit per head, windowed as its sliding layers are

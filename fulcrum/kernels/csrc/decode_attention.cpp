@@ -1,12 +1,14 @@
-// Decode attention read straight from the paged KV cache: one (sequence, KV head) pair a task, each cached key read
-// once through the block table and scored against all query heads of its group in fp32, a softmax per head, the
-// values summed the same way. PyTorch's path gathers every sequence's blocks into a padded copy and runs a masked
+// Decode attention read straight from the paged KV cache: one (sequence, KV head) pair a task (attend), or for a
+// step of many sequences over small cache rows one sequence a task, all its heads at once (attend_rows); each cached
+// key read once through the block table and scored against all query heads of its group in fp32, a softmax per
+// head, the values summed the same way. PyTorch's path gathers every sequence's blocks into a padded copy and runs a masked
 // SDPA over it; here there is no gather, no padding and no mask. Built twice: QUANTIZED_KV=0 reads a cache in the
 // activations' dtype, QUANTIZED_KV=1 int8 and fp8 caches (fulcrum.quant.kv) only, so a server without one does not
 // compile their instantiations.
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -18,6 +20,17 @@
 #endif
 
 constexpr int64_t MAX_G = 16;  // query heads per KV head (cpu_attention.MAX_GROUP)
+// A step of at least ROWS_PER_THREAD sequences a thread over a cache of at least MIN_ROW_HEADS KV heads whose rows (a
+// token's KV heads side by side) are at most MAX_ROW_BYTES takes a task per sequence, all its heads in one pass
+// (attend_rows); else a task per (sequence, KV head) (attend). Measured (issue 49): 4 KV heads of 32 (the bundled
+// model, fp32, 64 sequences) 7.9 -> 5.7 ms a step's attention, 4 of 128 bf16 6.5 -> 5.9; 8 of 64 bf16 level; with 2
+// KV heads of 64 and 7 queries each (Qwen2.5-0.5B), compute-bound, attend was faster in bf16.
+constexpr int64_t ROWS_PER_THREAD = 2, MIN_ROW_HEADS = 4, MAX_ROW_BYTES = 1024;
+// attend's first KV head reads its sequence's whole rows in order where its keys are at most this many bytes (see
+// for_each_token). Measured: Qwen2.5-0.5B's shape, 320 tokens, fp32 1.76 -> 1.36 ms a step's attention, bf16 level;
+// 8 KV heads of 128 bf16, 512 tokens, 11.2 -> 9.9; at 2048 tokens (4 MiB of keys) 13.3 -> 15.9.
+constexpr int64_t TOUCH_BYTES = 256 << 10;
+static volatile int g_touched;  // where for_each_token leaves its in-order reads' result, so that they are kept
 
 // A quantized cache (fulcrum.quant.kv): one byte per value, one fp16 scale per token and head. fp8 loads as 2^-8
 // times its value (vload_f8), so its scales carry the 2^8.
@@ -47,14 +60,20 @@ static inline vf vload_head(const P* p, int c) {
 // read, the next block's `head_bytes` of each token are prefetched: blocks lie anywhere in the cache, where the
 // hardware prefetchers do not follow. `row_bytes` (a sequence's first KV head): the tokens' whole rows too, into L2,
 // where the other heads' tasks of the sequence (next on this thread) find them instead of going back to DRAM.
+// `touch` instead (bytes: a whole row): each token's first `touch` bytes read in order (a 4-byte load a cache line)
+// just before fn sees it, and no software prefetch. Reading a block's rows in order is a stream the hardware
+// prefetchers follow and run ahead of; a head's slice of every row (fn's reads) is a strided pattern they did not,
+// and software prefetches of the next block measured slower than the in-order reads (issue 49).
 template <typename C, typename Fn>
 static inline void for_each_token(const C* cache, const int64_t* table, int64_t start, int64_t ctx, int64_t bs,
-                                  int64_t kv_stride, Fn fn, int64_t head_bytes = 64, int64_t row_bytes = 0) {
+                                  int64_t kv_stride, Fn fn, int64_t head_bytes = 64, int64_t row_bytes = 0,
+                                  int64_t touch = 0) {
   int64_t i = 0;
+  __m128i touched = _mm_setzero_si128();
   for (int64_t blk = start / bs, off = start % bs; blk * bs < ctx; ++blk, off = 0) {
     const C* base = cache + table[blk] * bs * kv_stride;
     const int64_t stop = std::min(bs, ctx - blk * bs);
-    if ((blk + 1) * bs < ctx) {
+    if (!touch && (blk + 1) * bs < ctx && (head_bytes || row_bytes)) {
       const char* next = (const char*)(cache + table[blk + 1] * bs * kv_stride);
       const int64_t rows = std::min(bs, ctx - (blk + 1) * bs);
       for (int64_t j = 0; j < rows; ++j) {
@@ -65,8 +84,13 @@ static inline void for_each_token(const C* cache, const int64_t* table, int64_t 
             _mm_prefetch(next + j * kv_stride * int64_t(sizeof(C)) + b, _MM_HINT_T1);
       }
     }
-    for (int64_t j = off; j < stop; ++j) fn(i++, base + j * kv_stride, table[blk] * bs + j);
+    for (int64_t j = off; j < stop; ++j) {
+      const C* row = base + j * kv_stride;
+      for (int64_t b = 0; b < touch; b += 64) touched = _mm_or_si128(touched, _mm_loadu_si32((const char*)row + b));
+      fn(i++, row, table[blk] * bs + j);
+    }
   }
+  if (touch) g_touched = _mm_cvtsi128_si32(touched);  // keeps the reads
 }
 
 // VW vectors in, one out: lane j holds the sum of vector j's lanes, so that a head scores VW keys per vector. A
@@ -91,6 +115,31 @@ static inline vf vsum_each(vf* v) {  // AVX2's in-lane hadd twice, then the two 
 }
 #endif
 
+// Rows of n scores (np apart, padded with -inf to whole vectors) into unnormalised softmax weights in place, each
+// row's sum's inverse in inv: it scales the output instead of every weight. Gemma 2's soft cap, cap * tanh(s / cap),
+// first (not on the padding). A head's sink (gpt-oss) is one more logit in its softmax, with no value: it joins the
+// max and the sum only.
+static void softmax(float* scores, int64_t rows, int64_t n, int64_t np, float softcap, const float* sinks,
+                    float* inv) {
+  if (softcap > 0)
+    for (int64_t h = 0; h < rows; ++h)
+      for (int64_t t = 0; t < n; ++t) scores[h * np + t] = softcap * std::tanh(scores[h * np + t] / softcap);
+  for (int64_t h = 0; h < rows; ++h) {
+    float* s = scores + h * np;
+    vf m = vset1(-INFINITY);
+    for (int64_t t = 0; t < np; t += VW) m = vmax(m, vload(s + t));
+    const float top = sinks ? std::max(vmax_all(m), sinks[h]) : vmax_all(m);
+    const vf mx = vset1(top);
+    vf sum = vzero();
+    for (int64_t t = 0; t < np; t += VW) {
+      const vf e = vexp(vsub(vload(s + t), mx));
+      vstore(s + t, e);
+      sum = vadd(sum, e);
+    }
+    inv[h] = 1.0f / (vsum(sum) + (sinks ? std::exp(sinks[h] - top) : 0.f));
+  }
+}
+
 // q and out of T; the cache of C: T itself (ksc, vsc null), int8 or fp8 with the head's scales (stride `sstride`
 // between slots), which multiply each key's scores and each value's weight. `scores` holds g rows of n rounded up
 // to whole vectors.
@@ -98,7 +147,7 @@ template <typename T, typename C, int HD>
 static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, const c10::Half* vsc,
                    int64_t sstride, const int64_t* table, int64_t start, int64_t ctx, int64_t bs, int64_t kv_stride,
                    int64_t g, float scale, float softcap, const float* sinks, float* scores, T* out,
-                   int64_t q_stride, int64_t row_bytes) {
+                   int64_t q_stride, int64_t row_bytes, bool touch) {
   constexpr float factor = load_factor<C>();
   constexpr bool quantized = !std::is_same_v<C, T>;
   constexpr int NV = num_vectors<HD>();
@@ -139,29 +188,10 @@ static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, c
     keys[filled] = k;
     if constexpr (quantized) kscale[filled] = float(ksc[slot * sstride]) * factor;
     if (++filled == VW) score_chunk();
-  }, HD * int64_t(sizeof(C)), row_bytes);
+  }, HD * int64_t(sizeof(C)), touch ? 0 : row_bytes, touch ? row_bytes : 0);
   if (filled) score_chunk();
-  // Gemma 2's soft cap on the scaled scores, cap * tanh(score / cap), before the softmax (not on the padding)
-  if (softcap > 0)
-    for (int64_t h = 0; h < g; ++h)
-      for (int64_t t = 0; t < n; ++t) scores[h * np + t] = softcap * std::tanh(scores[h * np + t] / softcap);
-  // softmax per head in place, unnormalised: the sum's inverse scales the output instead of every weight. A head's
-  // sink (gpt-oss) is one more logit in its softmax, with no value: it joins the max and the sum only
   float inv[MAX_G];
-  for (int64_t h = 0; h < g; ++h) {
-    float* s = scores + h * np;
-    vf m = vset1(-INFINITY);
-    for (int64_t t = 0; t < np; t += VW) m = vmax(m, vload(s + t));
-    const float top = sinks ? std::max(vmax_all(m), sinks[h]) : vmax_all(m);
-    const vf mx = vset1(top);
-    vf sum = vzero();
-    for (int64_t t = 0; t < np; t += VW) {
-      const vf e = vexp(vsub(vload(s + t), mx));
-      vstore(s + t, e);
-      sum = vadd(sum, e);
-    }
-    inv[h] = 1.0f / (vsum(sum) + (sinks ? std::exp(sinks[h] - top) : 0.f));
-  }
+  softmax(scores, g, n, np, softcap, sinks, inv);
   // out [g, HD]: one value read, g weighted sums; groups of up to 4 heads keep their sums in registers
   for (int64_t h0 = 0; h0 < g; h0 += 4) {
     const int64_t hn = std::min<int64_t>(4, g - h0);
@@ -176,12 +206,126 @@ static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, c
         const vf p = vset1(quantized ? scores[(h0 + h) * np + i] * vs : scores[(h0 + h) * np + i]);
         for (int c = 0; c < NV; ++c) acc[h][c] = vfmadd(p, vv[c], acc[h][c]);
       }
-    }, HD * int64_t(sizeof(C)), h0 == 0 ? row_bytes : 0);
+    }, HD * int64_t(sizeof(C)), h0 == 0 && !touch ? row_bytes : 0, h0 == 0 && touch ? row_bytes : 0);
     for (int64_t h = 0; h < hn; ++h) {
       alignas(64) float tmp[NV * VW];
       for (int c = 0; c < NV; ++c) vstore(tmp + VW * c, vmul(acc[h][c], vset1(inv[h0 + h])));
       for (int d = 0; d < HD; ++d) store(out + (h0 + h) * q_stride + d, tmp[d]);
     }
+  }
+}
+
+// attend_rows' steps on a chunk of m <= VW rows (a row: a token's KV heads side by side; rows[j] for j < m), each
+// KV head's slice scored against its g queries of `qs` (scaled fp32, [H][NV * VW]) into scores[h * np + j], lanes
+// past m set to -inf; or its values summed into `acc` ([H][NV * VW]) with the weights scores[h * np + j]. Kept out of
+// line: inlined into attend_rows they measured slower (the compiler spilled more).
+template <typename T, typename C, int HD>
+__attribute__((noinline)) static void score_rows(const float* qs, const C* const* rows, const c10::Half* ksc,
+                                                 const int64_t* slots, int64_t m, int64_t KVH, int64_t g,
+                                                 float* scores, int64_t np) {
+  constexpr float factor = load_factor<C>();
+  constexpr bool quantized = !std::is_same_v<C, T>;
+  constexpr int NV = num_vectors<HD>();
+  for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+    vf kv[VW][NV];
+    alignas(64) float kscale[VW];
+    for (int j = 0; j < VW; ++j) {  // a partial chunk repeats its last row
+      const int64_t r = std::min<int64_t>(j, m - 1);
+      for (int c = 0; c < NV; ++c) kv[j][c] = vload_head<HD>(rows[r] + kvh * HD, c);
+      if constexpr (quantized) kscale[j] = float(ksc[slots[r] * KVH + kvh]) * factor;
+    }
+    for (int64_t h = kvh * g; h < (kvh + 1) * g; ++h) {
+      const float* qh = qs + h * NV * VW;
+      vf part[VW];
+      for (int j = 0; j < VW; ++j) {
+        vf a = vmul(vload(qh), kv[j][0]);
+        for (int c = 1; c < NV; ++c) a = vfmadd(vload(qh + c * VW), kv[j][c], a);
+        part[j] = a;
+      }
+      vf sc = vsum_each(part);
+      if constexpr (quantized) sc = vmul(sc, vload(kscale));
+      vstore(scores + h * np, sc);
+      for (int64_t j = m; j < VW; ++j) scores[h * np + j] = -INFINITY;
+    }
+  }
+}
+
+template <typename T, typename C, int HD>
+__attribute__((noinline)) static void sum_rows(const float* scores, int64_t np, const C* const* rows,
+                                               const c10::Half* vsc, const int64_t* slots, int64_t m, int64_t KVH,
+                                               int64_t g, float* acc) {
+  constexpr float factor = load_factor<C>();
+  constexpr bool quantized = !std::is_same_v<C, T>;
+  constexpr int NV = num_vectors<HD>();
+  for (int64_t kvh = 0; kvh < KVH; ++kvh)
+    for (int64_t h0 = kvh * g; h0 < (kvh + 1) * g; h0 += 4) {  // up to 4 heads' sums in registers
+      const int64_t hn = std::min<int64_t>(4, (kvh + 1) * g - h0);
+      vf a[4][NV];
+      for (int64_t h = 0; h < hn; ++h)
+        for (int c = 0; c < NV; ++c) a[h][c] = vload(acc + ((h0 + h) * NV + c) * VW);
+      for (int64_t j = 0; j < m; ++j) {
+        vf vv[NV];
+        for (int c = 0; c < NV; ++c) vv[c] = vload_head<HD>(rows[j] + kvh * HD, c);
+        const float vs = quantized ? float(vsc[slots[j] * KVH + kvh]) * factor : 1.f;
+        for (int64_t h = 0; h < hn; ++h) {
+          const float w = scores[(h0 + h) * np + j];
+          const vf p = vset1(quantized ? w * vs : w);
+          for (int c = 0; c < NV; ++c) a[h][c] = vfmadd(p, vv[c], a[h][c]);
+        }
+      }
+      for (int64_t h = 0; h < hn; ++h)
+        for (int c = 0; c < NV; ++c) vstore(acc + ((h0 + h) * NV + c) * VW, a[h][c]);
+    }
+}
+
+// One sequence's every head in one pass over its cached tokens' rows, VW tokens at a time. Each row's cache lines
+// are first read in order (a 4-byte load a line), so that the hardware prefetchers see one sequential stream a
+// block and run ahead of it; the scores and sums then find the rows in L1. Reading a block head by head (a head's
+// slice of every row, then the next head's: attend's order) is a strided pattern they do not follow, and software
+// prefetches of the next block measured slower here. The sums are attend's, in its order (each head's keys and
+// values in token order), so that a sequence gets the same output bit for bit on either path. `scratch` holds the
+// queries and the value sums [H][NV * VW], the sums' inverses [H] and the scores [H][n rounded up to whole vectors]
+// (rows_scratch_floats); q and out [H, HD] contiguous.
+template <int HD>
+static int64_t rows_scratch_floats(int64_t H, int64_t max_ctx) {
+  return 2 * H * num_vectors<HD>() * VW + (H + VW - 1) / VW * VW + H * (max_ctx + VW);
+}
+
+template <typename T, typename C, int HD>
+static void attend_rows(const T* q, const C* kc, const C* vc, const c10::Half* ksc, const c10::Half* vsc,
+                        const int64_t* table, int64_t start, int64_t ctx, int64_t bs, int64_t KVH, int64_t g,
+                        float scale, float softcap, const float* sinks, float* scratch, T* out) {
+  constexpr int NV = num_vectors<HD>();
+  const int64_t H = KVH * g, kv_stride = KVH * HD, n = ctx - start, np = (n + VW - 1) / VW * VW;
+  const int64_t row_bytes = kv_stride * int64_t(sizeof(C));
+  float *qs = scratch, *acc = qs + H * NV * VW, *inv = acc + H * NV * VW, *scores = inv + (H + VW - 1) / VW * VW;
+  for (int64_t h = 0; h < H; ++h)
+    for (int c = 0; c < NV; ++c) {
+      vstore(qs + (h * NV + c) * VW, vmul(vload_head<HD>(q + h * HD, c), vset1(scale)));
+      vstore(acc + (h * NV + c) * VW, vzero());
+    }
+  // calls fn(i0, rows, slots, m) for chunks of VW tokens (m < VW only in the last), each row's lines read first
+  auto for_each_chunk = [&](const C* cache, auto fn) {
+    const C* rows[VW];
+    int64_t slots[VW], m = 0, i0 = 0;
+    for_each_token(cache, table, start, ctx, bs, kv_stride, [&](int64_t i, const C* r, int64_t slot) {
+      if (m == 0) i0 = i;
+      rows[m] = r, slots[m] = slot;
+      if (++m == VW) fn(i0, rows, slots, m), m = 0;
+    }, 0, 0, row_bytes);
+    if (m) fn(i0, rows, slots, m);
+  };
+  for_each_chunk(kc, [&](int64_t i0, const C* const* rows, const int64_t* slots, int64_t m) {
+    score_rows<T, C, HD>(qs, rows, ksc, slots, m, KVH, g, scores + i0, np);
+  });
+  softmax(scores, H, n, np, softcap, sinks, inv);
+  for_each_chunk(vc, [&](int64_t i0, const C* const* rows, const int64_t* slots, int64_t m) {
+    sum_rows<T, C, HD>(scores + i0, np, rows, vsc, slots, m, KVH, g, acc);
+  });
+  for (int64_t h = 0; h < H; ++h) {
+    alignas(64) float tmp[NV * VW];
+    for (int c = 0; c < NV; ++c) vstore(tmp + VW * c, vmul(vload(acc + (h * NV + c) * VW), vset1(inv[h])));
+    for (int d = 0; d < HD; ++d) store(out + h * HD + d, tmp[d]);
   }
 }
 
@@ -192,15 +336,32 @@ static void run(const T* qp, const C* kp, const C* vp, const c10::Half* ks, cons
   const int64_t g = H / KVH, kv_stride = KVH * HD;
   int64_t max_ctx = 0;
   for (int64_t i = 0; i < D; ++i) max_ctx = std::max(max_ctx, lp[i]);
+  const int64_t threads = at::get_num_threads();
+  if (KVH >= MIN_ROW_HEADS && D >= ROWS_PER_THREAD * threads && kv_stride * int64_t(sizeof(C)) <= MAX_ROW_BYTES) {
+    // a task a sequence, every head in one pass over its rows (attend_rows), taken in turn from a shared counter
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      std::vector<float> scratch(rows_scratch_floats<HD>(H, max_ctx));
+      for (int64_t i; (i = next.fetch_add(1)) < D;) {
+        const int64_t ctx = lp[i], start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+        attend_rows<T, C, HD>(qp + i * H * HD, kp, vp, ks, vs, tp + i * width, start, ctx, bs, KVH, g, scale,
+                              softcap, sinks, scratch.data(), op + i * H * HD);
+      }
+    });
+    return;
+  }
   at::parallel_for(0, D * KVH, 1, [&](int64_t b, int64_t e) {
     std::vector<float> scores(g * (max_ctx + VW));  // each head's row rounded up to whole vectors
     for (int64_t task = b; task < e; ++task) {
       const int64_t i = task / KVH, kvh = task % KVH, ctx = lp[i];
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      // the first KV head's task reads whole rows, for the others' tasks (next on this thread) to find in L2; in
+      // order where a sequence's keys fit TOUCH_BYTES (longer ones measured slower so: the later heads' rows had left)
+      const int64_t row_bytes = kvh == 0 && KVH > 1 ? kv_stride * int64_t(sizeof(C)) : 0;
       attend<T, C, HD>(qp + (i * H + kvh * g) * HD, kp + kvh * HD, vp + kvh * HD, ks ? ks + kvh : nullptr,
                        vs ? vs + kvh : nullptr, KVH, tp + i * width, start, ctx, bs, kv_stride, g, scale, softcap,
-                       sinks ? sinks + kvh * g : nullptr, scores.data(), op + (i * H + kvh * g) * HD, HD,
-                       kvh == 0 && KVH > 1 ? kv_stride * int64_t(sizeof(C)) : 0);
+                       sinks ? sinks + kvh * g : nullptr, scores.data(), op + (i * H + kvh * g) * HD, HD, row_bytes,
+                       row_bytes && (ctx - start) * row_bytes <= TOUCH_BYTES);
     }
   });
 }
