@@ -30,7 +30,6 @@ constexpr int64_t ROWS_PER_THREAD = 2, MIN_ROW_HEADS = 4, MAX_ROW_BYTES = 1024;
 // for_each_token). Measured: Qwen2.5-0.5B's shape, 320 tokens, fp32 1.76 -> 1.36 ms a step's attention, bf16 level;
 // 8 KV heads of 128 bf16, 512 tokens, 11.2 -> 9.9; at 2048 tokens (4 MiB of keys) 13.3 -> 15.9.
 constexpr int64_t TOUCH_BYTES = 256 << 10;
-static volatile int g_touched;  // where for_each_token leaves its in-order reads' result, so that they are kept
 
 // A quantized cache (fulcrum.quant.kv): one byte per value, one fp16 scale per token and head. fp8 loads as 2^-8
 // times its value (vload_f8), so its scales carry the 2^8.
@@ -54,6 +53,13 @@ static inline vf vload_head(const P* p, int c) {
   return vload(p + VW * c);
 }
 
+// out[0..HD) = a head's value sums (NV vectors of fp32 at `sums`) times s, its softmax sum's inverse, rounded to T
+template <int HD, typename T>
+static inline void store_head(T* out, const float* sums, float s) {
+  alignas(64) float tmp[num_vectors<HD>() * VW];
+  for (int c = 0; c < num_vectors<HD>(); ++c) vstore(tmp + VW * c, vmul(vload(sums + VW * c), vset1(s)));
+  for (int d = 0; d < HD; ++d) store(out + d, tmp[d]);
+}
 
 // Calls fn(i, row, slot) for the cached tokens start..ctx-1 in order (i counts from 0; slot: the token's cache
 // slot), walking the block table once instead of dividing every position by the block size. While a block is
@@ -90,7 +96,7 @@ static inline void for_each_token(const C* cache, const int64_t* table, int64_t 
       fn(i++, row, table[blk] * bs + j);
     }
   }
-  if (touch) g_touched = _mm_cvtsi128_si32(touched);  // keeps the reads
+  asm volatile("" : : "x"(touched));  // the in-order reads' result counts as used: the compiler keeps the reads
 }
 
 // VW vectors in, one out: lane j holds the sum of vector j's lanes, so that a head scores VW keys per vector. A
@@ -142,12 +148,13 @@ static void softmax(float* scores, int64_t rows, int64_t n, int64_t np, float so
 
 // q and out of T; the cache of C: T itself (ksc, vsc null), int8 or fp8 with the head's scales (stride `sstride`
 // between slots), which multiply each key's scores and each value's weight. `scores` holds g rows of n rounded up
-// to whole vectors.
+// to whole vectors. `prefetch_rows` and `touch` (bytes of a token's row, or 0): for_each_token's whole-row reads,
+// taken by the keys' pass and the values' first group of heads.
 template <typename T, typename C, int HD>
 static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, const c10::Half* vsc,
                    int64_t sstride, const int64_t* table, int64_t start, int64_t ctx, int64_t bs, int64_t kv_stride,
                    int64_t g, float scale, float softcap, const float* sinks, float* scores, T* out,
-                   int64_t q_stride, int64_t row_bytes, bool touch) {
+                   int64_t q_stride, int64_t prefetch_rows, int64_t touch) {
   constexpr float factor = load_factor<C>();
   constexpr bool quantized = !std::is_same_v<C, T>;
   constexpr int NV = num_vectors<HD>();
@@ -188,7 +195,7 @@ static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, c
     keys[filled] = k;
     if constexpr (quantized) kscale[filled] = float(ksc[slot * sstride]) * factor;
     if (++filled == VW) score_chunk();
-  }, HD * int64_t(sizeof(C)), touch ? 0 : row_bytes, touch ? row_bytes : 0);
+  }, HD * int64_t(sizeof(C)), prefetch_rows, touch);
   if (filled) score_chunk();
   float inv[MAX_G];
   softmax(scores, g, n, np, softcap, sinks, inv);
@@ -206,12 +213,8 @@ static void attend(const T* q, const C* kc, const C* vc, const c10::Half* ksc, c
         const vf p = vset1(quantized ? scores[(h0 + h) * np + i] * vs : scores[(h0 + h) * np + i]);
         for (int c = 0; c < NV; ++c) acc[h][c] = vfmadd(p, vv[c], acc[h][c]);
       }
-    }, HD * int64_t(sizeof(C)), h0 == 0 && !touch ? row_bytes : 0, h0 == 0 && touch ? row_bytes : 0);
-    for (int64_t h = 0; h < hn; ++h) {
-      alignas(64) float tmp[NV * VW];
-      for (int c = 0; c < NV; ++c) vstore(tmp + VW * c, vmul(acc[h][c], vset1(inv[h0 + h])));
-      for (int d = 0; d < HD; ++d) store(out + (h0 + h) * q_stride + d, tmp[d]);
-    }
+    }, HD * int64_t(sizeof(C)), h0 == 0 ? prefetch_rows : 0, h0 == 0 ? touch : 0);
+    for (int64_t h = 0; h < hn; ++h) store_head<HD>(out + (h0 + h) * q_stride, (const float*)acc[h], inv[h0 + h]);
   }
 }
 
@@ -278,6 +281,12 @@ __attribute__((noinline)) static void sum_rows(const float* scores, int64_t np, 
     }
 }
 
+// The floats of attend_rows' scratch for H heads and up to max_ctx tokens
+template <int HD>
+static int64_t rows_scratch_floats(int64_t H, int64_t max_ctx) {
+  return 2 * H * num_vectors<HD>() * VW + (H + VW - 1) / VW * VW + H * (max_ctx + VW);
+}
+
 // One sequence's every head in one pass over its cached tokens' rows, VW tokens at a time. Each row's cache lines
 // are first read in order (a 4-byte load a line), so that the hardware prefetchers see one sequential stream a
 // block and run ahead of it; the scores and sums then find the rows in L1. Reading a block head by head (a head's
@@ -286,11 +295,6 @@ __attribute__((noinline)) static void sum_rows(const float* scores, int64_t np, 
 // values in token order), so that a sequence gets the same output bit for bit on either path. `scratch` holds the
 // queries and the value sums [H][NV * VW], the sums' inverses [H] and the scores [H][n rounded up to whole vectors]
 // (rows_scratch_floats); q and out [H, HD] contiguous.
-template <int HD>
-static int64_t rows_scratch_floats(int64_t H, int64_t max_ctx) {
-  return 2 * H * num_vectors<HD>() * VW + (H + VW - 1) / VW * VW + H * (max_ctx + VW);
-}
-
 template <typename T, typename C, int HD>
 static void attend_rows(const T* q, const C* kc, const C* vc, const c10::Half* ksc, const c10::Half* vsc,
                         const int64_t* table, int64_t start, int64_t ctx, int64_t bs, int64_t KVH, int64_t g,
@@ -322,11 +326,7 @@ static void attend_rows(const T* q, const C* kc, const C* vc, const c10::Half* k
   for_each_chunk(vc, [&](int64_t i0, const C* const* rows, const int64_t* slots, int64_t m) {
     sum_rows<T, C, HD>(scores + i0, np, rows, vsc, slots, m, KVH, g, acc);
   });
-  for (int64_t h = 0; h < H; ++h) {
-    alignas(64) float tmp[NV * VW];
-    for (int c = 0; c < NV; ++c) vstore(tmp + VW * c, vmul(vload(acc + (h * NV + c) * VW), vset1(inv[h])));
-    for (int d = 0; d < HD; ++d) store(out + h * HD + d, tmp[d]);
-  }
+  for (int64_t h = 0; h < H; ++h) store_head<HD>(out + h * HD, acc + h * NV * VW, inv[h]);
 }
 
 template <typename T, typename C, int HD>
@@ -358,10 +358,11 @@ static void run(const T* qp, const C* kp, const C* vp, const c10::Half* ks, cons
       // the first KV head's task reads whole rows, for the others' tasks (next on this thread) to find in L2; in
       // order where a sequence's keys fit TOUCH_BYTES (longer ones measured slower so: the later heads' rows had left)
       const int64_t row_bytes = kvh == 0 && KVH > 1 ? kv_stride * int64_t(sizeof(C)) : 0;
+      const bool in_order = row_bytes && (ctx - start) * row_bytes <= TOUCH_BYTES;
       attend<T, C, HD>(qp + (i * H + kvh * g) * HD, kp + kvh * HD, vp + kvh * HD, ks ? ks + kvh : nullptr,
                        vs ? vs + kvh : nullptr, KVH, tp + i * width, start, ctx, bs, kv_stride, g, scale, softcap,
-                       sinks ? sinks + kvh * g : nullptr, scores.data(), op + (i * H + kvh * g) * HD, HD, row_bytes,
-                       row_bytes && (ctx - start) * row_bytes <= TOUCH_BYTES);
+                       sinks ? sinks + kvh * g : nullptr, scores.data(), op + (i * H + kvh * g) * HD, HD,
+                       in_order ? 0 : row_bytes, in_order ? row_bytes : 0);
     }
   });
 }
