@@ -3,9 +3,12 @@
 - sweep:   a concurrency sweep 1 -> 64 (throughput rises, TTFT and TPOT grow: the trade of batching);
 - prefix:  the shared-prefix workload with prefix caching on, against the same server with it off (TTFT);
 - chunked: the long-prefill workload with chunked prefill on, against whole-prompt prefill (the ITL of
-           the short requests while long prompts come in).
+           the short requests while long prompts come in);
+- budget:  the step budget (--max-num-batched-tokens): one fresh server per budget, closed loop at each
+           --budget-concurrency (128 in, 64 out, eos ignored), --repeats rounds of the budgets in turn; each
+           budget's median TTFT p50 and output tok/s over the rounds, every run kept (budget.json).
 
-    python benchmarks/bench_serve_levers.py [--model bundled|qwen05|PATH] [--only sweep,prefix,chunked]
+    python benchmarks/bench_serve_levers.py [--model bundled|qwen05|PATH] [--only sweep,prefix,chunked,budget]
 
 Each scenario starts its own `fulcrum serve`, drives it with the `fulcrum bench serve` CLI (HTTP only),
 and keeps the JSON results, plots and a summary under --results.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +117,34 @@ def chunked(args, folder, res: Path) -> list[str]:
     ]
 
 
+def budget(args, folder, res: Path) -> list[str]:
+    budgets, concs = args.budgets.split(","), args.budget_concurrency.split(",")
+    runs = []
+    for rnd in range(args.repeats):
+        for b in budgets:
+            with fulcrum_server(folder, *server_flags(args), "--max-num-batched-tokens", b) as url:
+                for c in concs:  # prompts of their own per concurrency (the seed): none found in the prefix cache
+                    load = ["--tokenizer", str(folder), "--concurrency", c, "--num-prompts", str(args.budget_prompts)]
+                    load += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+                    load += ["--seed", c, "--warmup", c]
+                    s = bench(url, res / f"budget-{b}-c{c}-{rnd}.json", *load)["runs"][0]["summary"]
+                    runs.append({"budget": int(b), "concurrency": int(c), "round": rnd,
+                                 "output_tok_s": s["output_throughput"], "ttft_p50_ms": s["ttft_ms"]["p50"],
+                                 "ttft_p90_ms": s["ttft_ms"]["p90"], "tpot_p50_ms": s["tpot_ms"]["p50"]})  # fmt: skip
+    (res / "budget.json").write_text(json.dumps(runs, indent=1))
+    lines = [f"step budget ({args.input_len} in, {args.output_len} out, {args.repeats} rounds):"]
+    for c in map(int, concs):
+        for b in map(int, budgets):
+            rs = [r for r in runs if r["budget"] == b and r["concurrency"] == c]
+            ttft, tok = ([r[k] for r in rs] for k in ("ttft_p50_ms", "output_tok_s"))
+            lines.append(
+                f"  concurrency {c:3d} budget {b:5d}: TTFT p50 {statistics.median(ttft):7.1f} ms (runs "
+                f"{', '.join(f'{x:.1f}' for x in ttft)}), output {statistics.median(tok):7.1f} tok/s (runs "
+                f"{', '.join(f'{x:.0f}' for x in tok)})"
+            )
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, dtype="float32")
@@ -126,13 +158,17 @@ def main() -> None:
     p.add_argument("--prefix-len", type=int, default=768)
     p.add_argument("--long-len", type=int, default=900)
     p.add_argument("--chunk", type=int, default=128, help="max-num-batched-tokens of both chunked-prefill servers")
+    p.add_argument("--budgets", default="256,512,1024,2048", help="budget: the --max-num-batched-tokens values")
+    p.add_argument("--budget-concurrency", default="4,16")
+    p.add_argument("--budget-prompts", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=2, help="budget: rounds of the budgets in turn")
     args = p.parse_args()
     folder = model_folder(args)
     res = Path(args.results)
     res.mkdir(parents=True, exist_ok=True)
     lines = [f"model {folder.name}, {args.device}, {args.dtype}"]
     for name in args.only.split(","):
-        lines += {"sweep": sweep, "prefix": prefix, "chunked": chunked}[name](args, folder, res)
+        lines += {"sweep": sweep, "prefix": prefix, "chunked": chunked, "budget": budget}[name](args, folder, res)
     print("\n".join(lines))
     (res / f"summary-{'-'.join(args.only.split(','))}.txt").write_text("\n".join(lines) + "\n")
 

@@ -13,6 +13,7 @@ from fulcrum.defaults import (
     COMPILE_TIMEOUT_ENV,
     DEFAULT_COMPILE_MEMORY_MB,
     DEFAULT_COMPILE_TIMEOUT_S,
+    DEFAULT_CPU_SERVE_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_BODY_MB,
     DEFAULT_MAX_GRAMMAR_BYTES,
@@ -36,7 +37,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
-    g.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"tokens a step holds, decodes and prefill chunks together (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS}; "
+        f"`fulcrum serve` on CPU: {DEFAULT_CPU_SERVE_MAX_NUM_BATCHED_TOKENS}, or --max-num-seqs where larger)",
+    )
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache (CPU default 2)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -234,14 +241,17 @@ def _kv_events_config(text: str) -> dict:
     return value
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
+def engine_kwargs(args: argparse.Namespace, serving: bool = False) -> dict:
+    """EngineConfig's arguments from the engine flags. `serving` (`fulcrum serve`): a step budget not given is the
+    server's default for the device (EngineConfig resolves None), else the engine's."""
+    budget = args.max_num_batched_tokens
     return dict(
         model=args.model,
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=budget if budget is not None or serving else DEFAULT_MAX_NUM_BATCHED_TOKENS,
         block_size=args.block_size,
         kv_cache_memory=int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -362,7 +372,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.allow_runtime_lora_updating:
         os.environ["FULCRUM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
     try:
-        config = EngineConfig(**engine_kwargs(args))
+        config = EngineConfig(**engine_kwargs(args, serving=True))
     except (FulcrumError, ValueError) as e:  # a flag's value: one line, as `fulcrum generate` answers
         print(f"error: {e}", file=sys.stderr)
         return 2

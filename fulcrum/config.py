@@ -22,6 +22,7 @@ from fulcrum.defaults import (  # noqa: F401  (re-exported: the engine imports t
     KV_CACHE_DTYPES,
     ONLINE_QUANTIZATIONS,
     QUANTIZATIONS,
+    serve_max_num_batched_tokens,
 )
 from fulcrum.errors import InvalidRequestError, ModelLoadError
 from fulcrum.model_folder.hf_config import language_model_config
@@ -211,7 +212,9 @@ class EngineConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    # tokens a step holds, decodes and prefill chunks together; None: `fulcrum serve`'s default for the device
+    # (defaults.serve_max_num_batched_tokens: smaller on CPU, where a step's time grows with its tokens)
+    max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for the KV cache; default: 2 GiB on CPU, profiled on CUDA
     gpu_memory_utilization: float = 0.9
@@ -295,7 +298,7 @@ class EngineConfig:
             self.enable_lora = True
         checks = {
             "max_num_seqs": self.max_num_seqs >= 1,
-            "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens": self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
             "block_size": self.block_size >= 1,
             "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
             "kv_cache_memory": self.kv_cache_memory is None or self.kv_cache_memory > 0,
@@ -332,6 +335,8 @@ class EngineConfig:
                 raise InvalidRequestError(f"{name} has an invalid value: {getattr(self, name)!r}{hint}", param=name)
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = serve_max_num_batched_tokens(self.device, self.max_num_seqs)
         if isinstance(self.pp_layer_partition, str):
             self.pp_layer_partition = [int(p) for p in self.pp_layer_partition.split(",")]
         if self.world_size > 1 and self.distributed_executor_backend is None:

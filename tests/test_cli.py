@@ -109,3 +109,21 @@ def test_serve_answers_a_bad_model_in_one_line(tmp_path):
         errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
         assert res.returncode == 2 and "Traceback" not in res.stderr, (args, res.stderr[-2000:])
         assert len(errors) == 1 and said in errors[0], (args, res.stderr[-2000:])
+
+
+def test_serve_on_cpu_takes_the_cpu_step_budget_unless_one_is_given():
+    from fulcrum.cli import build_parser, engine_kwargs
+    from fulcrum.config import EngineConfig
+    from fulcrum.defaults import DEFAULT_CPU_SERVE_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    def budget(*argv, serving=True):
+        args = build_parser().parse_args(["serve", *argv])
+        return EngineConfig(**engine_kwargs(args, serving=serving)).max_num_batched_tokens
+
+    assert DEFAULT_CPU_SERVE_MAX_NUM_BATCHED_TOKENS < DEFAULT_MAX_NUM_BATCHED_TOKENS
+    assert budget("--device", "cpu") == DEFAULT_CPU_SERVE_MAX_NUM_BATCHED_TOKENS
+    assert budget("--device", "cpu", "--max-num-seqs", "1000") == 1000  # every running sequence's decode fits a step
+    assert budget("--device", "cpu", "--max-num-batched-tokens", "4096") == 4096  # a budget given is kept
+    assert budget("--device", "cuda") == DEFAULT_MAX_NUM_BATCHED_TOKENS
+    assert budget("--device", "cpu", serving=False) == DEFAULT_MAX_NUM_BATCHED_TOKENS  # generate: the engine's
+    assert EngineConfig(device="cpu").max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS  # LLM(...): the same

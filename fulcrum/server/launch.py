@@ -152,7 +152,7 @@ def _run(
         print(
             f"fulcrum serving {name} on {url} | KV cache: {ready.num_blocks} blocks x "
             f"{ready.block_size} tokens = {ready.num_blocks * ready.block_size} tokens ({ready.kv_cache_dtype}) | "
-            f"max_model_len {ready.max_model_len}"
+            f"max_model_len {ready.max_model_len} | step budget {config.max_num_batched_tokens} tokens"
             + (f" | weights: {ready.weights}, {ready.weight_bytes / 2**20:.1f} MiB" if ready.weights else "")
             + (_embedding_line(ready) if ready.task == "embed" else "")
             + (f" | web page: {url}/" if ui else ""),

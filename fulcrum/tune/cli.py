@@ -335,7 +335,8 @@ class Tune:
         if self.args.serve_cmd:
             return None
         return FleetSim(self.args.model, self.spec, self.args.slo, self.out / "sim",
-                        dtype=str(self.base_flags.get("dtype", "auto")), tokenizer=self.args.tokenizer)  # fmt: skip
+                        dtype=str(self.base_flags.get("dtype", "auto")), tokenizer=self.args.tokenizer,
+                        device=self.machine.device)  # fmt: skip
 
     def config_files(self, best, launcher) -> dict[str, dict]:
         """The winner as `fulcrum serve --config` files: one, or P/D's two engines."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fulcrum.bench.workloads import WorkloadSpec
+from fulcrum.defaults import serve_max_num_batched_tokens
 from fulcrum.tune.space import Config
 from fulcrum.tune.target import Bound, slo_misses
 
@@ -112,11 +113,13 @@ class FleetSim:
         dtype: str = "auto",
         tokenizer: str | None = None,
         costs: str | None = None,
+        device: str = "cpu",
         runner: Runner = run_process,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.model, self.workload, self.slo, self.folder = model, workload, slo, Path(folder)
         self.dtype, self.tokenizer, self.costs, self.runner, self.clock = dtype, tokenizer, costs, runner, clock
+        self.device = device  # where tune's servers run: their step budget's default is this device's
         self.calibrations: list[dict] = []  # what was calibrated for this tune: command, seconds, outcome
         self._costs_of: dict[tuple, str | None] = {}  # a quantized setting's own cost file (sim cannot find it)
 
@@ -129,6 +132,12 @@ class FleetSim:
             return f"sim models one engine per replica, not {', '.join(knobs)}"
         return None
 
+    def budget(self, config: Config) -> int:
+        """The step budget `config`'s server runs with: its own, else `fulcrum serve`'s default on this device."""
+        return config.get("max_num_batched_tokens") or serve_max_num_batched_tokens(
+            self.device, config.get("max_num_seqs")
+        )
+
     # -- commands ----------------------------------------------------------------------------------------------
     def _base(self) -> list[str]:
         return [sys.executable, "-m", "fulcrum.cli", "sim"]
@@ -137,7 +146,7 @@ class FleetSim:
         cmd = [*self._base(), "calibrate", self.model, "--dtype", self.dtype,
                "--kv-cache-dtype", str(config.get("kv_cache_dtype")),
                "--max-num-seqs", str(config.get("max_num_seqs")),
-               "--max-num-batched-tokens", str(config.get("max_num_batched_tokens"))]  # fmt: skip
+               "--max-num-batched-tokens", str(self.budget(config))]  # fmt: skip
         if config.get("quantization"):
             cmd += ["--quantization", str(config.get("quantization"))]
         return cmd + (["--quick"] if quick else []) + (["--out", out] if out else [])
@@ -149,7 +158,7 @@ class FleetSim:
         cmd = [*self._base(), "--model", self.model, "--dtype", self.dtype,
                "--kv-cache-dtype", str(config.get("kv_cache_dtype")),
                "--max-num-seqs", str(config.get("max_num_seqs")),
-               "--max-num-batched-tokens", str(config.get("max_num_batched_tokens")),
+               "--max-num-batched-tokens", str(self.budget(config)),
                "--policy", policy, "--request-rate", f"{rate:g}",
                "--num-prompts", str(self.num_prompts(rate)), "--out", out, "--no-requests"]  # fmt: skip
         if config.get("no_prefix_caching"):

@@ -8,12 +8,13 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
-from fulcrum.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from fulcrum.defaults import DEFAULT_MAX_NUM_SEQS
 
 # knob: (fulcrum serve's flag, its default). A knob whose default is None or False adds no flag when unset.
 KNOBS: dict[str, tuple[str, object]] = {
     "max_num_seqs": ("--max-num-seqs", DEFAULT_MAX_NUM_SEQS),
-    "max_num_batched_tokens": ("--max-num-batched-tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS),
+    # None: `fulcrum serve`'s own for the device (defaults.serve_max_num_batched_tokens), which tune's servers take
+    "max_num_batched_tokens": ("--max-num-batched-tokens", None),
     "kv_cache_memory": ("--kv-cache-memory", None),  # GiB
     "no_prefix_caching": ("--no-prefix-caching", False),
     "cpu_threads": ("--cpu-threads", None),

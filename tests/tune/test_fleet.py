@@ -148,3 +148,15 @@ def test_a_real_sim_of_the_bundled_model_finds_the_fewest_replicas(tmp_path):
     assert scale.notes["replicas"] == 3 and scale.verdict.startswith("simulated: 3 replica(s)"), scale.verdict
     assert tried[3]["met"] and not tried[2]["met"] and tried[2]["error"] is None  # 2 ran and broke the bound
     assert json.loads((tmp_path / "sim" / "sim-replicas-3.json").read_text())["runs"][0]["summary"]["completed"] > 0
+
+
+def test_a_budget_left_at_the_default_is_the_servers_default_on_tunes_device(tmp_path):
+    from fulcrum.defaults import DEFAULT_CPU_SERVE_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    config = Config()
+    for device, want in (("cpu", DEFAULT_CPU_SERVE_MAX_NUM_BATCHED_TOKENS), ("cuda", DEFAULT_MAX_NUM_BATCHED_TOKENS)):
+        f = fleet(tmp_path, FakeSim(1), device=device)
+        assert flag(f.sim_command(config, 5.0, "prefix", "o.json"), "--max-num-batched-tokens") == str(want)
+        assert flag(f.calibrate_command(config, quick=True), "--max-num-batched-tokens") == str(want)
+    many = fleet(tmp_path, FakeSim(1), device="cpu").sim_command(Config({"max_num_seqs": 600}), 5.0, "prefix", "o")
+    assert flag(many, "--max-num-batched-tokens") == "600"
