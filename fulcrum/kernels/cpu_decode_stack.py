@@ -28,14 +28,31 @@ from fulcrum.kernels.cpu_ext import F32, I64, PTR
 
 # The int64 arrays the driver reads, by the names of its enums in decode_stack.cpp (checked at load): the kernels'
 # addresses, the model's dimensions, one row of LAYER_FIELDS per layer
-FNS = ("GEMV", "NORM", "ROPE", "ATTN", "ACT", "SGEMM", "Q4", "Q8G", "Q8", "Q4V", "Q8GV", "Q8V", "Q5", "Q5V", "PACKED")
+FNS = (
+    "GEMV",
+    "NORM",
+    "ROPE",
+    "ATTN",
+    "ACT",
+    "SGEMM",
+    "Q4",
+    "Q8G",
+    "Q8",
+    "Q4V",
+    "Q8GV",
+    "Q8V",
+    "Q5",
+    "Q5V",
+    "PACKED",
+    "SMALL",
+)
 DIMS = ("HIDDEN", "HEADS", "KV_HEADS", "HEAD_DIM", "INTER", "BLOCK_SIZE", "CACHE_KIND", "GEMV_ROWS", "QUANT",
-        "VNNI_ROWS", "LORA_RANK", "PACKED_ROWS")  # fmt: skip
+        "VNNI_ROWS", "LORA_RANK", "PACKED_ROWS", "SMALL_ROWS")  # fmt: skip
 PART_FIELDS = ("KIND", "ROWS", "W", "SCALE", "OFFSET", "GROUP", "HIGH")
 KINDS = ("DENSE", "INT4", "INT8G", "INT8", "FP8", "INT5")
 LAYER_FIELDS = ("IN_NORM", "QKV_W", "QKV_B", "O_W", "O_B", "POST_NORM", "GU_W", "GU_B", "DOWN_W", "DOWN_B", "K_CACHE",
                 "V_CACHE", "K_SCALES", "V_SCALES", "WINDOW", "QKV_LA", "QKV_LB", "O_LA", "O_LB", "GU_LA", "GU_LB",
-                "DOWN_LA", "DOWN_LB", "QKV_P", "O_P", "GU_P", "DOWN_P")  # fmt: skip
+                "DOWN_LA", "DOWN_LB", "QKV_P", "O_P", "GU_P", "DOWN_P", "QKV_S", "O_S", "GU_S", "DOWN_S")  # fmt: skip
 LORA_LINEARS = ("QKV", "O", "GU", "DOWN")
 ENUMS = {"Fn": FNS, "Dim": DIMS, "LayerField": LAYER_FIELDS, "PartField": PART_FIELDS, "Kind": KINDS}
 BINDINGS = {
@@ -147,6 +164,8 @@ class LayerTensors:
     lora: tuple | None = None
     # the packed weights of qkv, o, gate_up and down (cpu_prepack.pack: fulcrum's blocked layout or oneDNN's), or None
     packed: tuple | None = None
+    # their copies in fulcrum's layout for few rows (cpu_prepack.pack_small, at the amx level), or None
+    small: tuple | None = None
 
     def weights(self) -> list:
         return [self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight]
@@ -179,6 +198,12 @@ class DecodeStack:
                 self.packed_rows, self.max_rows = cpu_prepack.min_rows(self.dtype), MAX_ROWS
             else:
                 self.max_rows = min(self.max_rows, cpu_prepack.stack_rows(self.dtype))
+        # the small copies from 2 to cpu_prepack.SMALL_ROWS rows, ahead of the packed weights (the same entry point's
+        # arguments as fulcrum's layout takes them)
+        self.small_rows = 0
+        if (self.packed_rows and all(x.small is not None for x in layers) and cpu_prepack.c_linear(layers[0].small[0])
+                and all(p.dtype == self.dtype for x in layers for p in x.small)):  # fmt: skip
+            self.small_rows = cpu_prepack.SMALL_ROWS
         # quantized parts: up to the rows their kernels take (the integer-dot kernel's for bf16 where every input
         # width suits it, else the widening GEMV's), and the dense parts' GEMV rows
         vnni_rows = 0
@@ -213,7 +238,9 @@ class DecodeStack:
              "DOWN_B": ptr(x.down_bias), "K_CACHE": ptr(x.k_cache), "V_CACHE": ptr(x.v_cache),
              "K_SCALES": ptr(x.k_scales), "V_SCALES": ptr(x.v_scales), "WINDOW": x.sliding_window or 0,
              **({f"{n}_P": cpu_prepack.handle(t) for n, t in zip(("QKV", "O", "GU", "DOWN"), x.packed)}
-                if self.packed_rows else {})}
+                if self.packed_rows else {}),
+             **({f"{n}_S": cpu_prepack.handle(t) for n, t in zip(("QKV", "O", "GU", "DOWN"), x.small)}
+                if self.small_rows else {})}
             for x in layers
         ]  # fmt: skip
         self.table = torch.tensor([[r.get(f, 0) for f in LAYER_FIELDS] for r in rows], dtype=torch.int64)
@@ -221,12 +248,13 @@ class DecodeStack:
         dims = {"HIDDEN": self.hidden, "HEADS": num_heads, "KV_HEADS": num_kv_heads, "HEAD_DIM": head_dim,
                 "INTER": self.inter, "BLOCK_SIZE": first.k_cache.shape[1], "CACHE_KIND": self.kind,
                 "GEMV_ROWS": self.gemv_rows, "QUANT": int(quant), "VNNI_ROWS": vnni_rows,
-                "LORA_RANK": self.lora_rank, "PACKED_ROWS": self.packed_rows}  # fmt: skip
+                "LORA_RANK": self.lora_rank, "PACKED_ROWS": self.packed_rows, "SMALL_ROWS": self.small_rows}  # fmt: skip
         self.dims = torch.tensor([dims[f] for f in DIMS], dtype=torch.int64)
         fns = {"GEMV": _address(cpu_gemv._module()[self.dtype]), "NORM": _address(cpu_norm._module()),
                "ROPE": _address(cpu_rope._module()), "ATTN": _address(cpu_attention._decode(bool(self.kind))),
                "ACT": _address(cpu_act._module()), "SGEMM": blas_sgemm(),
-               "PACKED": _address(cpu_prepack.c_linear(first.packed[0])) if self.packed_rows else 0}  # fmt: skip
+               "PACKED": _address(cpu_prepack.c_linear(first.packed[0])) if self.packed_rows else 0,
+               "SMALL": _address(cpu_prepack.c_linear(first.small[0])) if self.small_rows else 0}  # fmt: skip
         q, qv = (cpu_qgemv._module() or {}) if quant else {}, (cpu_qgemv_vnni._module() or {}) if vnni_rows else {}
         for name, lib, key in (("Q4", q, "int4"), ("Q8G", q, "int8g"), ("Q8", q, "int8"), ("Q4V", qv, "int4"),
                                ("Q8GV", qv, "int8g"), ("Q8V", qv, "int8"), ("Q5", q, "int5"),

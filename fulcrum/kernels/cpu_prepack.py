@@ -5,6 +5,7 @@ prepacked matmul (1.4x at 8 bf16 rows, up to 2.5x at 16 fp32 rows; level with it
 AVX-512 BF16, packed widened to fp32; AMX, whose tiles oneDNN uses) oneDNN's blocked layout, where F.linear reorders
 the weight on every bf16 call and fp32 takes MKL's sgemm. The copy is made only while RESERVE_BYTES stay free and at
 a level fulcrum's kernels run at. FULCRUM_CPU_PREPACK=0 turns both off, FULCRUM_CPU_BLOCKED=0 fulcrum's layout alone.
+At AMX a bf16 weight also gets fulcrum's layout for steps of few rows (`pack_small`; FULCRUM_CPU_SMALL=0 turns it off).
 """
 
 from __future__ import annotations
@@ -161,6 +162,33 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), PACKED_FOR_ROWS)
     except RuntimeError as e:  # oneDNN capped below what it needs (ONEDNN_MAX_CPU_ISA set by hand): the plain path
         return _stop("%s", e)
+
+
+# At the amx level a bf16 weight also gets fulcrum's layout (`pack_small`) for steps of BLOCKED_MIN_ROWS to SMALL_ROWS
+# rows, where the blocked kernel's AVX-512 BF16 dot products beat oneDNN's AMX tiles on cold weights; oneDNN's copy
+# keeps the steps past them and prefill. 0.5B shape, 2-core AMX Xeon (benchmarks/bench_linear_rows.py): blocked
+# 0.67-0.74x oneDNN's time at 5 rows, 0.73-0.92x at 8, 1.09-1.43x at 12.
+SMALL_ROWS = 8
+
+
+def pack_small(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight [out, in] in fulcrum's layout as a second packed copy for few rows: bf16 at the amx level (where
+    `pack` makes oneDNN's) whose shape fits the layout, while the copy leaves RESERVE_BYTES free; else None."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not supported() or cpu_isa.isa() != "amx":
+        return None
+    if os.environ.get("FULCRUM_CPU_SMALL", "1") == "0":
+        return None
+    out, inp = weight.shape
+    if cpu_gemv.level() != "avx512_bf16" or out % 32 or inp % 2 or _blocked() is None:
+        return None
+    if _mem_available() - weight.numel() * weight.element_size() < RESERVE_BYTES:
+        return _stop("a third copy would leave under %d GiB free", RESERVE_BYTES >> 30)
+    return block(weight)
+
+
+def small_rows(x: torch.Tensor) -> bool:
+    """Whether x [..., in] holds the rows a `pack_small` copy takes."""
+    return BLOCKED_MIN_ROWS * x.shape[-1] <= x.numel() <= SMALL_ROWS * x.shape[-1]
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -158,6 +158,9 @@ def fused_decode_stack(layers: list[nn.Module]) -> DecodeStack | None:
                 tuple(lin.packed_weight for lin in linears)
                 if all(getattr(lin, "packed_weight", None) is not None for lin in linears)
                 else None,
+                tuple(lin.small_weight for lin in linears)
+                if all(getattr(lin, "small_weight", None) is not None for lin in linears)
+                else None,
             )  # fmt: skip
         )
     a = layers[0].self_attn

@@ -38,6 +38,9 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer, x, bias):
         packed = getattr(layer, "packed_weight", None)
         weight = layer.weight
+        small = getattr(layer, "small_weight", None)  # fulcrum's layout for few rows where oneDNN's is the packed
+        if small is not None and x.dtype == weight.dtype and cpu_prepack.small_rows(x):
+            return cpu_prepack.linear(x, small, bias)
         if (
             packed is not None
             and x.dtype == weight.dtype
@@ -52,3 +55,4 @@ class UnquantizedLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer):
         # oneDNN's blocked copy for many rows; the plain weight stays for the GEMV and the decode stack
         layer.packed_weight = cpu_prepack.pack(layer.weight)
+        layer.small_weight = cpu_prepack.pack_small(layer.weight) if layer.packed_weight is not None else None

@@ -164,6 +164,9 @@ def test_decode_steps_past_the_stacks_rows_go_to_the_packed_weights(dtype, tiny_
     else:
         assert model._stack.max_rows == cpu_prepack.stack_rows(getattr(torch, dtype))
         assert model._stack.packed_rows == 0
+    # at AMX a bf16 step of 2 to SMALL_ROWS rows takes the blocked copies in the driver too
+    small = cpu_isa.isa() == "amx" and dtype == "bfloat16" and in_driver
+    assert model._stack.small_rows == (cpu_prepack.SMALL_ROWS if small else 0)
     model.fused_decode, model._stack = False, None
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == got
 
@@ -171,3 +174,38 @@ def test_decode_steps_past_the_stacks_rows_go_to_the_packed_weights(dtype, tiny_
     llm = LLM(model=folder, dtype=dtype, kv_cache_memory=16 << 20, block_size=8)
     llm.generate(prompts[:2], sp, use_tqdm=False)
     assert llm.core.runner.model.model._stack.max_rows > cpu_prepack.stack_rows(getattr(torch, dtype))
+
+
+@needs_packing
+@pytest.mark.skipif(cpu_isa.isa() != "amx", reason="the amx level only")
+def test_amx_gives_a_bf16_weight_a_blocked_copy_for_few_rows(monkeypatch):
+    """At AMX a bf16 weight is packed twice: oneDNN's layout (its AMX tiles) for many rows, fulcrum's for 2 to
+    SMALL_ROWS rows, where its blocked kernel beat the tiles on cold weights; the linear is F.linear's either way."""
+    layer, method = _layer(128, 96, torch.bfloat16)
+    assert not cpu_prepack.is_blocked(layer.packed_weight) and cpu_prepack.is_blocked(layer.small_weight)
+    took, real = [], cpu_prepack.linear
+    monkeypatch.setattr(
+        cpu_prepack, "linear", lambda x, p, b=None: took.append(cpu_prepack.is_blocked(p)) or real(x, p, b)
+    )
+    bias = torch.randn(128, dtype=torch.bfloat16)
+    for rows in (1, 2, cpu_prepack.SMALL_ROWS, cpu_prepack.SMALL_ROWS + 1, 64):
+        x = torch.randn(rows, 96, dtype=torch.bfloat16)
+        want = F.linear(x.float(), layer.weight.float(), bias.float())
+        torch.testing.assert_close(method.apply(layer, x, bias).float(), want, atol=3e-2, rtol=3e-2)
+    assert took == [True, True, False, False]  # 1 row: the GEMV; 2 and SMALL_ROWS: the copy; past it: oneDNN's
+
+
+def test_no_small_copy_below_amx_or_when_turned_off():
+    code = (
+        "import torch; from fulcrum.kernels import cpu_prepack as c; "
+        "print(c.pack_small(torch.randn(64, 64, dtype=torch.bfloat16)) is not None, "
+        "c.pack_small(torch.randn(64, 64)) is not None)"
+    )
+    levels = cpu_isa.ISA_LEVELS[: cpu_isa.ISA_LEVELS.index(cpu_isa.detected_isa()) + 1]
+    for level, extra in [*((lv, {}) for lv in levels), *([("amx", {"FULCRUM_CPU_SMALL": "0"})] * ("amx" in levels))]:
+        env = {k: v for k, v in os.environ.items() if k not in cpu_isa.TORCH_ISA_ENV["none"]}
+        env.update(FULCRUM_CPU_ISA=level, **extra)
+        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        # bf16 at AMX only (fp32 never: fulcrum's layout is its only packed one)
+        assert res.stdout.split() == [str(level == "amx" and not extra), "False"], (level, extra)

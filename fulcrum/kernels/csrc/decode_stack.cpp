@@ -29,12 +29,13 @@ typedef void (*sgemm_fn)(const char*, const char*, const int*, const int*, const
 
 // The three int64 arrays the Python side fills (cpu_decode_stack.py reads these enums from this file and fills each
 // array by these names): the kernels' addresses, the model's dimensions, and one row of LAYER_FIELDS per layer.
-enum Fn { GEMV, NORM, ROPE, ATTN, ACT, SGEMM, Q4, Q8G, Q8, Q4V, Q8GV, Q8V, Q5, Q5V, PACKED, NUM_FNS };
+enum Fn { GEMV, NORM, ROPE, ATTN, ACT, SGEMM, Q4, Q8G, Q8, Q4V, Q8GV, Q8V, Q5, Q5V, PACKED, SMALL, NUM_FNS };
 // PACKED_ROWS: from this many rows a dense linear with a packed weight (the layer's *_P fields) takes PACKED,
 // fulcrum's blocked matmul (blocked_linear.cpp) or oneDNN's prepacked one (packed_linear.cpp), as the weights are
-// packed (both take the same arguments); 0: never
+// packed (both take the same arguments); 0: never. SMALL_ROWS: from 2 rows to this many a linear with a second copy in
+// fulcrum's layout (the layer's *_S fields, cpu_prepack.pack_small) takes SMALL, the blocked matmul, first; 0: none
 enum Dim { HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, CACHE_KIND, GEMV_ROWS, QUANT, VNNI_ROWS, LORA_RANK,
-           PACKED_ROWS, NUM_DIMS };
+           PACKED_ROWS, SMALL_ROWS, NUM_DIMS };
 // With dims[QUANT] set, each layer's weight fields (QKV_W, O_W, GU_W, DOWN_W) point to a descriptor of the linear's
 // parts (a GGUF layer stacks tensors of several formats): {n, then per part PART_FIELDS values}, each part's rows
 // following the previous part's in the output.
@@ -42,10 +43,11 @@ enum PartField { KIND, ROWS, W, SCALE, OFFSET, GROUP, HIGH, PART_FIELDS };
 enum Kind { DENSE, INT4, INT8G, INT8, FP8, INT5, NUM_KINDS };
 // With dims[LORA_RANK] R set, each linear's LoRA slots (layers/lora.py): A [slots, shards * R, in] and B transposed
 // [slots, out, R], and the step's slot per row (-1: none) as an argument.
-// QKV_P .. DOWN_P: the linears' packed weights as PACKED takes them (cpu_prepack.handle; 0: none)
+// QKV_P .. DOWN_P: the linears' packed weights as PACKED takes them (cpu_prepack.handle; 0: none); QKV_S .. DOWN_S:
+// their copies in fulcrum's layout for few rows (SMALL_ROWS), or 0
 enum LayerField { IN_NORM, QKV_W, QKV_B, O_W, O_B, POST_NORM, GU_W, GU_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE, K_SCALES,
                   V_SCALES, WINDOW, QKV_LA, QKV_LB, O_LA, O_LB, GU_LA, GU_LB, DOWN_LA, DOWN_LB, QKV_P, O_P, GU_P,
-                  DOWN_P, LAYER_FIELDS };
+                  DOWN_P, QKV_S, O_S, GU_S, DOWN_S, LAYER_FIELDS };
 
 // x += t, rounded to T as PyTorch's add rounds (fp32 arithmetic, one rounding)
 template <typename T>
@@ -53,11 +55,15 @@ static void add_into(T* x, const T* t, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = T(float(x[i]) + float(t[i]));
 }
 
-// y [M, O] = x [M, I] @ w [O, I]^T + bias: the packed weight from `packed_rows` rows where the layer has one,
-// else the GEMV kernel up to `gemv_rows` rows and BLAS's sgemm past them (fp32). False where the packed call failed.
+// y [M, O] = x [M, I] @ w [O, I]^T + bias: the small copy from 2 to `small_rows` rows where the layer has one, the
+// packed weight from `packed_rows` rows where it has one, else the GEMV kernel up to `gemv_rows` rows and BLAS's
+// sgemm past them (fp32). False where the packed call failed.
 template <typename T>
 static bool linear(const int64_t* fns, int64_t gemv_rows, const T* x, const void* w, const void* bias, T* y,
-                   int64_t M, int64_t I, int64_t O, const void* packed = nullptr, int64_t packed_rows = 0) {
+                   int64_t M, int64_t I, int64_t O, const void* packed = nullptr, int64_t packed_rows = 0,
+                   const void* small = nullptr, int64_t small_rows = 0) {
+  if (small && M >= 2 && M <= small_rows)
+    return ((packed_fn)fns[SMALL])(sizeof(T) == 2, x, small, bias, y, M, I, O) == 0;
   if (packed && packed_rows && M >= packed_rows)
     return ((packed_fn)fns[PACKED])(sizeof(T) == 2, x, packed, bias, y, M, I, O) == 0;
   if (M <= gemv_rows || sizeof(T) != 4) return ((gemv_fn)fns[GEMV])(x, w, bias, y, M, I, O), true;
@@ -156,9 +162,9 @@ static int64_t run(const int64_t* fns, const int64_t* layers, const float* scale
   const int64_t R = dims[LORA_RANK];
   bool failed = false;  // a packed call that threw: the step fails as a whole (-2), after its layers ran
   auto gemv = [&](const T* in, const void* w, const void* b, T* out, int64_t M, int64_t I, int64_t O,
-                  const void* packed) {
+                  const void* packed, const void* small) {
     if (dims[QUANT]) return qlinear(fns, dims, in, (const int64_t*)w, b, out, M, I, O, tmp);
-    failed |= !linear(fns, gemv_rows, in, w, b, out, M, I, O, packed, dims[PACKED_ROWS]);
+    failed |= !linear(fns, gemv_rows, in, w, b, out, M, I, O, packed, dims[PACKED_ROWS], small, dims[SMALL_ROWS]);
   };
   const int64_t bf16 = sizeof(T) == 2;
   const int64_t qs = H * hd, kvs = KVH * hd, qkv_n = qs + 2 * kvs;
@@ -175,7 +181,7 @@ static int64_t run(const int64_t* fns, const int64_t* layers, const float* scale
     const int64_t* p = layers + l * LAYER_FIELDS;
     auto ptr = [&](int f) { return (void*)p[f]; };
     norm(bf16, x, ptr(IN_NORM), h, M, hidden, eps);
-    gemv(h, ptr(QKV_W), ptr(QKV_B), qkv, M, hidden, qkv_n, ptr(QKV_P));
+    gemv(h, ptr(QKV_W), ptr(QKV_B), qkv, M, hidden, qkv_n, ptr(QKV_P), ptr(QKV_S));
     lora_add(fns, h, qkv, M, hidden, qkv_n, qkv_sizes, 3, R, ptr(QKV_LA), ptr(QKV_LB), lora_slots, lora_xa, lora_t);
     rope(bf16, qkv, qkv + qs, qkv + qs + kvs, cos, sin, slots, ptr(K_CACHE), ptr(V_CACHE), ptr(K_SCALES),
          ptr(V_SCALES), kind, M, H, KVH, hd, qkv_n, qkv_n, qkv_n);
@@ -187,14 +193,14 @@ static int64_t run(const int64_t* fns, const int64_t* layers, const float* scale
     if (attn(bf16, kind, qc, ptr(K_CACHE), ptr(V_CACHE), ptr(K_SCALES), ptr(V_SCALES), tables, ctx_lens, o, M, H,
              KVH, hd, bs, width, scales[l], p[WINDOW], softcap, nullptr) != 0)
       return -1;
-    gemv(o, ptr(O_W), ptr(O_B), t, M, qs, hidden, ptr(O_P));
+    gemv(o, ptr(O_W), ptr(O_B), t, M, qs, hidden, ptr(O_P), ptr(O_S));
     lora_add(fns, o, t, M, qs, hidden, o_sizes, 1, R, ptr(O_LA), ptr(O_LB), lora_slots, lora_xa, lora_t);
     add_into(x, t, M * hidden);
     norm(bf16, x, ptr(POST_NORM), h, M, hidden, eps);
-    gemv(h, ptr(GU_W), ptr(GU_B), gu, M, hidden, 2 * inter, ptr(GU_P));
+    gemv(h, ptr(GU_W), ptr(GU_B), gu, M, hidden, 2 * inter, ptr(GU_P), ptr(GU_S));
     lora_add(fns, h, gu, M, hidden, 2 * inter, gu_sizes, 2, R, ptr(GU_LA), ptr(GU_LB), lora_slots, lora_xa, lora_t);
     act(bf16, gu, a, M, inter, 2 * inter);
-    gemv(a, ptr(DOWN_W), ptr(DOWN_B), t, M, inter, hidden, ptr(DOWN_P));
+    gemv(a, ptr(DOWN_W), ptr(DOWN_B), t, M, inter, hidden, ptr(DOWN_P), ptr(DOWN_S));
     lora_add(fns, a, t, M, inter, hidden, o_sizes, 1, R, ptr(DOWN_LA), ptr(DOWN_LB), lora_slots, lora_xa, lora_t);
     add_into(x, t, M * hidden);
     if (failed) return -2;
