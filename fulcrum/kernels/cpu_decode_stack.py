@@ -28,24 +28,8 @@ from fulcrum.kernels.cpu_ext import F32, I64, PTR
 
 # The int64 arrays the driver reads, by the names of its enums in decode_stack.cpp (checked at load): the kernels'
 # addresses, the model's dimensions, one row of LAYER_FIELDS per layer
-FNS = (
-    "GEMV",
-    "NORM",
-    "ROPE",
-    "ATTN",
-    "ACT",
-    "SGEMM",
-    "Q4",
-    "Q8G",
-    "Q8",
-    "Q4V",
-    "Q8GV",
-    "Q8V",
-    "Q5",
-    "Q5V",
-    "PACKED",
-    "SMALL",
-)
+FNS = ("GEMV", "NORM", "ROPE", "ATTN", "ACT", "SGEMM", "Q4", "Q8G", "Q8", "Q4V", "Q8GV", "Q8V", "Q5", "Q5V", "PACKED",
+       "SMALL")  # fmt: skip
 DIMS = ("HIDDEN", "HEADS", "KV_HEADS", "HEAD_DIM", "INTER", "BLOCK_SIZE", "CACHE_KIND", "GEMV_ROWS", "QUANT",
         "VNNI_ROWS", "LORA_RANK", "PACKED_ROWS", "SMALL_ROWS")  # fmt: skip
 PART_FIELDS = ("KIND", "ROWS", "W", "SCALE", "OFFSET", "GROUP", "HIGH")

@@ -163,12 +163,17 @@ def load_named_weights(model: nn.Module, weights, source: str, label=lambda name
 def finish_loading(model: nn.Module) -> None:
     """Once every weight is in place: each layer's quant method repacks (or quantizes) its weights, then the
     model's own hook runs (a tied embedding reading the quantized head's table)."""
+    methods = []
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is None and isinstance(module, ParallelLMHead):
             method = DENSE  # an unquantized head is prepacked as the linears are (on AMX)
         if method is not None:
             method.process_weights_after_loading(module)
+            methods.append((module, method))
+    for module, method in methods:  # the optional copies for few rows, once every layer has its packed weight
+        if hasattr(method, "pack_small"):
+            method.pack_small(module)
     if hasattr(model, "after_loading"):
         model.after_loading()
     for module in model.modules():  # an embedding whose GGUF table no quantized head shares converts its own

@@ -59,6 +59,8 @@ def quantized_linear(w: torch.Tensor, quant: OnlineQuant | None) -> tuple[nn.Mod
     else:
         method = method_factory(quant.method, quant.group_size)("model.layers.0.mlp.down_proj")
     method.process_weights_after_loading(layer)
+    if hasattr(method, "pack_small"):  # finish_loading's second pass (AMX: a copy for few rows)
+        method.pack_small(layer)
     return layer, lambda x: method.apply(layer, x, None)
 
 

@@ -55,4 +55,10 @@ class UnquantizedLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer):
         # oneDNN's blocked copy for many rows; the plain weight stays for the GEMV and the decode stack
         layer.packed_weight = cpu_prepack.pack(layer.weight)
-        layer.small_weight = cpu_prepack.pack_small(layer.weight) if layer.packed_weight is not None else None
+
+    def pack_small(self, layer):
+        """At AMX, a bf16 weight's copy in fulcrum's layout for steps of few rows (cpu_prepack.pack_small), beside
+        oneDNN's: made in a pass of its own after every layer's `process_weights_after_loading`, so that where memory
+        runs short the copies every step needs come first."""
+        small = cpu_prepack.pack_small(layer.weight) if getattr(layer, "packed_weight", None) is not None else None
+        layer.small_weight = small

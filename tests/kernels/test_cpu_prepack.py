@@ -23,6 +23,7 @@ def _layer(out_features, in_features, dtype):
     layer.weight = nn.Parameter(torch.randn(out_features, in_features, dtype=dtype) * 0.05, requires_grad=False)
     method = UnquantizedLinearMethod()
     method.process_weights_after_loading(layer)
+    method.pack_small(layer)  # finish_loading's second pass
     return layer, method
 
 
@@ -209,3 +210,18 @@ def test_no_small_copy_below_amx_or_when_turned_off():
         assert res.returncode == 0, res.stderr
         # bf16 at AMX only (fp32 never: fulcrum's layout is its only packed one)
         assert res.stdout.split() == [str(level == "amx" and not extra), "False"], (level, extra)
+
+
+@needs_packing
+@pytest.mark.skipif(cpu_isa.isa() != "amx", reason="the amx level only")
+def test_the_copies_for_few_rows_come_after_every_packed_weight(tiny_model_dir, monkeypatch):
+    """Where memory runs short the small copies are the ones left out: every layer's packed weight is made first."""
+    from fulcrum import LLM
+
+    order, real_pack, real_small = [], cpu_prepack.pack, cpu_prepack.pack_small
+    monkeypatch.setattr(cpu_prepack, "pack", lambda w: order.append("pack") or real_pack(w))
+    monkeypatch.setattr(cpu_prepack, "pack_small", lambda w: order.append("small") or real_small(w))
+    llm = LLM(model=str(tiny_model_dir("llama")), dtype="bfloat16", kv_cache_memory=16 << 20, block_size=8)
+    assert "small" in order and "pack" not in order[order.index("small") :]
+    proj = llm.core.runner.model.model.layers[0].mlp.down_proj
+    assert proj.packed_weight is not None and cpu_prepack.is_blocked(proj.small_weight)
