@@ -118,15 +118,21 @@ def tile() -> int:
     return 16 if cpu_gemv.level() == "avx2" else 32
 
 
-def blocks(weight: torch.Tensor) -> bool:
-    """Whether `weight` [out, in] takes fulcrum's blocked layout (else oneDNN's): fp32 whose rows fill whole tiles,
-    bf16 at AVX-512 BF16 (not AMX) with rows in tiles of 32 and inputs in pairs."""
+def fits_layout(weight: torch.Tensor) -> bool:
+    """Whether fulcrum's blocked kernel holds `weight` [out, in] here: fp32 whose rows fill whole tiles, bf16 with
+    AVX-512 BF16 dot products, rows in tiles of 32 and inputs in pairs."""
     out, inp = weight.shape
     if weight.dtype == torch.bfloat16:
-        fits = cpu_gemv.level() == "avx512_bf16" and cpu_isa.isa() != "amx" and out % 32 == 0 and inp % 2 == 0
+        fits = cpu_gemv.level() == "avx512_bf16" and out % 32 == 0 and inp % 2 == 0
     else:
         fits = weight.dtype == torch.float32 and out % tile() == 0
     return fits and _blocked() is not None
+
+
+def blocks(weight: torch.Tensor) -> bool:
+    """Whether `weight` [out, in] takes fulcrum's blocked layout as its packed copy (else oneDNN's): where it fits
+    the layout, bar bf16 at AMX, whose tiles oneDNN uses (there `pack_small` makes fulcrum's copy beside it)."""
+    return fits_layout(weight) and not (weight.dtype == torch.bfloat16 and cpu_isa.isa() == "amx")
 
 
 def blocked_dtype(dtype: torch.dtype) -> bool:
@@ -176,10 +182,7 @@ def pack_small(weight: torch.Tensor) -> torch.Tensor | None:
     `pack` makes oneDNN's) whose shape fits the layout, while the copy leaves RESERVE_BYTES free; else None."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not supported() or cpu_isa.isa() != "amx":
         return None
-    if os.environ.get("FULCRUM_CPU_SMALL", "1") == "0":
-        return None
-    out, inp = weight.shape
-    if cpu_gemv.level() != "avx512_bf16" or out % 32 or inp % 2 or _blocked() is None:
+    if os.environ.get("FULCRUM_CPU_SMALL", "1") == "0" or not fits_layout(weight):
         return None
     if _mem_available() - weight.numel() * weight.element_size() < RESERVE_BYTES:
         return _stop("a third copy would leave under %d GiB free", RESERVE_BYTES >> 30)
