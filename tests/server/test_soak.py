@@ -2,7 +2,8 @@
 for a bounded time. Nothing is lost (each request ends with its tokens or an error in OpenAI's shape) and
 no request or KV block is left behind. In the hostile soak a few of the clients send oversized bodies and
 pathological schemas meanwhile: the others' latency stays that of a clean run, /health answers within a second
-throughout, and the counters come back to 0 (issue 37)."""
+throughout (never two probes in a row slower: a Kubernetes probe, 1 s timeout, fails a pod after three), and the
+counters come back to 0 (issue 37)."""
 
 import asyncio
 import json
@@ -72,15 +73,17 @@ async def one(client: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
     return "done"
 
 
-async def soak(url: str, clients: int, seconds: float, hostile_clients: int = 0) -> tuple[dict, list[float], float]:
+async def soak(
+    url: str, clients: int, seconds: float, hostile_clients: int = 0
+) -> tuple[dict, list[float], list[float]]:
     """Counts of how requests ended, the latencies of the normal clients' requests that ran to the end, and the
-    slowest /health answer seen (polled every 0.2 s throughout)."""
+    times of the /health answers in order (polled every 0.2 s throughout)."""
     # idle connections expire before uvicorn's 5 s keep-alive does: else a request can go out on a connection the
     # server is closing at that moment (HTTP keep-alive's own race, which clients avoid the same way)
     limits = httpx.Limits(max_connections=clients + 10, max_keepalive_connections=clients + 10, keepalive_expiry=2)
     counts = dict.fromkeys(("done", "aborted", "refused"), 0)
     latencies: list[float] = []
-    worst_health = 0.0
+    health: list[float] = []
     deadline = time.monotonic() + seconds
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
 
@@ -99,12 +102,11 @@ async def soak(url: str, clients: int, seconds: float, hostile_clients: int = 0)
                 counts[await hostile(client, rng.choice(HOSTILE), rng)] += 1
 
         async def probe_health():
-            nonlocal worst_health
             async with httpx.AsyncClient(base_url=url, timeout=30) as probe:  # its own connection, as a kubelet's
                 while time.monotonic() < deadline:
                     t0 = time.perf_counter()
                     assert (await probe.get("/health")).status_code == 200
-                    worst_health = max(worst_health, time.perf_counter() - t0)
+                    health.append(time.perf_counter() - t0)
                     await asyncio.sleep(0.2)
 
         await asyncio.gather(
@@ -112,11 +114,17 @@ async def soak(url: str, clients: int, seconds: float, hostile_clients: int = 0)
             *(run_hostile(i) for i in range(hostile_clients)),
             probe_health(),
         )
-    return counts, latencies, worst_health
+    return counts, latencies, health
 
 
 def p99(values: list[float]) -> float:
     return sorted(values)[int(0.99 * (len(values) - 1))]
+
+
+def slow_in_a_row(health: list[float]) -> float:
+    """The slowest that two /health answers in a row both were: what a probe that fails after consecutive timeouts
+    sees (a single answer held up by the scheduler of a loaded machine fails no probe)."""
+    return max(min(a, b) for a, b in zip(health, health[1:]))
 
 
 def run_soak(tmp_path, clients: int, seconds: float):
@@ -146,11 +154,13 @@ def test_hostile_soak_leaves_the_others_their_latency(tmp_path):
         clean, clean_lat, clean_health = asyncio.run(soak(s.url, 46, 12))
         counts, lat, health = asyncio.run(soak(s.url, 50, 12, hostile_clients=4))
         print(f"p99 latency: clean {p99(clean_lat):.3f} s ({len(clean_lat)} requests), with hostile clients "
-              f"{p99(lat):.3f} s ({len(lat)}); slowest /health {clean_health:.3f} / {health:.3f} s; {counts}")  # fmt: skip
+              f"{p99(lat):.3f} s ({len(lat)}); /health slowest {max(clean_health):.3f} / {max(health):.3f} s, "
+              f"two in a row {slow_in_a_row(clean_health):.3f} / {slow_in_a_row(health):.3f} s; {counts}")  # fmt: skip
         assert counts["refused"] and counts["done"]
-        # /health under a second whatever the hostile clients send; on a machine so loaded that the clean run's is
-        # already slower, no slower than twice that
-        assert health < max(1.0, 2 * clean_health)
+        # /health under a second whatever the hostile clients send, never twice in a row slower; on a machine so
+        # loaded that the clean run's already is, no slower than twice that. No single answer near a hang.
+        assert slow_in_a_row(health) < max(1.0, 2 * slow_in_a_row(clean_health))
+        assert max(health) < 5.0
         # the same clients finish about as fast (this machine's noise is wide: a hang or a serialised server shows
         # as several times slower, not as a few tenths)
         assert p99(lat) < 2 * p99(clean_lat) + 0.5

@@ -26,7 +26,7 @@ from fulcrum.defaults import (
     DEFAULT_MAX_GRAMMAR_BYTES,
     MAX_GRAMMAR_BYTES_ENV,
 )
-from fulcrum.engine.structured.compile_worker import CompileLane
+from fulcrum.engine.structured.compile_worker import CompileLane, CompileRefused
 from fulcrum.errors import InvalidRequestError
 from fulcrum.sampling_params import StructuredOutputsParams
 
@@ -53,6 +53,9 @@ LARGE_SPEC_BYTES = 8 << 10
 # ~100 MB), and the core keeps compiled grammars by spec up to GRAMMAR_CACHE_BYTES in all
 MAX_COMPILED_GRAMMAR_BYTES = 256 << 20
 GRAMMAR_CACHE_BYTES = 512 << 20
+# specs the compiler refused, kept by spec with the reason (the newest this many): sent again, one is refused at once
+# instead of compiled again (a schema that fails at the memory limit costs seconds of CPU each time)
+REFUSED_CACHE_SPECS = 1024
 
 
 def max_whitespace(spec: StructuredOutputsParams) -> int:
@@ -636,6 +639,7 @@ class StructuredOutputs:
         self._cache: OrderedDict[tuple, xgr.CompiledGrammar] = OrderedDict()
         self._cache_bytes = 0
         self._cache_lock = threading.Lock()
+        self._refused: OrderedDict[tuple, str] = OrderedDict()
         self.compile_seconds: list[float] = []  # per compile, for the log and the closing figures
 
     def tokenizer_info(self) -> xgr.TokenizerInfo:
@@ -669,9 +673,19 @@ class StructuredOutputs:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
+            if key in self._refused:
+                self._refused.move_to_end(key)
+                raise CompileRefused(self._refused[key])
         t0 = time.perf_counter()
         lane = self._lane(lane_of(spec))
-        text = lane.compile(spec, abandoned or threading.Event())
+        try:
+            text = lane.compile(spec, abandoned or threading.Event())
+        except CompileRefused as e:
+            with self._cache_lock:
+                self._refused[key] = str(e)
+                while len(self._refused) > REFUSED_CACHE_SPECS:
+                    self._refused.popitem(last=False)
+            raise
         compiled = xgr.CompiledGrammar.deserialize_json(text, self.tokenizer_info())
         self.compile_seconds.append(time.perf_counter() - t0)
         self._keep(key, compiled)
