@@ -31,7 +31,7 @@ from fulcrum.kernels.cpu_ext import F32, I64, PTR
 FNS = ("GEMV", "NORM", "ROPE", "ATTN", "ACT", "SGEMM", "Q4", "Q8G", "Q8", "Q4V", "Q8GV", "Q8V", "Q5", "Q5V", "PACKED",
        "SMALL")  # fmt: skip
 DIMS = ("HIDDEN", "HEADS", "KV_HEADS", "HEAD_DIM", "INTER", "BLOCK_SIZE", "CACHE_KIND", "GEMV_ROWS", "QUANT",
-        "VNNI_ROWS", "LORA_RANK", "PACKED_ROWS", "SMALL_ROWS")  # fmt: skip
+        "VNNI_ROWS", "LORA_RANK", "PACKED_ROWS", "SMALL_MIN_ROWS", "SMALL_ROWS")  # fmt: skip
 PART_FIELDS = ("KIND", "ROWS", "W", "SCALE", "OFFSET", "GROUP", "HIGH")
 KINDS = ("DENSE", "INT4", "INT8G", "INT8", "FP8", "INT5")
 LAYER_FIELDS = ("IN_NORM", "QKV_W", "QKV_B", "O_W", "O_B", "POST_NORM", "GU_W", "GU_B", "DOWN_W", "DOWN_B", "K_CACHE",
@@ -155,6 +155,16 @@ class LayerTensors:
         return [self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight]
 
 
+def _one_layout(copies: list[tuple | None], dtype: torch.dtype) -> bool:
+    """Every layer holds this copy of its linears (packed or small), all of the model's dtype and of one layout, and
+    the C entry point for it is built."""
+    if any(c is None for c in copies):
+        return False
+    every = [w for c in copies for w in c]
+    return (cpu_prepack.c_linear(every[0]) is not None and all(w.dtype == dtype for w in every)
+            and len({cpu_prepack.is_blocked(w) for w in every}) == 1)  # fmt: skip
+
+
 class DecodeStack:
     """The plan of one model's local decoder layers for decode-only steps of up to `max_rows` sequences."""
 
@@ -175,19 +185,15 @@ class DecodeStack:
         # between the layers' kernels at any batch): the stack takes every decode step. Without the C entry point
         # the modules keep the steps past stack_rows.
         self.packed_rows = 0
-        if all(x.packed is not None for x in layers):  # every linear also holds a packed weight, all of one layout
-            every = [p for x in layers for p in x.packed]
-            if (cpu_prepack.c_linear(every[0]) is not None and all(p.dtype == self.dtype for p in every)
-                    and len({cpu_prepack.is_blocked(p) for p in every}) == 1):  # fmt: skip
+        if all(x.packed is not None for x in layers):
+            if _one_layout([x.packed for x in layers], self.dtype):
                 self.packed_rows, self.max_rows = cpu_prepack.min_rows(self.dtype), MAX_ROWS
             else:
                 self.max_rows = min(self.max_rows, cpu_prepack.stack_rows(self.dtype))
-        # the small copies from 2 to cpu_prepack.SMALL_ROWS rows, ahead of the packed weights (the same entry point's
-        # arguments as fulcrum's layout takes them)
-        self.small_rows = 0
-        if (self.packed_rows and all(x.small is not None for x in layers) and cpu_prepack.c_linear(layers[0].small[0])
-                and all(p.dtype == self.dtype for x in layers for p in x.small)):  # fmt: skip
-            self.small_rows = cpu_prepack.SMALL_ROWS
+        # the small copies from BLOCKED_MIN_ROWS to SMALL_ROWS rows, ahead of the packed weights (the same entry
+        # point's arguments as fulcrum's layout takes them)
+        small = self.packed_rows and _one_layout([x.small for x in layers], self.dtype)
+        self.small_rows = cpu_prepack.SMALL_ROWS if small else 0
         # quantized parts: up to the rows their kernels take (the integer-dot kernel's for bf16 where every input
         # width suits it, else the widening GEMV's), and the dense parts' GEMV rows
         vnni_rows = 0
@@ -232,7 +238,8 @@ class DecodeStack:
         dims = {"HIDDEN": self.hidden, "HEADS": num_heads, "KV_HEADS": num_kv_heads, "HEAD_DIM": head_dim,
                 "INTER": self.inter, "BLOCK_SIZE": first.k_cache.shape[1], "CACHE_KIND": self.kind,
                 "GEMV_ROWS": self.gemv_rows, "QUANT": int(quant), "VNNI_ROWS": vnni_rows,
-                "LORA_RANK": self.lora_rank, "PACKED_ROWS": self.packed_rows, "SMALL_ROWS": self.small_rows}  # fmt: skip
+                "LORA_RANK": self.lora_rank, "PACKED_ROWS": self.packed_rows, "SMALL_ROWS": self.small_rows,
+                "SMALL_MIN_ROWS": cpu_prepack.BLOCKED_MIN_ROWS if self.small_rows else 0}  # fmt: skip
         self.dims = torch.tensor([dims[f] for f in DIMS], dtype=torch.int64)
         fns = {"GEMV": _address(cpu_gemv._module()[self.dtype]), "NORM": _address(cpu_norm._module()),
                "ROPE": _address(cpu_rope._module()), "ATTN": _address(cpu_attention._decode(bool(self.kind))),

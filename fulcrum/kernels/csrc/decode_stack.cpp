@@ -32,10 +32,10 @@ typedef void (*sgemm_fn)(const char*, const char*, const int*, const int*, const
 enum Fn { GEMV, NORM, ROPE, ATTN, ACT, SGEMM, Q4, Q8G, Q8, Q4V, Q8GV, Q8V, Q5, Q5V, PACKED, SMALL, NUM_FNS };
 // PACKED_ROWS: from this many rows a dense linear with a packed weight (the layer's *_P fields) takes PACKED,
 // fulcrum's blocked matmul (blocked_linear.cpp) or oneDNN's prepacked one (packed_linear.cpp), as the weights are
-// packed (both take the same arguments); 0: never. SMALL_ROWS: from 2 rows to this many a linear with a second copy in
+// packed (both take the same arguments); 0: never. SMALL_MIN_ROWS .. SMALL_ROWS: a linear with a second copy in
 // fulcrum's layout (the layer's *_S fields, cpu_prepack.pack_small) takes SMALL, the blocked matmul, first; 0: none
 enum Dim { HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, CACHE_KIND, GEMV_ROWS, QUANT, VNNI_ROWS, LORA_RANK,
-           PACKED_ROWS, SMALL_ROWS, NUM_DIMS };
+           PACKED_ROWS, SMALL_MIN_ROWS, SMALL_ROWS, NUM_DIMS };
 // With dims[QUANT] set, each layer's weight fields (QKV_W, O_W, GU_W, DOWN_W) point to a descriptor of the linear's
 // parts (a GGUF layer stacks tensors of several formats): {n, then per part PART_FIELDS values}, each part's rows
 // following the previous part's in the output.
@@ -44,7 +44,7 @@ enum Kind { DENSE, INT4, INT8G, INT8, FP8, INT5, NUM_KINDS };
 // With dims[LORA_RANK] R set, each linear's LoRA slots (layers/lora.py): A [slots, shards * R, in] and B transposed
 // [slots, out, R], and the step's slot per row (-1: none) as an argument.
 // QKV_P .. DOWN_P: the linears' packed weights as PACKED takes them (cpu_prepack.handle; 0: none); QKV_S .. DOWN_S:
-// their copies in fulcrum's layout for few rows (SMALL_ROWS), or 0
+// their copies in fulcrum's layout for few rows (SMALL_MIN_ROWS .. SMALL_ROWS), or 0
 enum LayerField { IN_NORM, QKV_W, QKV_B, O_W, O_B, POST_NORM, GU_W, GU_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE, K_SCALES,
                   V_SCALES, WINDOW, QKV_LA, QKV_LB, O_LA, O_LB, GU_LA, GU_LB, DOWN_LA, DOWN_LB, QKV_P, O_P, GU_P,
                   DOWN_P, QKV_S, O_S, GU_S, DOWN_S, LAYER_FIELDS };
@@ -55,14 +55,14 @@ static void add_into(T* x, const T* t, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = T(float(x[i]) + float(t[i]));
 }
 
-// y [M, O] = x [M, I] @ w [O, I]^T + bias: the small copy from 2 to `small_rows` rows where the layer has one, the
+// y [M, O] = x [M, I] @ w [O, I]^T + bias: the small copy for rows in `small` (min, max) where the layer has one, the
 // packed weight from `packed_rows` rows where it has one, else the GEMV kernel up to `gemv_rows` rows and BLAS's
 // sgemm past them (fp32). False where the packed call failed.
 template <typename T>
 static bool linear(const int64_t* fns, int64_t gemv_rows, const T* x, const void* w, const void* bias, T* y,
                    int64_t M, int64_t I, int64_t O, const void* packed = nullptr, int64_t packed_rows = 0,
-                   const void* small = nullptr, int64_t small_rows = 0) {
-  if (small && M >= 2 && M <= small_rows)
+                   const void* small = nullptr, const int64_t* small_rows = nullptr) {
+  if (small && M >= small_rows[0] && M <= small_rows[1])
     return ((packed_fn)fns[SMALL])(sizeof(T) == 2, x, small, bias, y, M, I, O) == 0;
   if (packed && packed_rows && M >= packed_rows)
     return ((packed_fn)fns[PACKED])(sizeof(T) == 2, x, packed, bias, y, M, I, O) == 0;
@@ -164,7 +164,7 @@ static int64_t run(const int64_t* fns, const int64_t* layers, const float* scale
   auto gemv = [&](const T* in, const void* w, const void* b, T* out, int64_t M, int64_t I, int64_t O,
                   const void* packed, const void* small) {
     if (dims[QUANT]) return qlinear(fns, dims, in, (const int64_t*)w, b, out, M, I, O, tmp);
-    failed |= !linear(fns, gemv_rows, in, w, b, out, M, I, O, packed, dims[PACKED_ROWS], small, dims[SMALL_ROWS]);
+    failed |= !linear(fns, gemv_rows, in, w, b, out, M, I, O, packed, dims[PACKED_ROWS], small, &dims[SMALL_MIN_ROWS]);
   };
   const int64_t bf16 = sizeof(T) == 2;
   const int64_t qs = H * hd, kvs = KVH * hd, qkv_n = qs + 2 * kvs;
