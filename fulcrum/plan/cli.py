@@ -187,7 +187,7 @@ def with_step_costs(
         tpot = decode_seconds(costs, d.batch, d.context)
         cost = cost_per_million_tokens(price, d.batch / tpot) if price else None
         decode.append(dataclasses.replace(d, tpot_s=tpot, tokens_per_s=d.batch / tpot, cost_per_million=cost))
-    chunk = int(costs.engine.get("max_num_batched_tokens") or pf.tokens)
+    chunk = costs.step_budget or pf.tokens
     seconds = prefill_seconds(costs, pf.tokens, chunk)
     return decode, dataclasses.replace(pf, seconds=seconds, tokens_per_s=pf.tokens / seconds)
 

@@ -85,6 +85,13 @@ class StepCosts:
     kv_transfer_s_per_block: float = 0.0  # P/D: moving one KV block between engines
     fit: dict = field(default_factory=dict)  # steps fitted, held out, the held-out error
 
+    @property
+    def step_budget(self) -> int | None:
+        """The step budget of the replica these costs describe: what `fulcrum serve` took with the calibrated
+        settings (files calibrated before that was kept: the sweep's own), None when the file says neither."""
+        budget = self.engine.get("served_max_num_batched_tokens") or self.engine.get("max_num_batched_tokens")
+        return int(budget) if budget else None
+
     def step_seconds(self, s: StepShape) -> float:
         return self.seconds(s.tokens, s.samples, s.decode_kv, s.prefill_rows, s.prefill_attn)
 

@@ -20,7 +20,12 @@ from collections.abc import Callable
 from dataclasses import astuple
 from pathlib import Path
 
-from fulcrum.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_MODEL
+from fulcrum.defaults import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MODEL,
+    serve_max_num_batched_tokens,
+)
 from fulcrum.plan.step_costs import StepCosts, StepShape, errors, fit, prefill_seconds
 from fulcrum.probe.step_sweep import SWEEPS, sweep_in_own_process
 from fulcrum.utils import cpu_isa
@@ -211,7 +216,7 @@ def calibrate(
     dtype: str = "auto",
     kv_cache_dtype: str = "auto",
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    max_num_batched_tokens: int | None = None,
     block_size: int = 16,
     max_model_len: int | None = None,
     quantization: str | None = None,
@@ -224,13 +229,18 @@ def calibrate(
     """Measure the engine's steps on this machine and fit a StepCosts (fitted on four fifths of the distinct step
     shapes, its error measured on the rest). `own_process`: the engine's threads as `fulcrum serve` places them
     (False: as an in-process LLM does). `served`: also measure a real server's TTFT for `frontend_s`. ValueError
-    with one line for settings the engine refuses."""
+    with one line for settings the engine refuses.
+
+    `max_num_batched_tokens`: the budget of the replica the costs describe (`engine["served_max_num_batched_tokens"]`,
+    what `fulcrum sim` models by default). None: `fulcrum serve`'s own for the device; the sweep then measures prefill
+    chunks up to the engine's DEFAULT_MAX_NUM_BATCHED_TOKENS, so the fit covers the larger budgets tune and sim try."""
     from fulcrum.config import EngineConfig, ModelConfig
     from fulcrum.errors import FulcrumError
 
     say = say or (lambda line: None)
+    measured_budget = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     settings = dict(model=str(model or DEFAULT_MODEL), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                    max_num_seqs=max_num_seqs, max_num_batched_tokens=measured_budget, block_size=block_size,
                     max_model_len=max_model_len, quantization=quantization,
                     quantization_group_size=quantization_group_size)  # fmt: skip
     try:  # refused here, in one line, before any process starts
@@ -243,9 +253,13 @@ def calibrate(
     ttft: list[float] = []
     if served:  # first, while no engine of ours holds the cores
         say("measuring a served request's time to first token (fulcrum serve, 20 streamed requests) ...")
-        ttft = measure_ttft(settings)
+        ttft = measure_ttft({**settings, "max_num_batched_tokens": max_num_batched_tokens})  # None: the server's own
     say(f"measuring the engine's steps ({'quick' if quick else 'default'} sweep) ...")
     got = sweep_in_own_process(settings, sweep, own_process, say)
+    engine = got["engine"]
+    engine["served_max_num_batched_tokens"] = max_num_batched_tokens or serve_max_num_batched_tokens(
+        engine["device"], max_num_seqs
+    )
     raw = [(StepShape(**s), t) for s, t in got["steps"]]
     shapes = least_by_shape(raw)
     fitted, held = split_held_out(shapes)
@@ -273,7 +287,7 @@ def calibrate(
         )
         say("warning: " + costs.fit["interference"])
     if ttft:
-        prefill = prefill_seconds(costs, 16, max_num_batched_tokens)
+        prefill = prefill_seconds(costs, 16, engine["served_max_num_batched_tokens"])
         costs.frontend_s = max(statistics.median(ttft) - prefill, 0.0)
         costs.fit["frontend"] = {"ttft_median_s": statistics.median(ttft), "requests": len(ttft),
                                  "prompt_tokens": 16, "predicted_prefill_s": prefill,

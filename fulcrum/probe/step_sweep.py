@@ -233,8 +233,9 @@ def run_sweep(settings: dict, sweep: Sweep, own_process: bool, say: Callable[[st
         "block_size": cfg.block_size,
         "num_blocks": core.kv.num_blocks,
         "max_num_seqs": cfg.max_num_seqs,
-        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,  # the sweep's (its largest chunk)
         "max_model_len": core.max_model_len,
+        "device": cfg.device,
         "threads": threads,
         "pinned": own_process,
         "sampling": "greedy",

@@ -20,7 +20,13 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="the engine's KV-cache dtype")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="the engine's weight quantization")
     p.add_argument("--max-num-seqs", type=positive_int, default=DEFAULT_MAX_NUM_SEQS)
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=None,
+        help="the replica's step budget (default: fulcrum serve's for the device, 256 on CPU; the sweep measures "
+        f"prefill chunks up to {DEFAULT_MAX_NUM_BATCHED_TOKENS} tokens either way, or up to this budget when given)",
+    )
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--max-model-len", type=positive_int, default=None, help="default: the model's")
     p.add_argument("--quick", action="store_true", help="a smaller sweep (about 10 s on the bundled model)")

@@ -183,8 +183,9 @@ def load_costs(args):
 
 
 def engine_shape(args, costs, spec):
-    """The engine settings of each replica: the flags, else the calibration's, else the engine's defaults (and for
-    predicted hardware, the KV blocks its memory holds after the weights)."""
+    """The engine settings of each replica: the flags, else the calibration's (its step budget: the served one, what
+    `fulcrum serve` took with those settings), else the engine's defaults (and for predicted hardware, the KV blocks
+    its memory holds after the weights)."""
     from fulcrum.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
     from fulcrum.sim.replica import EngineShape
 
@@ -199,7 +200,8 @@ def engine_shape(args, costs, spec):
         block_size=block_size,
         max_num_seqs=args.max_num_seqs or int(eng.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)),
         max_num_batched_tokens=args.max_num_batched_tokens
-        or int(eng.get("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)),
+        or getattr(costs, "step_budget", None)
+        or DEFAULT_MAX_NUM_BATCHED_TOKENS,
         max_model_len=max_model_len,
         enable_prefix_caching=args.prefix_caching,
         enable_chunked_prefill=args.chunked_prefill,

@@ -29,6 +29,10 @@ def test_a_quick_calibration_writes_a_model_that_predicts_more_work_as_slower(ca
     assert costs.source == "measured" and costs.engine["model"].endswith("tiny-shakespeare-target")
     assert costs.engine["num_blocks"] > 0 and costs.engine["threads"] >= 1 and costs.engine["block_size"] == 16
     assert costs.machine["cores"] == os.cpu_count() and costs.machine["isa"] == cpu_isa.isa()
+    # the sweep measured prefill chunks up to the engine's 2048; the replica it describes is `fulcrum serve`'s, whose
+    # CPU step budget is 256 (what `fulcrum sim` and `plan --hardware local` model unless told otherwise)
+    assert costs.engine["max_num_batched_tokens"] == 2048 and costs.engine["device"] == "cpu"
+    assert costs.engine["served_max_num_batched_tokens"] == costs.step_budget == 256
     held = costs.fit["held_out"]
     assert held["steps"] == costs.fit["shapes_held_out"] > 0 and held["mean_abs_rel_error"] >= 0
     assert costs.fit["shapes_fitted"] > 3 * costs.fit["shapes_held_out"] // 2  # about four fifths fitted

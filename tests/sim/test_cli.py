@@ -38,6 +38,22 @@ def test_sim_writes_a_bench_serve_report_that_bench_compare_reads(costs_file, tm
     assert compare_tables([str(out), str(out)])  # bench compare sets it beside any other run
 
 
+def test_a_replica_takes_the_step_budget_its_server_took(tmp_path, capsys):
+    """A calibration on CPU measures chunks up to 2048 tokens, but `fulcrum serve` there steps 256 at a time: sim
+    models the server's budget unless --max-num-batched-tokens says otherwise (older files: the sweep's)."""
+    coef = {"samples": 2e-5, "decode_kv": 2e-8, "prefill_rows": 1e-4, "prefill_attn": 1e-9}
+    engine = {"num_blocks": 2000, "block_size": 16, "max_num_seqs": 32, "max_num_batched_tokens": 2048,
+              "max_model_len": 1024, "device": "cpu", "served_max_num_batched_tokens": 256}  # fmt: skip
+    served = StepCosts((1, 64, 512, 2048), [2e-3, 4e-3, 3e-2, 1.2e-1], coef, engine=engine)
+    older = StepCosts(served.knots, served.knot_seconds, coef, engine={k: v for k, v in engine.items() if k[0] != "s"})
+    load = ["--request-rate", "2", "--num-prompts", "10", "--input-len", "600", "--output-len", "4"]
+    for costs, flags, budget in ((served, [], 256), (served, ["--max-num-batched-tokens", "1024"], 1024),
+                                 (older, [], 2048)):  # fmt: skip
+        path = costs.save(tmp_path / "costs.json")
+        assert main(["sim", "--costs", str(path), *load, *flags]) == 0
+        assert f"{budget} tokens a step" in capsys.readouterr().out
+
+
 def test_a_catalog_gpu_is_predicted_from_the_roofline(capsys):
     rc = main(["sim", "--model", "llama-3.1-8b", "--hardware", "H100-SXM", "--request-rate", "10",
                "--num-prompts", "100", "--input-len", "512", "--output-len", "64"])  # fmt: skip
