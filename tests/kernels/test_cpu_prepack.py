@@ -156,6 +156,7 @@ def test_decode_steps_past_the_stacks_rows_go_to_the_packed_weights(dtype, tiny_
     llm = LLM(model=folder, dtype=dtype, kv_cache_memory=16 << 20, block_size=8)
     model = llm.core.runner.model.model
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    few = [o.outputs[0].token_ids for o in llm.generate(prompts[:5], sp, use_tqdm=False)]  # a step of 5 rows
     assert isinstance(model._stack, DecodeStack)
     packed = model.layers[0].mlp.down_proj.packed_weight
     in_driver = cpu_prepack.c_linear(packed) is not None and packed.dtype == getattr(torch, dtype)
@@ -170,6 +171,7 @@ def test_decode_steps_past_the_stacks_rows_go_to_the_packed_weights(dtype, tiny_
     assert model._stack.small_rows == (cpu_prepack.SMALL_ROWS if small else 0)
     model.fused_decode, model._stack = False, None
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == got
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:5], sp, use_tqdm=False)] == few
 
     monkeypatch.setattr(cpu_prepack, "pack", lambda weight: None)  # unpacked weights: the stack keeps its GEMV rows
     llm = LLM(model=folder, dtype=dtype, kv_cache_memory=16 << 20, block_size=8)

@@ -55,14 +55,14 @@ static void add_into(T* x, const T* t, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = T(float(x[i]) + float(t[i]));
 }
 
-// y [M, O] = x [M, I] @ w [O, I]^T + bias: the small copy for rows in `small` (min, max) where the layer has one, the
-// packed weight from `packed_rows` rows where it has one, else the GEMV kernel up to `gemv_rows` rows and BLAS's
-// sgemm past them (fp32). False where the packed call failed.
+// y [M, O] = x [M, I] @ w [O, I]^T + bias: the small copy from `small_min` to `small_max` rows where the layer has
+// one, the packed weight from `packed_rows` rows where it has one, else the GEMV kernel up to `gemv_rows` rows and
+// BLAS's sgemm past them (fp32). False where the packed call failed.
 template <typename T>
 static bool linear(const int64_t* fns, int64_t gemv_rows, const T* x, const void* w, const void* bias, T* y,
                    int64_t M, int64_t I, int64_t O, const void* packed = nullptr, int64_t packed_rows = 0,
-                   const void* small = nullptr, const int64_t* small_rows = nullptr) {
-  if (small && M >= small_rows[0] && M <= small_rows[1])
+                   const void* small = nullptr, int64_t small_min = 0, int64_t small_max = 0) {
+  if (small && M >= small_min && M <= small_max)
     return ((packed_fn)fns[SMALL])(sizeof(T) == 2, x, small, bias, y, M, I, O) == 0;
   if (packed && packed_rows && M >= packed_rows)
     return ((packed_fn)fns[PACKED])(sizeof(T) == 2, x, packed, bias, y, M, I, O) == 0;
@@ -164,7 +164,8 @@ static int64_t run(const int64_t* fns, const int64_t* layers, const float* scale
   auto gemv = [&](const T* in, const void* w, const void* b, T* out, int64_t M, int64_t I, int64_t O,
                   const void* packed, const void* small) {
     if (dims[QUANT]) return qlinear(fns, dims, in, (const int64_t*)w, b, out, M, I, O, tmp);
-    failed |= !linear(fns, gemv_rows, in, w, b, out, M, I, O, packed, dims[PACKED_ROWS], small, &dims[SMALL_MIN_ROWS]);
+    failed |= !linear(fns, gemv_rows, in, w, b, out, M, I, O, packed, dims[PACKED_ROWS], small, dims[SMALL_MIN_ROWS],
+                      dims[SMALL_ROWS]);
   };
   const int64_t bf16 = sizeof(T) == 2;
   const int64_t qs = H * hd, kvs = KVH * hd, qkv_n = qs + 2 * kvs;
