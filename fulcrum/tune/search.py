@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fulcrum.defaults import serve_max_num_batched_tokens
 from fulcrum.tune.facts import Facts
 from fulcrum.tune.fleet import FleetSim, SimRun, pd_splits
 from fulcrum.tune.measure import Measurement
@@ -29,6 +30,7 @@ STAGES = (
 )
 MIN_SIM_S = 30.0  # the least budget a simulated fleet gets: a quick calibration and a few `fulcrum sim` runs
 SIM_RUN_S = 3.0  # one `fulcrum sim` run of a minute's arrivals: mostly its process starting
+BUDGET_FACTOR = 4  # the memory stage's step budgets: the server's own for the device divided and multiplied by this
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
@@ -45,6 +47,16 @@ class Trial:
     quality: dict | None = None
     predicted: bool = False  # a figure from arithmetic, not a run (labelled so in the report)
     notes: dict = field(default_factory=dict)
+
+
+def budget_candidates(device: str, max_num_seqs: int) -> list[int]:
+    """The step budgets the memory stage tries: a smaller one (shorter steps, so running decodes wait less behind a
+    prefill) and a larger one (prefills in fewer steps), around the budget `fulcrum serve` takes on the device when none
+    is given: on CPU 256 (so 128 and 1024), on a GPU 2048 (512 and 8192). Never below max_num_seqs, where not every
+    running sequence's decode token fits a step, and never the default itself."""
+    default = serve_max_num_batched_tokens(device, max_num_seqs)
+    lower = max(default // BUDGET_FACTOR, max_num_seqs)
+    return [b for b in (lower, default * BUDGET_FACTOR) if b != default]
 
 
 class Walk:
@@ -217,7 +229,7 @@ class Walk:
             self.skip(stage, "kv-cache-memory", self.best.config,
                       f"the default cache ({f.kv_cache_default_gib:g} GiB) already holds the load's "
                       f"{f.kv_cache_need_gib:.2f} GiB of KV")  # fmt: skip
-        for chunk in (512, 8192):
+        for chunk in budget_candidates(f.device, self.best.config.get("max_num_seqs")):
             self.candidate(
                 stage, f"max-num-batched-tokens {chunk}", self.best.config.with_(max_num_batched_tokens=chunk)
             )

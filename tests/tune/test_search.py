@@ -7,7 +7,7 @@ import pytest
 from fulcrum.tune.facts import Facts
 from fulcrum.tune.measure import Measurement, Point
 from fulcrum.tune.quality import QualityResult
-from fulcrum.tune.search import Walk
+from fulcrum.tune.search import Walk, budget_candidates
 from fulcrum.tune.space import Config
 
 
@@ -74,44 +74,59 @@ def trial(w: Walk, change_prefix: str):
 
 
 def test_a_candidate_that_lowers_goodput_is_not_kept():
-    w, _, _ = walk({"max-num-batched-tokens=512": 8.0})
-    t = trial(w, "max-num-batched-tokens 512")
+    w, _, _ = walk({"max-num-batched-tokens=128": 8.0})
+    t = trial(w, "max-num-batched-tokens 128")
     assert not t.kept and t.verdict.startswith("rejected: goodput 8")
     assert w.best.config.get("max_num_batched_tokens") is None  # the server's own default, no flag
 
 
+def test_the_step_budgets_tried_sit_around_the_servers_own_for_the_device():
+    # on CPU fulcrum serve steps 256 tokens: 8192 would be a second-long step, so the walk tries 128 and 1024
+    w, m, _ = walk({})
+    tried = [t.change for t in w.trials if t.change.startswith("max-num-batched-tokens")]
+    assert tried == ["max-num-batched-tokens 128", "max-num-batched-tokens 1024"]
+    gpu = Facts(device="cuda", units=1, num_heads=8, num_kv_heads=4, num_layers=8)
+    w, _, _ = walk({}, facts=gpu)
+    assert [t.change for t in w.trials if t.change.startswith("max-num-batched-tokens")] == [
+        "max-num-batched-tokens 512", "max-num-batched-tokens 8192"]  # fmt: skip
+    # never below max_num_seqs (a decode token per running sequence), and never the default itself
+    assert budget_candidates("cpu", 256) == [1024]
+    assert budget_candidates("cpu", 512) == [2048]
+    assert budget_candidates("cuda", 1024) == [1024, 8192]
+
+
 def test_a_candidate_within_the_minimum_gain_is_not_kept():
-    w, _, _ = walk({"max-num-batched-tokens=512": 10.3}, min_gain=0.05)
-    assert not trial(w, "max-num-batched-tokens 512").kept
+    w, _, _ = walk({"max-num-batched-tokens=128": 10.3}, min_gain=0.05)
+    assert not trial(w, "max-num-batched-tokens 128").kept
 
 
 def test_a_better_candidate_is_kept_and_later_stages_build_on_it():
-    w, m, _ = walk({"max-num-batched-tokens=512": 13.0})
-    t = trial(w, "max-num-batched-tokens 512")
+    w, m, _ = walk({"max-num-batched-tokens=128": 13.0})
+    t = trial(w, "max-num-batched-tokens 128")
     assert t.kept and "x1.30" in t.verdict
     # confirmed by a second run of the same configuration, and run again beside the default at the end
-    assert sum(c.describe() == "max-num-batched-tokens=512" for c in m.calls) == 3
+    assert sum(c.describe() == "max-num-batched-tokens=128" for c in m.calls) == 3
     final = [t for t in w.trials if t.stage == "final check"]
-    assert [t.config.describe() for t in final] == ["defaults", "max-num-batched-tokens=512"]
-    assert trial(w, "weights int8").config.get("max_num_batched_tokens") == 512
-    assert w.best.config.get("max_num_batched_tokens") == 512
+    assert [t.config.describe() for t in final] == ["defaults", "max-num-batched-tokens=128"]
+    assert trial(w, "weights int8").config.get("max_num_batched_tokens") == 128
+    assert w.best.config.get("max_num_batched_tokens") == 128
 
 
 def test_a_win_the_confirming_run_does_not_repeat_is_not_kept():
-    w, _, _ = walk({"max-num-batched-tokens=512": [13.0, 9.0]})
-    t = trial(w, "max-num-batched-tokens 512")
+    w, _, _ = walk({"max-num-batched-tokens=128": [13.0, 9.0]})
+    t = trial(w, "max-num-batched-tokens 128")
     assert not t.kept and "the lower of two runs" in t.verdict
     assert t.measurement.goodput == 9.0
 
 
 def test_a_win_the_best_matches_when_run_again_is_not_kept():
     # the baseline measured 10 once, but 11.9 when run again beside the candidate: 12 is within the noise
-    w, m, _ = walk({"max-num-batched-tokens=512": 12.0, "defaults": [10.0, 11.9]})
-    t = trial(w, "max-num-batched-tokens 512")
+    w, m, _ = walk({"max-num-batched-tokens=128": 12.0, "defaults": [10.0, 11.9]})
+    t = trial(w, "max-num-batched-tokens 128")
     assert not t.kept and "vs 11.9, the higher of the best's" in t.verdict
     assert t.notes["best_rerun"]["goodput_rps"] == 11.9
-    order = [c.describe() for c in m.calls if c.describe() in ("defaults", "max-num-batched-tokens=512")]
-    assert order[:4] == ["defaults", "max-num-batched-tokens=512", "max-num-batched-tokens=512", "defaults"]
+    order = [c.describe() for c in m.calls if c.describe() in ("defaults", "max-num-batched-tokens=128")]
+    assert order[:4] == ["defaults", "max-num-batched-tokens=128", "max-num-batched-tokens=128", "defaults"]
 
 
 def test_a_quantization_over_the_quality_bound_is_rejected_before_any_speed_run():
@@ -141,7 +156,7 @@ def test_heads_that_do_not_split_are_skipped():
 def test_knobs_the_server_command_does_not_expose_are_skipped():
     facts = Facts(units=2, num_heads=8, num_kv_heads=4, num_layers=8, exposes=lambda k: k == "max_num_seqs")
     w, m, gate = walk({}, facts=facts)
-    assert "does not expose max_num_batched_tokens" in trial(w, "max-num-batched-tokens 512").verdict
+    assert "does not expose max_num_batched_tokens" in trial(w, "max-num-batched-tokens 128").verdict
     assert "does not expose quantization" in trial(w, "weights int8").verdict
     assert not gate.calls  # nothing to gate: the server cannot take the format
     assert all(set(c.changes) <= {"max_num_seqs"} for c in m.calls)
@@ -213,7 +228,7 @@ def test_the_baseline_is_measured_whatever_plans_arithmetic_says():
 
 
 def test_a_win_with_no_budget_left_to_confirm_it_is_not_kept():
-    w, _ = timed_walk({"max-num-batched-tokens=512": 20.0}, seconds=40, units=1)
-    t = trial(w, "max-num-batched-tokens 512")
+    w, _ = timed_walk({"max-num-batched-tokens=128": 20.0}, seconds=40, units=1)
+    t = trial(w, "max-num-batched-tokens 128")
     assert not t.kept and t.verdict == "rejected: won once, but no budget was left to confirm the win"
     assert w.best is w.baseline
