@@ -93,6 +93,9 @@ static inline void prefill_rows(const float* Q, float* acc, float* mx, float* su
   const int64_t nv = hdp / VW;
   int64_t c = 0;
   for (; c + CB <= nv; c += CB) prefill_values<R, CB>(acc, Vb, p, corr, valid, hdp, c);
+  // what is left in pairs: a head of two vectors (head_dim 32 in fp32 on AVX-512, the bundled model) reads each
+  // weight once for both, where one vector at a time read the weights twice with half the sums per read
+  for (; c + 2 <= nv; c += 2) prefill_values<R, 2>(acc, Vb, p, corr, valid, hdp, c);
   for (; c < nv; ++c) prefill_values<R, 1>(acc, Vb, p, corr, valid, hdp, c);
 }
 
