@@ -82,7 +82,7 @@ def test_a_candidate_that_lowers_goodput_is_not_kept():
 
 def test_the_step_budgets_tried_sit_around_the_servers_own_for_the_device():
     # on CPU fulcrum serve steps 256 tokens: 8192 would be a second-long step, so the walk tries 128 and 1024
-    w, m, _ = walk({})
+    w, _, _ = walk({})
     tried = [t.change for t in w.trials if t.change.startswith("max-num-batched-tokens")]
     assert tried == ["max-num-batched-tokens 128", "max-num-batched-tokens 1024"]
     gpu = Facts(device="cuda", units=1, num_heads=8, num_kv_heads=4, num_layers=8)
