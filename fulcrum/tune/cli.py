@@ -225,6 +225,7 @@ class Tune:
             quantizations=args.try_quantization if args.try_quantization is not None else ONLINE_QUANTIZATIONS,
             exposes=(lambda k: k in self.exposed) if self.exposed is not None else (lambda k: True),
             pd_possible=pd_possible,
+            fulcrum_server=not args.serve_cmd,
             target_rate=args.rate,
             price_per_hour=self.price,
             router_policy="prefix" if w.shares_prefixes else "least-load",

@@ -46,6 +46,9 @@ class Facts:
     quantizations: tuple[str, ...] = ONLINE_QUANTIZATIONS
     kv_cache_dtypes: tuple[str, ...] = ("int8", "fp8")  # KV_CACHE_DTYPES less auto and fp8's other name
     exposes: Callable[[str], bool] = lambda knob: True  # whether the server command takes the knob
+    # fulcrum's own server, whose defaults the walk knows; False for another engine's (`--serve-cmd`), whose
+    # baseline runs at its own defaults
+    fulcrum_server: bool = True
     pd_possible: str | None = None  # why P/D cannot be measured here (None: it can)
     target_rate: float | None = None
     price_per_hour: float | None = None

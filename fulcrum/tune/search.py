@@ -49,13 +49,17 @@ class Trial:
     notes: dict = field(default_factory=dict)
 
 
-def budget_candidates(device: str, max_num_seqs: int) -> list[int]:
+def budget_candidates(device: str, max_num_seqs: int, fulcrum_server: bool = True) -> list[int]:
     """The step budgets the memory stage tries: a smaller one (shorter steps, so running decodes wait less behind a
     prefill) and a larger one (prefills in fewer steps), around the budget `fulcrum serve` takes on the device when none
     is given: on CPU 256 (so 128 and 1024), on a GPU 2048 (512 and 8192). Never below max_num_seqs, where not every
-    running sequence's decode token fits a step, and never the default itself."""
+    running sequence's decode token fits a step. For fulcrum's server never the default itself, which its baseline
+    ran; another engine's baseline ran at that engine's own default, which tune does not know, so fulcrum's default
+    for the device is a candidate there too (between the two)."""
     default = serve_max_num_batched_tokens(device, max_num_seqs)
     lower = max(default // BUDGET_FACTOR, max_num_seqs)
+    if not fulcrum_server:
+        return sorted({lower, max(default, max_num_seqs), default * BUDGET_FACTOR})
     return [b for b in (lower, default * BUDGET_FACTOR) if b != default]
 
 
@@ -229,7 +233,7 @@ class Walk:
             self.skip(stage, "kv-cache-memory", self.best.config,
                       f"the default cache ({f.kv_cache_default_gib:g} GiB) already holds the load's "
                       f"{f.kv_cache_need_gib:.2f} GiB of KV")  # fmt: skip
-        for chunk in budget_candidates(f.device, self.best.config.get("max_num_seqs")):
+        for chunk in budget_candidates(f.device, self.best.config.get("max_num_seqs"), f.fulcrum_server):
             self.candidate(
                 stage, f"max-num-batched-tokens {chunk}", self.best.config.with_(max_num_batched_tokens=chunk)
             )

@@ -95,6 +95,18 @@ def test_the_step_budgets_tried_sit_around_the_servers_own_for_the_device():
     assert budget_candidates("cuda", 1024) == [1024, 8192]
 
 
+def test_another_engines_walk_also_tries_fulcrums_default_budget():
+    # a --serve-cmd baseline runs at that engine's own step budget, which tune does not know: fulcrum's default for
+    # the device is a candidate of its own there, between the smaller and the larger
+    other = Facts(units=2, num_heads=8, num_kv_heads=4, num_layers=8, fulcrum_server=False)
+    w, m, _ = walk({"max-num-batched-tokens=256": 12.0}, facts=other)
+    tried = [t.change for t in w.trials if t.change.startswith("max-num-batched-tokens")]
+    assert tried == ["max-num-batched-tokens 128", "max-num-batched-tokens 256", "max-num-batched-tokens 1024"]
+    assert w.best.config.get("max_num_batched_tokens") == 256  # a flag now, where fulcrum's own walk sets none
+    assert budget_candidates("cpu", 256, fulcrum_server=False) == [256, 1024]
+    assert budget_candidates("cuda", 4, fulcrum_server=False) == [512, 2048, 8192]
+
+
 def test_a_candidate_within_the_minimum_gain_is_not_kept():
     w, _, _ = walk({"max-num-batched-tokens=128": 10.3}, min_gain=0.05)
     assert not trial(w, "max-num-batched-tokens 128").kept
