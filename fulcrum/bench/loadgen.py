@@ -83,23 +83,43 @@ def arrival_gaps(rate: float, burstiness: float, rng: np.random.Generator) -> It
 
 
 class SessionSource:
-    """The sessions of a run: all drawn up front when their number is known, else drawn in a worker thread. Drawing
-    is tokenizer work (prompt text): done on the event loop during the run, it would stall it and inflate every
-    in-flight request's ITL."""
+    """The sessions of a run: all drawn up front (`draw`) when their number is known, else drawn in a worker thread
+    as the run takes them. Drawing is tokenizer work (prompt text): done on the event loop during the run, it would
+    stall it and inflate every in-flight request's ITL. Up front it runs in a worker thread too, DRAW_CHUNK sessions
+    a call, so that a stop (Ctrl-C, SIGTERM) ends a long draw after the chunk in hand."""
+
+    DRAW_CHUNK = 64
 
     def __init__(self, sessions: Iterable[Session], count: int | None):
         self._it = iter(sessions)
-        self._ready = list(itertools.islice(self._it, count)) if count is not None else None
+        self._count = count
+        self._ready: list[Session] | None = None
         self._next = 0
         self._lock: asyncio.Lock | None = None  # one draw at a time: a generator runs in one thread at once
 
+    async def draw(self, pulse: Pulse | None = None) -> None:
+        """Draw the `count` sessions (nothing to do without one); `pulse.done` counts them as they come."""
+        if self._count is None or self._ready is not None:
+            return
+        ready: list[Session] = []
+        while len(ready) < self._count:
+            chunk = await asyncio.to_thread(lambda n: list(itertools.islice(self._it, n)),
+                                            min(self.DRAW_CHUNK, self._count - len(ready)))  # fmt: skip
+            ready += chunk
+            if pulse is not None:  # progress: the watchdog stays quiet while chunks come
+                pulse.done, pulse.last_done = len(ready), time.monotonic()
+            if not chunk:
+                break
+        self._ready = ready
+
     @property
     def requests(self) -> int | None:
-        """Requests the sessions hold (every turn), when they are drawn up front."""
+        """Requests the sessions hold (every turn), once drawn up front."""
         return None if self._ready is None else sum(len(s.user_turns) for s in self._ready)
 
     async def next(self) -> Session | None:
-        if self._ready is not None:
+        if self._count is not None:
+            await self.draw()
             if self._next >= len(self._ready):
                 return None
             self._next += 1
@@ -151,16 +171,20 @@ class LoadGenerator:
         self.load, self.results, self.t0 = load, [], None
         if load.warmup:
             warm = LoadSpec(concurrency=min(load.warmup, load.concurrency or load.max_concurrency or load.warmup))
-            self.pulse.reset("drawing warmup sessions", None, "warmup requests")
+            self.pulse.reset("drawing warmup sessions", load.warmup, "warmup sessions")
             source = SessionSource(it, load.warmup)
-            self.pulse.phase, self.pulse.total = "sending", source.requests
+            if await until_stop(source.draw(self.pulse), stop):
+                return RunResult(load, 0.0, 0, True)
+            self.pulse.reset("sending", source.requests, "warmup requests")
             if await until_stop(self._closed(warm, source, [], self.clock(), None, report=False), stop):
                 return RunResult(load, 0.0, 0, True)
         if before_measuring is not None:
             await before_measuring()
-        self.pulse.reset("drawing sessions", None, "requests")
+        self.pulse.reset("drawing sessions", load.num_prompts, "sessions")
         source = SessionSource(it, load.num_prompts)
-        self.pulse.phase, self.pulse.total = "sending", source.requests
+        if await until_stop(source.draw(self.pulse), stop):
+            return RunResult(load, 0.0, 0, True)
+        self.pulse.reset("sending", source.requests, "requests")
         results = self.results
         self.inflight = self.peak = 0
         t0 = self.t0 = self.clock()

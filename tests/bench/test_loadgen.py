@@ -216,6 +216,25 @@ def test_sessions_are_drawn_before_the_clock_starts():
     assert np.allclose(starts, expected, atol=0.015)  # the schedule holds; drawing 0.4 s of prompts did not shift it
 
 
+def test_a_stop_while_sessions_are_drawn_ends_the_run_without_waiting_for_the_rest():
+    import time as _time
+
+    drawn = []
+
+    def slow_sessions():  # 10,000 prompts of 10 ms each: 100 s to draw them all
+        for i in range(10_000):
+            _time.sleep(0.01)
+            drawn.append(i)
+            yield Session(i, ["r"], [2], [1])
+
+    t0 = _time.monotonic()
+    result, fake = run({"*": QUICK}, LoadSpec(concurrency=2, num_prompts=10_000), slow_sessions(), stop_after=0.3)
+    # the stop lands between two chunks of the draw: the run ends, nothing was sent, and the draw went no further
+    assert _time.monotonic() - t0 < 5
+    assert result.interrupted and result.results == [] and fake.bodies == []
+    assert len(drawn) < 300
+
+
 def test_open_loop_duration_stops_and_an_endless_infinite_rate_is_refused():
     sessions = (Session(i, ["r"], [4], [1]) for i in range(10**6))
     result, _ = run({"*": QUICK}, LoadSpec(request_rate=40, num_prompts=None, duration=0.3), sessions)
