@@ -171,20 +171,16 @@ class LoadGenerator:
         self.load, self.results, self.t0 = load, [], None
         if load.warmup:
             warm = LoadSpec(concurrency=min(load.warmup, load.concurrency or load.max_concurrency or load.warmup))
-            self.pulse.reset("drawing warmup sessions", load.warmup, "warmup sessions")
-            source = SessionSource(it, load.warmup)
-            if await until_stop(source.draw(self.pulse), stop):
-                return RunResult(load, 0.0, 0, True)
-            self.pulse.reset("sending", source.requests, "warmup requests")
-            if await until_stop(self._closed(warm, source, [], self.clock(), None, report=False), stop):
+            source = await self._drawn(it, load.warmup, "warmup ", stop)
+            if source is None or await until_stop(
+                self._closed(warm, source, [], self.clock(), None, report=False), stop
+            ):
                 return RunResult(load, 0.0, 0, True)
         if before_measuring is not None:
             await before_measuring()
-        self.pulse.reset("drawing sessions", load.num_prompts, "sessions")
-        source = SessionSource(it, load.num_prompts)
-        if await until_stop(source.draw(self.pulse), stop):
+        source = await self._drawn(it, load.num_prompts, "", stop)
+        if source is None:
             return RunResult(load, 0.0, 0, True)
-        self.pulse.reset("sending", source.requests, "requests")
         results = self.results
         self.inflight = self.peak = 0
         t0 = self.t0 = self.clock()
@@ -198,6 +194,17 @@ class LoadGenerator:
         self.pulse.phase = "counting output tokens"
         await asyncio.to_thread(count_output_tokens, results, self.count_tokens)
         return RunResult(load, duration, self.peak, interrupted, results)
+
+    async def _drawn(self, it: Iterator[Session], count: int | None, kind: str,
+                     stop: asyncio.Event | None) -> SessionSource | None:  # fmt: skip
+        """The next `count` sessions of `it`, drawn up front (`kind`: "warmup " or ""), the pulse saying so; None
+        when `stop` came first."""
+        self.pulse.reset(f"drawing {kind}sessions", count, f"{kind}sessions")
+        source = SessionSource(it, count)
+        if await until_stop(source.draw(self.pulse), stop):
+            return None
+        self.pulse.reset("sending", source.requests, f"{kind}requests")
+        return source
 
     def partial(self) -> RunResult:
         """What the run measured before it was cut short (cancelled, or an error): the requests it recorded,

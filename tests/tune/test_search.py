@@ -99,7 +99,7 @@ def test_another_engines_walk_also_tries_fulcrums_default_budget():
     # a --serve-cmd baseline runs at that engine's own step budget, which tune does not know: fulcrum's default for
     # the device is a candidate of its own there, between the smaller and the larger
     other = Facts(units=2, num_heads=8, num_kv_heads=4, num_layers=8, fulcrum_server=False)
-    w, m, _ = walk({"max-num-batched-tokens=256": 12.0}, facts=other)
+    w, _, _ = walk({"max-num-batched-tokens=256": 12.0}, facts=other)
     tried = [t.change for t in w.trials if t.change.startswith("max-num-batched-tokens")]
     assert tried == ["max-num-batched-tokens 128", "max-num-batched-tokens 256", "max-num-batched-tokens 1024"]
     assert w.best.config.get("max_num_batched_tokens") == 256  # a flag now, where fulcrum's own walk sets none
