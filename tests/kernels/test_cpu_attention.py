@@ -111,6 +111,7 @@ def test_a_head_dim_of_24_reads_the_quantized_cache(name, dtype):
     "heads, kv_heads, head_dim, block, window, softcap, sinks, cache",
     [
         (8, 4, 32, 16, None, None, False, None),  # the bundled model's shape
+        (12, 4, 32, 16, None, None, False, None),  # groups of 3 heads: a partial group of value sums
         (16, 4, 24, 16, 21, None, False, None),  # half-filled last vectors on AVX-512, a window mid-vector
         (8, 4, 32, 8, None, 2.0, True, None),  # blocks of 8, soft cap, sinks
         (4, 4, 16, 24, 10, None, False, None),  # blocks of 24, no GQA

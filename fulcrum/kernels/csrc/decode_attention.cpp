@@ -28,7 +28,8 @@ constexpr int64_t MAX_G = 16;  // query heads per KV head (cpu_attention.MAX_GRO
 constexpr int64_t ROWS_PER_THREAD = 2, MIN_ROW_HEADS = 4, MAX_ROW_BYTES = 1024;
 // attend's first KV head reads its sequence's whole rows in order where its keys are at most this many bytes (see
 // for_each_token). Measured: Qwen2.5-0.5B's shape, 320 tokens, fp32 1.76 -> 1.36 ms a step's attention, bf16 level;
-// 8 KV heads of 128 bf16, 512 tokens, 11.2 -> 9.9; at 2048 tokens (4 MiB of keys) 13.3 -> 15.9.
+// 8 KV heads of 128 bf16, 512 tokens, 11.2 -> 9.9; at 2048 tokens (4 MiB of keys) 13.3 -> 15.9. attend_rows' keys'
+// pass reads the values' rows beside the keys' where the values are at most this many bytes.
 constexpr int64_t TOUCH_BYTES = 256 << 10;
 
 // A quantized cache (fulcrum.quant.kv): one byte per value, one fp16 scale per token and head. fp8 loads as 2^-8
@@ -69,11 +70,12 @@ static inline void store_head(T* out, const float* sums, float s) {
 // `touch` instead (bytes: a whole row): each token's first `touch` bytes read in order (a 4-byte load a cache line)
 // just before fn sees it, and no software prefetch. Reading a block's rows in order is a stream the hardware
 // prefetchers follow and run ahead of; a head's slice of every row (fn's reads) is a strided pattern they did not,
-// and software prefetches of the next block measured slower than the in-order reads (issue 49).
+// and software prefetches of the next block measured slower than the in-order reads (issue 49). `also` (with
+// `touch`): a second cache of the same layout (the values beside the keys), whose same row is read after each row.
 template <typename C, typename Fn>
 static inline void for_each_token(const C* cache, const int64_t* table, int64_t start, int64_t ctx, int64_t bs,
                                   int64_t kv_stride, Fn fn, int64_t head_bytes = 64, int64_t row_bytes = 0,
-                                  int64_t touch = 0) {
+                                  int64_t touch = 0, const C* also = nullptr) {
   int64_t i = 0;
   __m128i touched = _mm_setzero_si128();
   for (int64_t blk = start / bs, off = start % bs; blk * bs < ctx; ++blk, off = 0) {
@@ -93,6 +95,10 @@ static inline void for_each_token(const C* cache, const int64_t* table, int64_t 
     for (int64_t j = off; j < stop; ++j) {
       const C* row = base + j * kv_stride;
       for (int64_t b = 0; b < touch; b += 64) touched = _mm_or_si128(touched, _mm_loadu_si32((const char*)row + b));
+      if (also) {
+        const char* other = (const char*)(also + (row - cache));
+        for (int64_t b = 0; b < touch; b += 64) touched = _mm_or_si128(touched, _mm_loadu_si32(other + b));
+      }
       fn(i++, row, table[blk] * bs + j);
     }
   }
@@ -229,6 +235,27 @@ __attribute__((noinline)) static void score_rows(const float* qs, const C* const
   constexpr float factor = load_factor<C>();
   constexpr bool quantized = !std::is_same_v<C, T>;
   constexpr int NV = num_vectors<HD>();
+  // an fp32 cache: a head's keys loaded for each of its queries, straight from L1 into the FMAs. The VW * NV
+  // vectors of a chunk's keys are more than the registers (32 at HD 32 on AVX-512 or AVX2), and keeping them
+  // spilled to the stack cost more than loading them again; a chunk of fp32 keys at VW 8 and HD 32 took 16% less
+  // on AVX2 (issue 49). A cache that needs widening (bf16, int8, fp8) still widens each key once for all g queries.
+  if constexpr (std::is_same_v<C, float>) {
+    for (int64_t h = 0; h < KVH * g; ++h) {
+      const int64_t kvh = h / g;
+      vf qv[NV];
+      for (int c = 0; c < NV; ++c) qv[c] = vload(qs + (h * NV + c) * VW);
+      vf part[VW];
+      for (int j = 0; j < VW; ++j) {  // a partial chunk repeats its last row
+        const C* k = rows[std::min<int64_t>(j, m - 1)] + kvh * HD;
+        vf a = vmul(qv[0], vload_head<HD>(k, 0));
+        for (int c = 1; c < NV; ++c) a = vfmadd(qv[c], vload_head<HD>(k, c), a);
+        part[j] = a;
+      }
+      vstore(scores + h * np, vsum_each(part));
+      for (int64_t j = m; j < VW; ++j) scores[h * np + j] = -INFINITY;
+    }
+    return;
+  }
   for (int64_t kvh = 0; kvh < KVH; ++kvh) {
     vf kv[VW][NV];
     alignas(64) float kscale[VW];
@@ -253,31 +280,46 @@ __attribute__((noinline)) static void score_rows(const float* qs, const C* const
   }
 }
 
+// HN heads' value sums of one KV head over a chunk, in registers: HN * NV accumulators, each value vector loaded
+// into the FMAs. HN is a constant, so the sums stay in registers; with a head count known only at run time the
+// compiler kept them on the stack, and each FMA waited on the last one's store (AVX2, issue 49).
+template <typename T, typename C, int HD, int HN>
+static inline void sum_heads(const float* scores, int64_t np, const C* const* rows, const c10::Half* vsc,
+                             const int64_t* slots, int64_t m, int64_t KVH, int64_t kvh, int64_t h0, float* acc) {
+  constexpr float factor = load_factor<C>();
+  constexpr bool quantized = !std::is_same_v<C, T>;
+  constexpr int NV = num_vectors<HD>();
+  vf a[HN][NV];
+  for (int h = 0; h < HN; ++h)
+    for (int c = 0; c < NV; ++c) a[h][c] = vload(acc + ((h0 + h) * NV + c) * VW);
+  for (int64_t j = 0; j < m; ++j) {
+    const C* v = rows[j] + kvh * HD;
+    const float vs = quantized ? float(vsc[slots[j] * KVH + kvh]) * factor : 1.f;
+    for (int h = 0; h < HN; ++h) {
+      const float w = scores[(h0 + h) * np + j];
+      const vf p = vset1(quantized ? w * vs : w);
+      for (int c = 0; c < NV; ++c) a[h][c] = vfmadd(p, vload_head<HD>(v, c), a[h][c]);
+    }
+  }
+  for (int h = 0; h < HN; ++h)
+    for (int c = 0; c < NV; ++c) vstore(acc + ((h0 + h) * NV + c) * VW, a[h][c]);
+}
+
 template <typename T, typename C, int HD>
 __attribute__((noinline)) static void sum_rows(const float* scores, int64_t np, const C* const* rows,
                                                const c10::Half* vsc, const int64_t* slots, int64_t m, int64_t KVH,
                                                int64_t g, float* acc) {
-  constexpr float factor = load_factor<C>();
-  constexpr bool quantized = !std::is_same_v<C, T>;
   constexpr int NV = num_vectors<HD>();
+  constexpr int HB = NV >= 8 ? 1 : std::min(4, 8 / NV);  // heads a group: about 8 accumulators
   for (int64_t kvh = 0; kvh < KVH; ++kvh)
-    for (int64_t h0 = kvh * g; h0 < (kvh + 1) * g; h0 += 4) {  // up to 4 heads' sums in registers
-      const int64_t hn = std::min<int64_t>(4, (kvh + 1) * g - h0);
-      vf a[4][NV];
-      for (int64_t h = 0; h < hn; ++h)
-        for (int c = 0; c < NV; ++c) a[h][c] = vload(acc + ((h0 + h) * NV + c) * VW);
-      for (int64_t j = 0; j < m; ++j) {
-        vf vv[NV];
-        for (int c = 0; c < NV; ++c) vv[c] = vload_head<HD>(rows[j] + kvh * HD, c);
-        const float vs = quantized ? float(vsc[slots[j] * KVH + kvh]) * factor : 1.f;
-        for (int64_t h = 0; h < hn; ++h) {
-          const float w = scores[(h0 + h) * np + j];
-          const vf p = vset1(quantized ? w * vs : w);
-          for (int c = 0; c < NV; ++c) a[h][c] = vfmadd(p, vv[c], a[h][c]);
-        }
+    for (int64_t h0 = kvh * g; h0 < (kvh + 1) * g; h0 += HB) {
+      const int64_t hn = std::min<int64_t>(HB, (kvh + 1) * g - h0);
+      if (hn == HB) sum_heads<T, C, HD, HB>(scores, np, rows, vsc, slots, m, KVH, kvh, h0, acc);
+      else if constexpr (HB > 1) {
+        if (hn == 1) sum_heads<T, C, HD, 1>(scores, np, rows, vsc, slots, m, KVH, kvh, h0, acc);
+        else if (hn == 2) sum_heads<T, C, HD, 2>(scores, np, rows, vsc, slots, m, KVH, kvh, h0, acc);
+        else sum_heads<T, C, HD, 3>(scores, np, rows, vsc, slots, m, KVH, kvh, h0, acc);
       }
-      for (int64_t h = 0; h < hn; ++h)
-        for (int c = 0; c < NV; ++c) vstore(acc + ((h0 + h) * NV + c) * VW, a[h][c]);
     }
 }
 
@@ -309,23 +351,29 @@ static void attend_rows(const T* q, const C* kc, const C* vc, const c10::Half* k
       vstore(acc + (h * NV + c) * VW, vzero());
     }
   // calls fn(i0, rows, slots, m) for chunks of VW tokens (m < VW only in the last), each row's lines read first
-  auto for_each_chunk = [&](const C* cache, auto fn) {
+  // (`touch` bytes of it), and the same row of `also` after it where given
+  auto for_each_chunk = [&](const C* cache, auto fn, int64_t touch, const C* also) {
     const C* rows[VW];
     int64_t slots[VW], m = 0, i0 = 0;
     for_each_token(cache, table, start, ctx, bs, kv_stride, [&](int64_t i, const C* r, int64_t slot) {
       if (m == 0) i0 = i;
       rows[m] = r, slots[m] = slot;
       if (++m == VW) fn(i0, rows, slots, m), m = 0;
-    }, 0, 0, row_bytes);
+    }, 0, 0, touch, also);
     if (m) fn(i0, rows, slots, m);
   };
+  // Where a sequence's values fit TOUCH_BYTES, the keys' pass reads each value row beside its key row: two streams
+  // in flight instead of one, and the values' pass then finds them in L2. Measured (issue 49; the bundled model's
+  // shape, fp32, 64 sequences at 482 tokens, 8 layers, with the scoring and sums above): 19.3 -> 17.1 ms natively,
+  // 21.7 -> 18.6 at AVX2, against 17.5 and 20.3 with the reads alone.
+  const bool both = n * row_bytes <= TOUCH_BYTES;
   for_each_chunk(kc, [&](int64_t i0, const C* const* rows, const int64_t* slots, int64_t m) {
     score_rows<T, C, HD>(qs, rows, ksc, slots, m, KVH, g, scores + i0, np);
-  });
+  }, row_bytes, both ? vc : nullptr);
   softmax(scores, H, n, np, softcap, sinks, inv);
   for_each_chunk(vc, [&](int64_t i0, const C* const* rows, const int64_t* slots, int64_t m) {
     sum_rows<T, C, HD>(scores + i0, np, rows, vsc, slots, m, KVH, g, acc);
-  });
+  }, both ? 0 : row_bytes, nullptr);
   for (int64_t h = 0; h < H; ++h) store_head<HD>(out + h * HD, acc + h * NV * VW, inv[h]);
 }
 
