@@ -329,12 +329,14 @@ static int64_t rows_scratch_floats(int64_t H, int64_t max_ctx) {
   return 2 * H * num_vectors<HD>() * VW + (H + VW - 1) / VW * VW + H * (max_ctx + VW);
 }
 
-// The sequence a thread takes after this one (table null: none): attend_rows prefetches its first rows into L2,
-// one row of keys and values for every NEXT_EVERY values it sums while its values' pass reads L2 only, where the
-// memory bus would otherwise idle. Measured (issue 49; the bundled model's shape as below, in turn, medians of 12):
-// a row every 4 values 16.3 -> 16.1 ms natively and 18.5 -> 17.5 at AVX2; every 2 values or every value slower
-// than none.
+// The sequence a thread takes after this one (index: the step's count where none is left; table null then):
+// attend_rows takes it as its values' pass starts, and prefetches its first rows into L2, one row of keys and
+// values for every NEXT_EVERY values it sums, while that pass reads L2 only and the memory bus would otherwise
+// idle. Taken then, not earlier, so that a thread holds a sequence the other threads could run only for that pass.
+// Measured (issue 49; the bundled model's shape as below, in turn, medians of 12): a row every 4 values 16.3 ->
+// 16.1 ms natively and 18.5 -> 17.5 at AVX2; every 2 values or every value slower than none.
 struct NextSeq {
+  int64_t index = 0;
   const int64_t* table = nullptr;
   int64_t pos = 0, ctx = 0;
 };
@@ -348,10 +350,12 @@ constexpr int64_t NEXT_EVERY = 4;
 // values in token order), so that a sequence gets the same output bit for bit on either path. `scratch` holds the
 // queries and the value sums [H][NV * VW], the sums' inverses [H] and the scores [H][n rounded up to whole vectors]
 // (rows_scratch_floats); q and out [H, HD] contiguous.
-template <typename T, typename C, int HD>
-static void attend_rows(const T* q, const C* kc, const C* vc, const c10::Half* ksc, const c10::Half* vsc,
-                        const int64_t* table, int64_t start, int64_t ctx, int64_t bs, int64_t KVH, int64_t g,
-                        float scale, float softcap, const float* sinks, float* scratch, T* out, NextSeq next) {
+// `take_next()`: the thread's next sequence (NextSeq), whose index attend_rows returns.
+template <typename T, typename C, int HD, typename TakeNext>
+static int64_t attend_rows(const T* q, const C* kc, const C* vc, const c10::Half* ksc, const c10::Half* vsc,
+                           const int64_t* table, int64_t start, int64_t ctx, int64_t bs, int64_t KVH, int64_t g,
+                           float scale, float softcap, const float* sinks, float* scratch, T* out,
+                           TakeNext take_next) {
   constexpr int NV = num_vectors<HD>();
   const int64_t H = KVH * g, kv_stride = KVH * HD, n = ctx - start, np = (n + VW - 1) / VW * VW;
   const int64_t row_bytes = kv_stride * int64_t(sizeof(C));
@@ -382,6 +386,7 @@ static void attend_rows(const T* q, const C* kc, const C* vc, const c10::Half* k
     score_rows<T, C, HD>(qs, rows, ksc, slots, m, KVH, g, scores + i0, np);
   }, row_bytes, both ? vc : nullptr);
   softmax(scores, H, n, np, softcap, sinks, inv);
+  NextSeq next = take_next();
   for_each_chunk(vc, [&](int64_t i0, const C* const* rows, const int64_t* slots, int64_t m) {
     if (both && next.table)
       for (int64_t r = 0; r < m / NEXT_EVERY && next.pos < next.ctx; ++r, ++next.pos) {
@@ -392,6 +397,7 @@ static void attend_rows(const T* q, const C* kc, const C* vc, const c10::Half* k
     sum_rows<T, C, HD>(scores + i0, np, rows, vsc, slots, m, KVH, g, acc);
   }, both ? 0 : row_bytes, nullptr);
   for (int64_t h = 0; h < H; ++h) store_head<HD>(out + h * HD, acc + h * NV * VW, inv[h]);
+  return next.index;
 }
 
 template <typename T, typename C, int HD>
@@ -404,17 +410,18 @@ static void run(const T* qp, const C* kp, const C* vp, const c10::Half* ks, cons
   const int64_t threads = at::get_num_threads();
   if (KVH >= MIN_ROW_HEADS && D >= ROWS_PER_THREAD * threads && kv_stride * int64_t(sizeof(C)) <= MAX_ROW_BYTES) {
     // a task a sequence, every head in one pass over its rows (attend_rows), taken in turn from a shared counter;
-    // a thread takes its next sequence before it starts one, so that this one can prefetch it
+    // a thread takes its next one during the one before (see NextSeq)
     std::atomic<int64_t> next{0};
     auto first = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, lp[i] - window) : 0; };
+    auto take_next = [&]() {
+      const int64_t j = next.fetch_add(1);
+      return j < D ? NextSeq{j, tp + j * width, first(j), lp[j]} : NextSeq{D};
+    };
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       std::vector<float> scratch(rows_scratch_floats<HD>(H, max_ctx));
-      for (int64_t i = next.fetch_add(1), j; i < D; i = j) {
-        j = next.fetch_add(1);
-        const NextSeq after = j < D ? NextSeq{tp + j * width, first(j), lp[j]} : NextSeq{};
-        attend_rows<T, C, HD>(qp + i * H * HD, kp, vp, ks, vs, tp + i * width, first(i), lp[i], bs, KVH, g, scale,
-                              softcap, sinks, scratch.data(), op + i * H * HD, after);
-      }
+      for (int64_t i = next.fetch_add(1); i < D;)
+        i = attend_rows<T, C, HD>(qp + i * H * HD, kp, vp, ks, vs, tp + i * width, first(i), lp[i], bs, KVH, g,
+                                  scale, softcap, sinks, scratch.data(), op + i * H * HD, take_next);
     });
     return;
   }
