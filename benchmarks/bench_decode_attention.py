@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.common import cpu_summary, save_json  # noqa: E402
+from fulcrum.errors import KernelBindingError  # noqa: E402
 from fulcrum.kernels import cpu_attention, cpu_ext  # noqa: E402
 
 
@@ -45,11 +46,17 @@ def paged_tables(seqs: int, ctx: int, prompt: int, block: int) -> torch.Tensor:
     return table
 
 
-def kernel(source: str):
-    lib = cpu_ext.load(source, cpu_attention.level(), cpu_attention.BINDINGS["decode_attention.cpp"],
-                       defines={"QUANTIZED_KV": 0})  # fmt: skip
+def against(source: str):
+    """Another source of the kernel, built as cpu_attention builds today's (the same level and defines)."""
+    if not Path(source).is_file():
+        sys.exit(f"--against: no such file: {source}")
+    try:
+        lib = cpu_ext.load(source, cpu_attention.level(), cpu_attention.BINDINGS["decode_attention.cpp"],
+                           defines={"QUANTIZED_KV": 0})  # fmt: skip
+    except KernelBindingError as e:
+        sys.exit(f"--against: {e}")
     if lib is None:
-        sys.exit("the decode attention kernel is not built at this ISA level")
+        sys.exit(f"--against: {source} did not build (the compiler's error is in the log above)")
     return lib.fulcrum_decode_attention
 
 
@@ -80,9 +87,11 @@ def main() -> None:
     nbytes = args.seqs * args.ctx * args.kv_heads * args.head_dim * dt.itemsize * 2 * args.layers
     plain = torch.ones(nbytes // 4, dtype=torch.float32)
 
-    kernels = {"fulcrum": kernel("decode_attention.cpp")}
+    if not cpu_attention.available():
+        sys.exit("the decode attention kernel is not built at this ISA level")
+    kernels = {"fulcrum": cpu_attention._decode()}
     if args.against:
-        kernels["against"] = kernel(str(Path(args.against).resolve()))
+        kernels["against"] = against(str(Path(args.against).resolve()))
     outs = {name: [torch.empty_like(q) for q in qs] for name in kernels}
 
     def step(name: str) -> None:
