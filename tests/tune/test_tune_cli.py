@@ -75,16 +75,18 @@ def test_a_tune_walks_every_stage_and_its_config_starts_a_server(tmp_path):
 
 def test_serve_cmd_drives_another_engines_server_through_the_template(tmp_path):
     out, log = tmp_path / "tune", tmp_path / "standin.log"
-    template = f"{sys.executable} {STANDIN} --port {{port}} {{max_num_seqs:--max-num-seqs }}"
+    # 10 ms a token: a request queued behind a busy slot waits 160 ms, well past the 120 ms bound, and one that is
+    # not waits about 10 ms, well inside it, so the load the baseline holds does not move with the machine's speed
+    template = f"{sys.executable} {STANDIN} --port {{port}} --token-ms 10 {{max_num_seqs:--max-num-seqs }}"
     done = tune("--serve-cmd", template, "--budget", "60s", "--slo", "ttft_p90=120ms", "--concurrency", "8",
                 "--input-len", "8", "--output-len", "16", "--point-seconds", "3", "--quiet", "--out", str(out),
                 "--price-per-hour", "2", env={"STANDIN_LOG": str(log)})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads((out / "report.json").read_text())
     starts = [json.loads(line) for line in log.read_text().splitlines()]
-    assert starts[0] == ["--port", starts[0][1]]  # the baseline: the stand-in's own default batch
+    assert starts[0] == ["--port", starts[0][1], "--token-ms", "10"]  # the baseline: the stand-in's default batch
     seqs = next(t for t in doc["trials"] if t["change"].startswith("max-num-seqs"))
-    # queueing behind 2 slots breaks the TTFT bound; 8 slots hold the load
+    # queueing behind 2 slots breaks the TTFT bound at a load of 4; twice the slots hold twice the load
     assert seqs["kept"], seqs["verdict"]
     assert any("--max-num-seqs" in s for s in starts[1:])
     skipped = [t for t in doc["trials"] if "does not expose" in t["verdict"]]
