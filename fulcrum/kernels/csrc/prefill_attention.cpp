@@ -10,16 +10,22 @@
 
 constexpr int64_t MAX_G = 16;  // query heads per KV head (cpu_attention.MAX_GROUP)
 
-// Keys go in tiles of KT: NK vectors' worth (64 keys on AVX-512, 16 on AVX2, what the registers hold for RB rows).
+// Keys go in tiles of KT: NK vectors' worth (64 keys on AVX-512 and AVX2).
 // Each KV head's keys are widened to fp32 and transposed once per call into [tile][hd][KT], its values widened into
 // [position][hdp]; then a task (one KV head, a block of queries with all g query heads of the group) walks the tiles
-// up to its last query, RB rows at a time: a tile's scores are RB x NK accumulators (each transposed key vector read
-// once for the RB rows), the online softmax folds the tile into each row's running max and sum once per KT keys, and
-// the weighted values go into the accumulators RB rows by CB vectors at a time. No score matrix, no mask tensor: the
-// causal limit is a count of keys per row. (Tiles of one vector, re-widened by every task, ran at 51-72 GFLOP/s.)
-constexpr int NK = VW == 16 ? 4 : 2;
+// up to its last query, RB rows at a time: a tile's scores are RB x NS accumulators at a time (each transposed key
+// vector read once for the RB rows), the online softmax folds the tile into each row's running max and sum once per
+// KT keys, and the weighted values go into the accumulators RB rows by CB vectors at a time. No score matrix, no mask
+// tensor: the causal limit is a count of keys per row. (Tiles of one vector, re-widened by every task, ran at 51-72 GFLOP/s.)
+constexpr int NK = VW == 16 ? 4 : 8;
 constexpr int KT = NK * VW;
 constexpr int RB = 4;
+// A tile's scores go NS vectors at a time (RB x NS accumulators, what the registers hold: all four on AVX-512, two on
+// AVX2's 16 registers), then one softmax update a row for the whole tile: 64 keys a tile on either. On AVX2 tiles of
+// 2 vectors spent about half of prefill_rows in the softmax (its horizontal max and sum, an exp a row); tiles of 8
+// took 25-28% less time (issue 49: the bundled model's shape, fp32, the offline workload's prompts in 2048-token
+// steps); on AVX-512 tiles of 8 vectors were level with 4.
+constexpr int NS = VW == 16 ? 4 : 2;
 constexpr int CB = VW == 16 ? 4 : 2;
 constexpr int64_t TASK_ROWS = 128;                // rows (queries x group) a task aims at, to amortise each tile read
 constexpr int64_t WIDE_BYTES = int64_t(64) << 20;  // widened K/V of at most this many bytes at once (KV heads in turns)
@@ -50,22 +56,25 @@ template <int R>
 static inline void prefill_rows(const float* Q, float* acc, float* mx, float* sum, const float* Kt, const float* Vb,
                                 const int64_t* seen, int64_t k0, int64_t kn, int64_t hd, int64_t hdp,
                                 int64_t window) {
-  vf sc[R][NK];
-  for (int j = 0; j < R; ++j)
-    for (int c = 0; c < NK; ++c) sc[j][c] = vzero();
-  for (int64_t d = 0; d < hd; ++d) {
-    vf kt[NK];
-    for (int c = 0; c < NK; ++c) kt[c] = vload(Kt + d * KT + c * VW);
-    for (int j = 0; j < R; ++j) {
-      const vf qd = vset1(Q[j * hd + d]);
-      for (int c = 0; c < NK; ++c) sc[j][c] = vfmadd(qd, kt[c], sc[j][c]);
-    }
-  }
   alignas(64) float p[R][KT];
+  for (int c0 = 0; c0 < NK; c0 += NS) {
+    vf sc[R][NS];
+    for (int j = 0; j < R; ++j)
+      for (int c = 0; c < NS; ++c) sc[j][c] = vzero();
+    for (int64_t d = 0; d < hd; ++d) {
+      vf kt[NS];
+      for (int c = 0; c < NS; ++c) kt[c] = vload(Kt + d * KT + (c0 + c) * VW);
+      for (int j = 0; j < R; ++j) {
+        const vf qd = vset1(Q[j * hd + d]);
+        for (int c = 0; c < NS; ++c) sc[j][c] = vfmadd(qd, kt[c], sc[j][c]);
+      }
+    }
+    for (int j = 0; j < R; ++j)
+      for (int c = 0; c < NS; ++c) vstore(p[j] + (c0 + c) * VW, sc[j][c]);
+  }
   float corr[R];
   int64_t valid = 0;  // keys of the tile any of the R rows sees
   for (int j = 0; j < R; ++j) {
-    for (int c = 0; c < NK; ++c) vstore(p[j] + c * VW, sc[j][c]);
     const int64_t vj = std::max<int64_t>(0, std::min<int64_t>(kn, seen[j] - k0));
     for (int64_t i = vj; i < KT; ++i) p[j][i] = -INFINITY;
     if (window > 0)  // a sliding window: the keys before the row's first are out too
@@ -147,7 +156,10 @@ static void prefill_task(const T* q, T* out, const float* Kt, const float* Vw, i
     const int64_t kn = std::min<int64_t>(KT, last - k0);
     const float* kt = Kt + k0 / KT * hd * KT;
     const float* vb = Vw + k0 * hdp;
+    // rows go by query, so the rows that see none of this tile (a query before it: the block's diagonal) come
+    // first; they would add nothing (weights exp(-inf), a correction of 1), so they skip it
     int64_t r = 0;
+    while (r < rows && seen[r] <= k0) ++r;
     for (; r + RB <= rows; r += RB)
       prefill_rows<RB>(Q + r * hd, acc + r * hdp, mx + r, sum + r, kt, vb, seen + r, k0, kn, hd, hdp, window);
     for (; r + 2 <= rows; r += 2)
