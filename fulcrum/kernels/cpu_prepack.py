@@ -69,6 +69,21 @@ def packed_dtype(dtype: torch.dtype) -> torch.dtype:
 BLOCKED_MIN_ROWS = 2
 
 
+# From this many rows (prefill) an fp32 weight's linear takes torch's sgemm (MKL's) on the plain weight instead of the
+# blocked copy, by level. The blocked kernel reads each tile whole against 8 rows at a time: at AVX-512 a tile past
+# L1 (the bundled model's down projection, 768 inputs) ran at half MKL's rate, the others 15-30% below it; at AVX2
+# the two were level (bundled model's widths, 2-core AMX Xeon, issue 49: 2048 rows 17.5 against 23.3 ms a layer at
+# AVX-512, 29.0 against 29.4 at forced AVX2; 512 rows 4.0-4.2 against 4.5-5.4; 256 and fewer level or the blocked
+# ahead).
+BLAS_ROWS = {"amx": 512, "avx512_bf16": 512, "avx512": 512}
+
+
+def takes_blas(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x [..., in] times the plain fp32 `weight` goes to torch's sgemm rather than a blocked copy."""
+    rows = BLAS_ROWS.get(cpu_isa.isa())
+    return rows is not None and weight.dtype == x.dtype == torch.float32 and x.numel() >= rows * x.shape[-1]
+
+
 @functools.cache
 def min_rows(dtype: torch.dtype) -> int:
     """Rows from which a `dtype` weight's linear takes its packed copy (where `supported`)."""

@@ -46,6 +46,8 @@ class UnquantizedLinearMethod(LinearMethod):
             and x.dtype == weight.dtype
             and x.numel() >= cpu_prepack.min_rows(weight.dtype) * x.shape[-1]
         ):
+            if cpu_prepack.is_blocked(packed) and cpu_prepack.takes_blas(x, weight):
+                return torch.nn.functional.linear(x, weight, bias)
             return cpu_prepack.linear(x, packed, bias)
         return cpu_gemv.linear(x, weight, bias)
 

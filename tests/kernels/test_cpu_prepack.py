@@ -29,7 +29,7 @@ def _layer(out_features, in_features, dtype):
 
 @needs_packing
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 4, 5, 9, 16, 300])
+@pytest.mark.parametrize("rows", [1, 4, 5, 9, 16, 300, 600])
 @pytest.mark.parametrize("layout", ["fulcrum", "onednn"])
 def test_packed_linear_matches_f_linear(dtype, rows, layout, monkeypatch):
     torch.manual_seed(rows)
@@ -96,6 +96,24 @@ def test_each_weight_takes_the_layout_its_level_and_shape_allow():
         # fp32 64 rows, fp32 40 rows (a tile of 16 at AVX2 does not divide it either), bf16 64, bf16 40
         want = ["True", "False", str(level == "avx512_bf16"), "False"]
         assert res.stdout.split() == want, level
+
+
+@needs_packing
+@pytest.mark.parametrize("level", ["avx2", "avx512", "amx"])
+def test_fp32_prefill_rows_take_blas_where_it_beat_the_blocked_kernel(level, monkeypatch):
+    """At AVX-512 and above an fp32 linear of BLAS_ROWS rows or more (prefill) goes to torch's sgemm on the plain
+    weight, fewer rows to the blocked copy; at AVX2, where the two were level, every row count takes the copy."""
+    monkeypatch.setattr(cpu_isa, "isa", lambda: level)
+    layer, method = _layer(64, 48, torch.float32)
+    assert cpu_prepack.is_blocked(layer.packed_weight)
+    calls = []
+    blocked = cpu_prepack.linear
+    monkeypatch.setattr(cpu_prepack, "linear", lambda *a: calls.append(a[0].shape[0]) or blocked(*a))
+    torch.manual_seed(0)
+    for rows in (8, 511, 512, 2048):
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(method.apply(layer, x, None), F.linear(x, layer.weight), atol=1e-4, rtol=1e-4)
+    assert calls == ([8, 511] if level != "avx2" else [8, 511, 512, 2048])
 
 
 @needs_packing
