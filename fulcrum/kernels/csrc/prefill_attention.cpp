@@ -16,7 +16,8 @@ constexpr int64_t MAX_G = 16;  // query heads per KV head (cpu_attention.MAX_GRO
 // up to its last query, RB rows at a time: a tile's scores are RB x NS accumulators at a time (each transposed key
 // vector read once for the RB rows), the online softmax folds the tile into each row's running max and sum once per
 // KT keys, and the weighted values go into the accumulators RB rows by CB vectors at a time. No score matrix, no mask
-// tensor: the causal limit is a count of keys per row. (Tiles of one vector, re-widened by every task, ran at 51-72 GFLOP/s.)
+// tensor: the causal limit is a count of keys per row. (Tiles of one vector, re-widened by every task, ran at 51-72
+// GFLOP/s.)
 constexpr int NK = VW == 16 ? 4 : 8;
 constexpr int KT = NK * VW;
 constexpr int RB = 4;
