@@ -25,9 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import cpu_summary, save_json  # noqa: E402
-from fulcrum.errors import KernelBindingError  # noqa: E402
-from fulcrum.kernels import cpu_attention, cpu_ext  # noqa: E402
+from benchmarks.common import cpu_summary, kernel_build, save_json  # noqa: E402
+from fulcrum.kernels import cpu_attention  # noqa: E402
 
 
 def paged_tables(seqs: int, ctx: int, prompt: int, block: int) -> torch.Tensor:
@@ -44,20 +43,6 @@ def paged_tables(seqs: int, ctx: int, prompt: int, block: int) -> torch.Tensor:
             table[i, b] = nxt
             nxt += 1
     return table
-
-
-def against(source: str):
-    """Another source of the kernel, built as cpu_attention builds today's (the same level and defines)."""
-    if not Path(source).is_file():
-        sys.exit(f"--against: no such file: {source}")
-    try:
-        lib = cpu_ext.load(source, cpu_attention.level(), cpu_attention.BINDINGS["decode_attention.cpp"],
-                           defines={"QUANTIZED_KV": 0})  # fmt: skip
-    except KernelBindingError as e:
-        sys.exit(f"--against: {e}")
-    if lib is None:
-        sys.exit(f"--against: {source} did not build (the compiler's error is in the log above)")
-    return lib.fulcrum_decode_attention
 
 
 def main() -> None:
@@ -91,7 +76,8 @@ def main() -> None:
         sys.exit("the decode attention kernel is not built at this ISA level")
     kernels = {"fulcrum": cpu_attention._decode()}
     if args.against:
-        kernels["against"] = against(str(Path(args.against).resolve()))
+        source = str(Path(args.against).resolve())
+        kernels["against"] = kernel_build(source, "decode_attention.cpp", {"QUANTIZED_KV": 0}).fulcrum_decode_attention
     outs = {name: [torch.empty_like(q) for q in qs] for name in kernels}
 
     def step(name: str) -> None:

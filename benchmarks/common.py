@@ -115,6 +115,24 @@ def fulcrum_server(folder: Path, *flags: str, log_path: Path | None = None):
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 
 
+def kernel_build(source: str, kernel: str, defines: dict | None = None):
+    """Another source of one of fulcrum's CPU attention kernels (`kernel`: its file in csrc/, for the bindings), built
+    at the level cpu_attention builds today's; exits with one line where it is missing, binds differently or does not
+    build (the benches' `--against`)."""
+    from fulcrum.errors import KernelBindingError
+    from fulcrum.kernels import cpu_attention, cpu_ext
+
+    if not Path(source).is_file():
+        raise SystemExit(f"--against: no such file: {source}")
+    try:
+        lib = cpu_ext.load(source, cpu_attention.level(), cpu_attention.BINDINGS[kernel], defines=defines)
+    except KernelBindingError as e:
+        raise SystemExit(f"--against: {e}") from None
+    if lib is None:
+        raise SystemExit(f"--against: {source} did not build (the compiler's error is in the log above)")
+    return lib
+
+
 def cpu_summary() -> str:
     """One line for the top of a benchmark's output: the CPU, its cores and the ISA flags the kernels look at."""
     name, flags = "unknown CPU", set()
