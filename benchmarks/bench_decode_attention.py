@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import cpu_summary, kernel_build, save_json  # noqa: E402
+from benchmarks.common import cpu_summary, in_turn, kernel_build, save_json  # noqa: E402
 from fulcrum.kernels import cpu_attention  # noqa: E402
 
 
@@ -87,17 +86,8 @@ def main() -> None:
                lens.data_ptr(), o.data_ptr(), args.seqs, args.heads, args.kv_heads, args.head_dim, args.block,
                table.shape[1], args.head_dim**-0.5, 0, 0.0, None)  # fmt: skip
 
-    runs = {name: [] for name in [*kernels, "plain read"]}
-    for _ in range(args.rounds):
-        for name in runs:
-            fn = (lambda: plain.sum()) if name == "plain read" else (lambda n=name: step(n))
-            fn()
-            best = float("inf")
-            for _ in range(8):
-                t0 = time.perf_counter()
-                fn()
-                best = min(best, time.perf_counter() - t0)
-            runs[name].append(best * 1e3)
+    calls = {name: (lambda n=name: step(n)) for name in kernels} | {"plain read": plain.sum}
+    runs = in_turn(calls, args.rounds, passes=8)
     if args.against and not all(torch.equal(a, b) for a, b in zip(outs["fulcrum"], outs["against"])):
         sys.exit("the two builds differ in their output")
 

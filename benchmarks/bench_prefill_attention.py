@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import cpu_summary, kernel_build, save_json, workload  # noqa: E402
+from benchmarks.common import cpu_summary, in_turn, kernel_build, save_json, workload  # noqa: E402
 from fulcrum.kernels import cpu_attention  # noqa: E402
 
 
@@ -82,16 +81,7 @@ def main() -> None:
                cols[1].data_ptr(), cols[2].data_ptr(), cols[3].data_ptr(), cols.shape[1], h, kvh, hd, q.stride(0),
                k.stride(0), v.stride(0), o.stride(0), hd**-0.5, 0, None)  # fmt: skip
 
-    runs = {name: [] for name in libs}
-    for _ in range(args.rounds):
-        for name in libs:
-            layer(name)
-            best = float("inf")
-            for _ in range(3):
-                t0 = time.perf_counter()
-                layer(name)
-                best = min(best, time.perf_counter() - t0)
-            runs[name].append(best * 1e3)
+    runs = in_turn({name: (lambda n=name: layer(n)) for name in libs}, args.rounds, passes=3)
 
     print(cpu_summary())
     print(f"{len(lens)} prompts ({sum(lens)} tokens, {min(lens)}-{max(lens)}) in {len(steps)} steps of up to "

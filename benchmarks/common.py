@@ -115,6 +115,22 @@ def fulcrum_server(folder: Path, *flags: str, log_path: Path | None = None):
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 
 
+def in_turn(fns: dict, rounds: int, passes: int) -> dict[str, list[float]]:
+    """Each of `fns` (name -> a call) timed in turn, `rounds` times: a call to warm it, then the best of `passes`
+    calls, in ms. Alternating the candidates within each round keeps the VM's drift out of their comparison."""
+    runs = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            fn()
+            best = float("inf")
+            for _ in range(passes):
+                t0 = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t0)
+            runs[name].append(best * 1e3)
+    return runs
+
+
 def kernel_build(source: str, kernel: str, defines: dict | None = None):
     """Another source of one of fulcrum's CPU attention kernels (`kernel`: its file in csrc/, for the bindings), built
     at the level cpu_attention builds today's; exits with one line where it is missing, binds differently or does not
