@@ -78,10 +78,18 @@ BLOCKED_MIN_ROWS = 2
 BLAS_ROWS = {"amx": 512, "avx512_bf16": 512, "avx512": 512}
 
 
+@functools.cache
+def blas_rows() -> int | None:
+    """BLAS_ROWS at this level (read once: every linear asks), or None where the blocked copy takes every row count."""
+    return BLAS_ROWS.get(cpu_isa.isa())
+
+
 def takes_blas(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x [..., in] times the plain fp32 `weight` goes to torch's sgemm rather than a blocked copy."""
-    rows = BLAS_ROWS.get(cpu_isa.isa())
-    return rows is not None and weight.dtype == x.dtype == torch.float32 and x.numel() >= rows * x.shape[-1]
+    if not weight.dtype == x.dtype == torch.float32:
+        return False
+    rows = blas_rows()
+    return rows is not None and x.numel() >= rows * x.shape[-1]
 
 
 @functools.cache

@@ -2,6 +2,7 @@
 level (bf16 packed widened to fp32 where torch has no native bf16 matmul), each layout where it applies, the GEMV kept
 for few rows, and nothing packed below avx2 or when turned off."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -104,6 +105,8 @@ def test_fp32_prefill_rows_take_blas_where_it_beat_the_blocked_kernel(level, mon
     """At AVX-512 and above an fp32 linear of BLAS_ROWS rows or more (prefill) goes to torch's sgemm on the plain
     weight, fewer rows to the blocked copy; at AVX2, where the two were level, every row count takes the copy."""
     monkeypatch.setattr(cpu_isa, "isa", lambda: level)
+    # a cache of its own, read at this level (the module's keeps the real one)
+    monkeypatch.setattr(cpu_prepack, "blas_rows", functools.cache(cpu_prepack.blas_rows.__wrapped__))
     layer, method = _layer(64, 48, torch.float32)
     assert cpu_prepack.is_blocked(layer.packed_weight)
     calls = []
