@@ -24,8 +24,9 @@ constexpr int RB = 4;
 // A tile's scores go NS vectors at a time (RB x NS accumulators, what the registers hold: all four on AVX-512, two on
 // AVX2's 16 registers), then one softmax update a row for the whole tile: 64 keys a tile on either. On AVX2 tiles of
 // 2 vectors spent about half of prefill_rows in the softmax (its horizontal max and sum, an exp a row); tiles of 8
-// took 25-28% less time (issue 49: the bundled model's shape, fp32, the offline workload's prompts in 2048-token
-// steps); on AVX-512 tiles of 8 vectors were level with 4.
+// took 21-26% less time in a slow hour of the VM and 10-13% in a faster one (issue 49: the bundled model's shape,
+// fp32, the offline workload's prompts in 2048-token steps, benchmarks/bench_prefill_attention.py); on AVX-512 tiles
+// of 8 vectors were level with 4.
 constexpr int NS = VW == 16 ? 4 : 2;
 constexpr int CB = VW == 16 ? 4 : 2;
 constexpr int64_t TASK_ROWS = 128;                // rows (queries x group) a task aims at, to amortise each tile read
