@@ -7,7 +7,6 @@ A session's turns go one after another, each carrying the history and the replie
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import math
 import time
@@ -307,8 +306,11 @@ async def until_stop(work, stop: asyncio.Event | None) -> bool:
         main.result()  # re-raise what went wrong inside
         return False
     main.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
+    try:
         await main
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():  # this task was cancelled too (Ctrl-C under asyncio.run): go on
+            raise
     return True
 
 

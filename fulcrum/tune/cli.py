@@ -175,8 +175,11 @@ def _base_flags(base_args: tuple[str, ...]) -> dict:
     return out
 
 
-def _on_sigterm(signum, frame):
-    """SIGTERM (what `timeout` and job runners send) stops a tune as Ctrl-C does: servers stopped, report kept."""
+def _stop(signum, frame):
+    """Ctrl-C, or SIGTERM (what `timeout` and job runners send): the walk stops, servers stopped, report kept.
+    Raised here, not left to Python's default: inside a measurement asyncio.run would turn SIGINT into a
+    cancellation of its task, which a load run that is itself stopping its requests can absorb, so the tune
+    walked on; and a tune started with SIGINT ignored (a background job of a script) would not stop at all."""
     raise KeyboardInterrupt
 
 
@@ -286,7 +289,7 @@ class Tune:
                     self.progress, fleet=self.fleet_sim(),
                     fleet_why="--serve-cmd is another engine: fulcrum sim simulates fulcrum's")  # fmt: skip
         t0, stopped_by = time.monotonic(), None
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             walk.run()
         except KeyboardInterrupt:
@@ -295,7 +298,8 @@ class Tune:
             stopped_by = f"error: {type(e).__name__}: {e}"
         finally:
             stop_all()
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         elapsed = time.monotonic() - t0
         doc = {
             "tool": "fulcrum tune",

@@ -362,3 +362,33 @@ def test_a_cancelled_run_keeps_what_it_measured_and_leaves_nothing_running():
     assert partial.interrupted
     assert sorted(str(r.error) for r in partial.results) == ["None", "None", "interrupted", "interrupted"]
     assert inflight == 0 and sent == 4  # no request went on, or was sent, after the cancel
+
+
+def test_a_cancel_that_comes_while_a_stopped_run_winds_down_is_not_swallowed():
+    # Ctrl-C under asyncio.run cancels the main task; if that lands while until_stop waits for its stopped work
+    # to finish, the cancel must still end the caller (a tune walked on through candidates when it was lost)
+    from fulcrum.bench.loadgen import until_stop
+
+    async def work():
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.2)  # a slow wind-down: requests in flight being recorded
+            raise
+
+    async def caller(stop):
+        stopped = await until_stop(work(), stop)
+        return "went on" if stopped else "finished"
+
+    async def main():
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(caller(stop))
+        await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.sleep(0.05)  # until_stop is now waiting for the work's wind-down
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return task.cancelled()
+
+    assert asyncio.run(main())
