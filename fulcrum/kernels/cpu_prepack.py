@@ -70,18 +70,22 @@ BLOCKED_MIN_ROWS = 2
 
 
 # From this many rows (prefill) an fp32 weight's linear takes torch's sgemm (MKL's) on the plain weight instead of the
-# blocked copy, by level. The blocked kernel reads each tile whole against 8 rows at a time: at AVX-512 a tile past
-# L1 (the bundled model's down projection, 768 inputs) ran at half MKL's rate, the others 15-30% below it; at AVX2
-# the two were level (bundled model's widths, 2-core AMX Xeon, issue 49: 2048 rows 17.5 against 23.3 ms a layer at
-# AVX-512, 29.0 against 29.4 at forced AVX2; 512 rows 4.0-4.2 against 4.5-5.4; 256 and fewer level or the blocked
-# ahead).
+# blocked copy, by level, on Intel CPUs. The blocked kernel reads each tile whole against 8 rows at a time: at AVX-512
+# a tile past L1 (the bundled model's down projection, 768 inputs) ran at half MKL's rate, the others 15-30% below it;
+# at AVX2 the two were level (bundled model's widths, 2-core AMX Xeon, issue 49: 2048 rows 17.5 against 23.3 ms a
+# layer at AVX-512, 29.0 against 29.4 at forced AVX2; 512 rows 4.0-4.2 against 4.5-5.4; 256 and fewer level or the
+# blocked ahead). MKL runs its AVX-512 kernels on Intel's CPUs only: on a 2-core AMD EPYC (Zen 5, AVX-512 BF16) its
+# sgemm ran 200-212 GFLOP/s at 512-2048 rows of the same shapes against the blocked kernel's 449-480 (a layer 15.7
+# against 7.0 ms at 2048 rows), so elsewhere the blocked copy takes every row count.
 BLAS_ROWS = {"amx": 512, "avx512_bf16": 512, "avx512": 512}
+BLAS_VENDORS = ("GenuineIntel",)
 
 
 @functools.cache
 def blas_rows() -> int | None:
-    """BLAS_ROWS at this level (read once: every linear asks), or None where the blocked copy takes every row count."""
-    return BLAS_ROWS.get(cpu_isa.isa())
+    """BLAS_ROWS at this level and vendor (read once: every linear asks), or None where the blocked copy takes every
+    row count."""
+    return BLAS_ROWS.get(cpu_isa.isa()) if cpu_isa.vendor() in BLAS_VENDORS else None
 
 
 def takes_blas(x: torch.Tensor, weight: torch.Tensor) -> bool:

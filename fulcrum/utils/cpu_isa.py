@@ -41,17 +41,29 @@ TORCH_ISA_ENV = {
 }
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's flags, read once (the kernels' choices ask per call)."""
+def _cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                name, _, value = line.partition(":")
+                if name.strip() == field:
+                    return value.strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's flags, read once (the kernels' choices ask per call)."""
+    return frozenset(_cpuinfo("flags").split())
+
+
+@functools.cache
+def vendor() -> str:
+    """The CPU's vendor id (GenuineIntel, AuthenticAMD), read once: MKL picks its kernels by it."""
+    return _cpuinfo("vendor_id")
 
 
 def detected_isa() -> str:
