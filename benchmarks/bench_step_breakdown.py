@@ -13,6 +13,13 @@ slower than the plain one; both are printed.
 The floor of a step, measured in the same run: the bytes it must read (every weight once, and the KV cache of
 every row) at this machine's read bandwidth, or its linears' FLOPs at the rate a large matmul of the model's dtype
 reaches here, whichever is larger. Nothing else in the process while it runs (2 cores: time nothing beside it).
+
+    .venv/bin/python benchmarks/bench_step_breakdown.py --model bundled --dtype float32 --workload 64
+
+--workload N splits a whole offline run instead: bench_vs_vllm's throughput workload (N requests, prompts of 64-512
+tokens, 32-256 out, greedy, eos ignored; the same lengths, fresh token ids each run) in one `generate`, its time
+divided into prefill steps (a step with any prompt tokens in it), decode-only steps, and the time between steps
+(scheduling, outputs, detokenizing), each step kind by kernel entry point as above. --repeats runs, each printed.
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ from benchmarks.common import cpu_summary, memory_bandwidth_gbs, model_folder, s
 ENTRY_POINTS = (
     ("cpu_prepack", "linear", "linears"),
     ("cpu_gemv", "linear", "linears"),
-    ("cpu_attention", "decode", "attention"),
+    ("cpu_attention", "decode", "decode attention"),
+    ("cpu_attention", "prefill", "prefill attention"),
+    ("cpu_attention", "prefill_varlen", "prefill attention"),
     ("cpu_act", "silu_and_mul", "activation"),
     ("cpu_norm", "rms_norm", "norms"),
     ("cpu_rope", "rope_and_cache", "rope+cache"),
@@ -48,16 +57,21 @@ class Timers:
         self.seconds = collections.Counter()
         self.calls = collections.Counter()
         self.undo = []
+        self.depth = 0  # inside a timed call: an entry point it calls is its time, not counted twice
 
     def wrap(self, module, name: str, category: str) -> None:
         fn = getattr(module, name)
 
         @functools.wraps(fn)
         def timed(*args, **kwargs):
+            if self.depth:
+                return fn(*args, **kwargs)
+            self.depth += 1
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                self.depth -= 1
                 self.seconds[category] += time.perf_counter() - t
                 self.calls[category] += 1
 
@@ -70,8 +84,11 @@ class Timers:
         for mod, name, category in ENTRY_POINTS:
             self.wrap(importlib.import_module(f"fulcrum.kernels.{mod}"), name, category)
         from fulcrum.kernels.cpu_decode_stack import DecodeStack
+        from fulcrum.quant.base import UnquantizedLinearMethod
 
         self.wrap(DecodeStack, "run", "decode stack")
+        # every path of an unquantized linear: fulcrum's kernels, oneDNN's packed weight, torch's F.linear (MKL)
+        self.wrap(UnquantizedLinearMethod, "apply", "linears")
 
     def remove(self) -> None:
         for module, name, fn in reversed(self.undo):
@@ -109,6 +126,65 @@ def gemm_rate(dtype: torch.dtype, n: int = 1024) -> float:
     return 2 * n**3 / best
 
 
+def whole_run(llm, vocab: int, n: int, repeats: int) -> list[dict]:
+    """--workload: each run's time by step kind, and each kind's by kernel entry point (seconds)."""
+    from benchmarks.common import workload
+    from fulcrum import SamplingParams
+
+    lengths = [(len(ids), out) for ids, out in workload(n, vocab)]
+    g = torch.Generator().manual_seed(1)
+    runner = llm.core.runner
+    execute = runner.execute
+    timers = Timers()
+    kinds: dict = {}
+
+    def timed_execute(sched):
+        prefill = any(s.request.num_computed_tokens < s.request.num_prompt_tokens for s in sched.scheduled)
+        kind = kinds.setdefault("prefill" if prefill else "decode", {"steps": 0, "rows": 0, "s": 0.0, "parts": {}})
+        before = dict(timers.seconds)
+        t = time.perf_counter()
+        try:
+            return execute(sched)
+        finally:
+            kind["s"] += time.perf_counter() - t
+            kind["steps"] += 1
+            kind["rows"] += len(sched.scheduled)
+            for k, v in timers.seconds.items():
+                kind["parts"][k] = kind["parts"].get(k, 0.0) + v - before.get(k, 0.0)
+
+    def run(timed: bool) -> float:
+        prompts = [{"prompt_token_ids": torch.randint(10, vocab, (p,), generator=g).tolist()} for p, _ in lengths]
+        params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in lengths]
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t
+
+    run(False)  # warm: the first run's allocations and caches are not the workload's
+    results = []
+    for i in range(repeats):
+        kinds.clear()
+        timers.seconds.clear()
+        timers.install()
+        runner.execute = timed_execute
+        try:
+            total = run(True)
+        finally:
+            del runner.execute
+            timers.remove()
+        between = total - sum(k["s"] for k in kinds.values())
+        results.append({"total_s": total, "between_steps_s": between, **kinds})
+        print(f"run {i + 1}: {total:.2f} s; between steps {between:.2f} s")
+        for name, k in kinds.items():
+            rest = k["s"] - sum(k["parts"].values())
+            print(f"  {name} steps: {k['steps']}, {k['rows'] / max(1, k['steps']):.1f} rows on average, {k['s']:.2f} s"
+                  f" ({1e3 * k['s'] / max(1, k['steps']):.1f} ms a step)")  # fmt: skip
+            for part, v in sorted(k["parts"].items(), key=lambda kv: -kv[1]):
+                if v >= 0.005:
+                    print(f"    {part:18s} {v:7.2f} s  {100 * v / k['s']:5.1f}%")
+            print(f"    {'rest':18s} {rest:7.2f} s  {100 * rest / k['s']:5.1f}%  (Python, sampler, inputs)")
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen05", help="bundled, qwen05 (random weights, Qwen2.5-0.5B shape), a folder")
@@ -117,6 +193,13 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="unwrapped timings; the median is reported")
+    p.add_argument(
+        "--workload",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split a whole offline run of N requests (bench_vs_vllm's workload) by step kind instead",
+    )
     p.add_argument("--work-dir", default="/tmp/fulcrum-bench")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -132,6 +215,14 @@ def main() -> None:
     model = core.runner.model
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)
+    if args.workload:
+        print(f"{cpu_summary()}; ISA {cpu_isa.isa()}, {torch.get_num_threads()} threads")
+        print(f"{args.model} {args.dtype}, workload of {args.workload} requests")
+        runs = whole_run(llm, vocab, args.workload, args.repeats)
+        save_json(args.out, {"machine": cpu_summary(), "isa": cpu_isa.isa(), "model": args.model,
+                             "dtype": args.dtype, "workload": args.workload, "runs": runs})  # fmt: skip
+        llm.close()
+        return
     rounds = iter(range(1 << 30))
 
     def run(tokens: int) -> float:
