@@ -335,12 +335,23 @@ static int64_t rows_scratch_floats(int64_t H, int64_t max_ctx) {
 // idle. Taken then, not earlier, so that a thread holds a sequence the other threads could run only for that pass.
 // Measured (issue 49; the bundled model's shape as below, in turn, medians of 12): a row every 4 values 16.3 ->
 // 16.1 ms natively and 18.5 -> 17.5 at AVX2; every 2 values or every value slower than none.
+// On AMD's CPUs the prefetches cost more than they hid (a 2-core AMD EPYC, Zen 5, bench_decode_attention against
+// the build with them, in turn: 5.49 -> 5.26, 5.57 -> 5.40 and 6.48 -> 6.13 ms natively, 6.45 -> 6.33 and 6.83 ->
+// 6.38 at forced AVX2): there the next sequence is taken as before, and not prefetched (PREFETCH_NEXT, a template
+// argument: a run-time flag tested in the values' loop made the loop 15% slower than either).
 struct NextSeq {
   int64_t index = 0;
   const int64_t* table = nullptr;
   int64_t pos = 0, ctx = 0;
 };
 constexpr int64_t NEXT_EVERY = 4;
+static bool prefetch_next() {
+  static const bool on = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return on;
+}
 
 // One sequence's every head in one pass over its cached tokens' rows, VW tokens at a time. Each row's cache lines
 // are first read in order (a 4-byte load a line), so that the hardware prefetchers see one sequential stream a
@@ -351,7 +362,7 @@ constexpr int64_t NEXT_EVERY = 4;
 // queries and the value sums [H][NV * VW], the sums' inverses [H] and the scores [H][n rounded up to whole vectors]
 // (rows_scratch_floats); q and out [H, HD] contiguous.
 // `take_next()`: the thread's next sequence (NextSeq), whose index attend_rows returns.
-template <typename T, typename C, int HD, typename TakeNext>
+template <typename T, typename C, int HD, bool PREFETCH_NEXT, typename TakeNext>
 static int64_t attend_rows(const T* q, const C* kc, const C* vc, const c10::Half* ksc, const c10::Half* vsc,
                            const int64_t* table, int64_t start, int64_t ctx, int64_t bs, int64_t KVH, int64_t g,
                            float scale, float softcap, const float* sinks, float* scratch, T* out,
@@ -388,7 +399,7 @@ static int64_t attend_rows(const T* q, const C* kc, const C* vc, const c10::Half
   softmax(scores, H, n, np, softcap, sinks, inv);
   NextSeq next = take_next();
   for_each_chunk(vc, [&](int64_t i0, const C* const* rows, const int64_t* slots, int64_t m) {
-    if (both && next.table)
+    if (PREFETCH_NEXT && both && next.table)
       for (int64_t r = 0; r < m / NEXT_EVERY && next.pos < next.ctx; ++r, ++next.pos) {
         const int64_t at = (next.table[next.pos / bs] * bs + next.pos % bs) * kv_stride;
         for (const C* cache : {kc, vc})
@@ -419,9 +430,11 @@ static void run(const T* qp, const C* kp, const C* vp, const c10::Half* ks, cons
     };
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       std::vector<float> scratch(rows_scratch_floats<HD>(H, max_ctx));
+      using Take = decltype(take_next);
+      const auto seq = prefetch_next() ? attend_rows<T, C, HD, true, Take> : attend_rows<T, C, HD, false, Take>;
       for (int64_t i = next.fetch_add(1); i < D;)
-        i = attend_rows<T, C, HD>(qp + i * H * HD, kp, vp, ks, vs, tp + i * width, first(i), lp[i], bs, KVH, g,
-                                  scale, softcap, sinks, scratch.data(), op + i * H * HD, take_next);
+        i = seq(qp + i * H * HD, kp, vp, ks, vs, tp + i * width, first(i), lp[i], bs, KVH, g, scale, softcap, sinks,
+                scratch.data(), op + i * H * HD, take_next);
     });
     return;
   }
