@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.test_http_errors import assert_error, metric, post
+from tests.server.test_http_errors import assert_error, metric, post, running
 
 GREEDY = {"prompt": "ROMEO:", "max_tokens": 6, "temperature": 0}
 
@@ -182,7 +182,7 @@ def read_stream(server, body, events: list, started: threading.Event):
 
 
 def test_sigterm_past_the_drain_timeout_ends_every_request_cleanly(fresh_server):
-    s = fresh_server("--drain-timeout", "1")
+    s = fresh_server("--drain-timeout", "0.2")
     long = {"prompt": "A", "max_tokens": 900, "ignore_eos": True}
     events, started = [], threading.Event()
     streamer = threading.Thread(target=read_stream, args=(s, {**long, "stream": True}, events, started))
@@ -191,7 +191,7 @@ def test_sigterm_past_the_drain_timeout_ends_every_request_cleanly(fresh_server)
     streamer.start()
     poster.start()
     assert started.wait(30)
-    time.sleep(0.3)
+    running(s, 2)  # both in the engine; 900 tokens take ~1 s on a fast CPU, so the drain must be shorter than that
     s.proc.send_signal(signal.SIGTERM)
     streamer.join(60)
     poster.join(60)

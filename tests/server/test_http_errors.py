@@ -83,6 +83,19 @@ def metric(server, name):
     raise KeyError(name)
 
 
+def running(server, n: int, timeout: float = 30) -> None:
+    """Wait until the server's engine runs at least `n` requests."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if metric(server, "fulcrum:num_requests_running") >= n:
+                return
+        except KeyError:  # no step has reported yet
+            pass
+        assert time.time() < deadline, f"fewer than {n} requests running after {timeout} s"
+        time.sleep(0.02)
+
+
 def test_mid_stream_disconnect_frees_kv_blocks(server):
     body = {"prompt": "ROMEO:", "max_tokens": 600, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
@@ -194,7 +207,7 @@ def test_engine_death_fails_requests_and_exits_nonzero(fresh_server):
         )
     )
     t.start()
-    time.sleep(1.0)
+    running(s, 1)  # the request is in the engine: killed now, not after it ends (900 tokens take ~1 s on a fast CPU)
     os.kill(s.engine_pid(), signal.SIGKILL)
     t.join(30)
     assert results and results[0].status_code >= 500
