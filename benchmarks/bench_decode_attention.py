@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import cpu_summary, in_turn, kernel_build, save_json  # noqa: E402
+from benchmarks.common import add_attention_kernel_args, cpu_summary, in_turn, kernel_build, save_json  # noqa: E402
 from fulcrum.kernels import cpu_attention  # noqa: E402
 
 
@@ -50,14 +50,8 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=482, help="tokens of context per sequence")
     p.add_argument("--prompt", type=int, default=450, help="tokens of each sequence's contiguous prompt blocks")
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--block", type=int, default=16)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--against", help="another decode_attention.cpp, timed in turn with today's")
-    p.add_argument("--out", type=Path)
+    add_attention_kernel_args(p, "decode_attention.cpp")
     args = p.parse_args()
 
     dt = getattr(torch, args.dtype)

@@ -23,7 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import cpu_summary, in_turn, kernel_build, save_json, workload  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_attention_kernel_args,
+    cpu_summary,
+    in_turn,
+    kernel_build,
+    save_json,
+    workload,
+)
 from fulcrum.kernels import cpu_attention  # noqa: E402
 
 
@@ -44,13 +51,7 @@ def main() -> None:
     p.add_argument("--min-len", type=int, default=64)
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--budget", type=int, default=2048, help="tokens a step (max_num_batched_tokens)")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--against", help="another prefill_attention.cpp, timed in turn with today's")
-    p.add_argument("--out", type=Path)
+    add_attention_kernel_args(p, "prefill_attention.cpp")
     args = p.parse_args()
 
     if cpu_attention._prefill() is None:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import cpu_summary, memory_bandwidth_gbs, model_folder, save_json  # noqa: E402
+from benchmarks.common import cpu_summary, in_turn, memory_bandwidth_gbs, model_folder, save_json  # noqa: E402
 
 # (module, function, category): the kernel entry points the model's layers call
 ENTRY_POINTS = (
@@ -120,18 +120,12 @@ def gemm_rate(dtype: torch.dtype, n: int = 1024) -> float:
     from fulcrum.kernels import cpu_prepack
 
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    fns = [lambda: a @ b]
+    fns = {"torch": lambda: a @ b}
     if cpu_prepack.supported() and cpu_prepack.blocks(b):
         blocked = cpu_prepack.block(b)
-        fns.append(lambda: cpu_prepack.linear(a, blocked, None))
-    best = float("inf")
-    for fn in fns:
-        fn()
-        for _ in range(5):
-            t = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+        fns["blocked"] = lambda: cpu_prepack.linear(a, blocked, None)
+    best_ms = min(min(ms) for ms in in_turn(fns, rounds=1, passes=5).values())
+    return 2 * n**3 / (best_ms / 1e3)
 
 
 def whole_run(llm, vocab: int, n: int, repeats: int) -> list[dict]:
@@ -160,14 +154,14 @@ def whole_run(llm, vocab: int, n: int, repeats: int) -> list[dict]:
             for k, v in timers.seconds.items():
                 kind["parts"][k] = kind["parts"].get(k, 0.0) + v - before.get(k, 0.0)
 
-    def run(timed: bool) -> float:
+    def run() -> float:
         prompts = [{"prompt_token_ids": torch.randint(10, vocab, (p,), generator=g).tolist()} for p, _ in lengths]
         params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in lengths]
         t = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t
 
-    run(False)  # warm: the first run's allocations and caches are not the workload's
+    run()  # warm: the first run's allocations and caches are not the workload's
     results = []
     for i in range(repeats):
         kinds.clear()
@@ -175,7 +169,7 @@ def whole_run(llm, vocab: int, n: int, repeats: int) -> list[dict]:
         timers.install()
         runner.execute = timed_execute
         try:
-            total = run(True)
+            total = run()
         finally:
             del runner.execute
             timers.remove()

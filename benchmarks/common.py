@@ -131,6 +131,18 @@ def in_turn(fns: dict, rounds: int, passes: int) -> dict[str, list[float]]:
     return runs
 
 
+def add_attention_kernel_args(p: argparse.ArgumentParser, kernel: str) -> None:
+    """The flags both attention kernel benches take: the bundled model's head shape and dtype by default, rounds,
+    `--against` another source of `kernel` (its file in csrc/), `--out`."""
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--against", help=f"another {kernel}, timed in turn with today's")
+    p.add_argument("--out", type=Path)
+
+
 def kernel_build(source: str, kernel: str, defines: dict | None = None):
     """Another source of one of fulcrum's CPU attention kernels (`kernel`: its file in csrc/, for the bindings), built
     at the level cpu_attention builds today's; exits with one line where it is missing, binds differently or does not

@@ -97,15 +97,7 @@ def test_a_full_queue_shows_as_full_in_metrics(fresh_server):
 
     threads = [threading.Thread(target=fire) for _ in range(6)]
     threads[0].start()
-    # one request running first: until the core reports it, admission counts every request in flight as waiting
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        try:
-            if metric(s, "fulcrum:num_requests_running") >= 1:
-                break
-        except KeyError:  # the gauge appears with the core's first report
-            pass
-        time.sleep(0.05)
+    running(s, 1)  # one request running first: until the core reports it, admission counts every request as waiting
     for t in threads[1:]:
         t.start()
     for t in threads:

@@ -90,7 +90,7 @@ def running(server, n: int, timeout: float = 30) -> None:
         try:
             if metric(server, "fulcrum:num_requests_running") >= n:
                 return
-        except KeyError:  # no step has reported yet
+        except KeyError:  # the gauge appears with the core's first report
             pass
         assert time.time() < deadline, f"fewer than {n} requests running after {timeout} s"
         time.sleep(0.02)
