@@ -25,14 +25,15 @@ static inline void store(c10::BFloat16* y, float v) { *y = c10::BFloat16(v); }
 // alone left a bf16 GEMV well short of a plain read of the same bytes (benchmarks/results/
 // cpu-throughput-qwen05-bf16-intel-before-prefetch.log, cpu-kernel-figures-from-comments.log).
 constexpr int STREAM_AHEAD = 4096;
-static inline void prefetch_stream(const void* p) { _mm_prefetch((const char*)p + STREAM_AHEAD, _MM_HINT_T0); }
+template <int AHEAD = STREAM_AHEAD>
+static inline void prefetch_stream(const void* p) { _mm_prefetch((const char*)p + AHEAD, _MM_HINT_T0); }
 // the same for a loop step that reads BYTES of the stream at p, `at` bytes into it: one request a cache line, so a
 // step of less than a line asks on every 64th byte only
-template <int64_t BYTES>
+template <int64_t BYTES, int AHEAD = STREAM_AHEAD>
 static inline void prefetch_span(const void* p, int64_t at) {
   if (BYTES >= 64) {
-    for (int64_t b = 0; b < BYTES; b += 64) prefetch_stream((const char*)p + b);
+    for (int64_t b = 0; b < BYTES; b += 64) prefetch_stream<AHEAD>((const char*)p + b);
   } else if (at % 64 == 0) {
-    prefetch_stream(p);
+    prefetch_stream<AHEAD>(p);
   }
 }
