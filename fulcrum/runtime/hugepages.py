@@ -37,32 +37,40 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = Tru
     return huge_page_bytes(n * dtype.itemsize, huge).view(dtype).view(shape)
 
 
+# A linear's second copies of its weight in fulcrum's own layout (kernels/cpu_prepack.py: `packed_weight`, and at AMX
+# `small_weight`), held as plain attributes: the copies a decode step of several rows streams, so they go to the
+# region too (oneDNN's opaque packed tensors stay where oneDNN put them)
+PACKED_ATTRS = ("packed_weight", "small_weight")
+
+
 def move_parameters_to_huge_pages(model: nn.Module) -> int:
-    """Copy every CPU parameter and buffer of `model` (a quantized layer's packed weights are buffers) into one
-    huge-page region, module by module in registration order (the order a forward reads them); tied parameters stay
-    tied. Returns the bytes moved."""
-    tensors, seen = [], set()  # (module, name, is a parameter)
+    """Copy every CPU parameter and buffer of `model` (a quantized layer's packed weights are buffers), and each
+    linear's packed copies in fulcrum's layout (PACKED_ATTRS), into one huge-page region, module by module in
+    registration order (the order a forward reads them); tied parameters stay tied. Returns the bytes moved."""
+    tensors, seen = [], set()  # (the dict that holds it: a module's parameters, buffers or attributes; its name)
     for module in model.modules():
-        for kind, table in ((True, module._parameters), (False, module._buffers)):
-            for name, t in table.items():
-                if t is not None and t.device.type == "cpu" and t.numel() and id(t) not in seen:
-                    seen.add(id(t))
-                    tensors.append((module, name, kind))
+        places = [(module._parameters, n) for n in module._parameters] + [(module._buffers, n) for n in module._buffers]
+        places += [(module.__dict__, n) for n in PACKED_ATTRS if n in module.__dict__]
+        for table, name in places:
+            t = table[name]
+            cpu = isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu"
+            if cpu and t.numel() and id(t) not in seen:
+                seen.add(id(t))
+                tensors.append((table, name))
     offsets, total = [], 0
-    for module, name, kind in tensors:
-        t = (module._parameters if kind else module._buffers)[name]
+    for table, name in tensors:
+        t = table[name]
         offsets.append(total)
         total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
     if not total:
         return 0
     arena = huge_page_bytes(total)
-    for (module, name, kind), off in zip(tensors, offsets):
-        table = module._parameters if kind else module._buffers
+    for (table, name), off in zip(tensors, offsets):
         t = table[name]
         nbytes = t.numel() * t.element_size()
         new = arena[off : off + nbytes].view(t.dtype).view(t.shape)
-        new.copy_(t.data)
-        if kind:
+        new.copy_(t.detach())
+        if isinstance(t, nn.Parameter):
             t.data = new
         else:
             table[name] = new

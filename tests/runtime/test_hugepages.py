@@ -1,5 +1,6 @@
 """Weights and the KV cache on huge pages keep their values, their ties and their alignment."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -44,3 +45,24 @@ def test_buffers_move_too():
     assert max(ptrs) - min(ptrs) < HUGE_PAGE  # one region, side by side
     for n, b in model.named_buffers():
         assert torch.equal(b, before[n]) and b.data_ptr() % 64 == 0
+
+
+def test_a_linears_packed_copy_moves_too_and_still_computes_the_same():
+    """The copies in fulcrum's blocked layout (a linear's `packed_weight`, a plain attribute) are what decode steps of
+    several rows stream: they go to the region beside the parameters, and the blocked kernel reads the same values."""
+    from fulcrum.kernels import cpu_prepack
+
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64, bias=False)
+    if not cpu_prepack.fits_layout(model.weight):
+        pytest.skip("fulcrum's blocked kernel is not built at this ISA level")
+    model.packed_weight = cpu_prepack.block(model.weight)
+    x = torch.randn(4, 64)
+    want = cpu_prepack.linear(x, model.packed_weight)
+    packed_before = model.packed_weight.clone()
+    moved = move_parameters_to_huge_pages(model)
+    assert moved >= 2 * 64 * 64 * 4
+    ptrs = [model.weight.data_ptr(), model.packed_weight.data_ptr()]
+    assert max(ptrs) - min(ptrs) < HUGE_PAGE  # one region, side by side
+    assert torch.equal(model.packed_weight, packed_before) and model.packed_weight.is_contiguous()
+    assert torch.equal(cpu_prepack.linear(x, model.packed_weight), want)
