@@ -183,6 +183,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="where CPU compute threads run: auto (thread i on the i-th allowed core), none (the OS decides), "
         "or cores such as 0-3,6",
     )
+    g.add_argument(
+        "--cpu-nice", type=int, default=None, metavar="N",
+        help="the CPU engine core's niceness, 0-19 (default 10 under `serve`: the HTTP frontend's short bursts run "
+        "before the compute threads they share the cores with; 0 keeps the engine at the frontend's priority)",
+    )  # fmt: skip
 
 
 def _json_config(check):
@@ -263,6 +268,7 @@ def engine_kwargs(args: argparse.Namespace, serving: bool = False) -> dict:
         quantization_group_size=args.quantization_group_size,
         kv_cache_dtype=args.kv_cache_dtype,
         cpu_bind=args.cpu_bind,
+        cpu_nice=args.cpu_nice,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         speculative_config=args.speculative_config,

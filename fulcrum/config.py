@@ -228,6 +228,9 @@ class EngineConfig:
     # to the i-th allowed core, "none" leaves placement to the OS, "0-3,6" pins to those cores (runtime/cpu_threads)
     cpu_threads: int | None = None
     cpu_bind: str = "auto"
+    # the CPU engine core's niceness, 0-19 (None: 10 in a process of its own beside a frontend, as `fulcrum serve`
+    # runs it, so that the frontend's short bursts run as soon as they wake; unchanged in a user's process)
+    cpu_nice: int | None = None
     # vLLM's switch for eager PyTorch: here it keeps decode steps on the layer modules instead of the fused decode
     # stack (kernels/cpu_decode_stack.py), which otherwise runs a CPU decode step's layers in one C++ call, and on
     # CUDA it turns off the captured decode graphs (engine/cuda_graphs.py)
@@ -304,6 +307,7 @@ class EngineConfig:
             "kv_cache_memory": self.kv_cache_memory is None or self.kv_cache_memory > 0,
             "cpu_threads": self.cpu_threads is None or self.cpu_threads >= 1,
             "cpu_bind": _is_cpu_bind(self.cpu_bind),
+            "cpu_nice": self.cpu_nice is None or (isinstance(self.cpu_nice, int) and 0 <= self.cpu_nice <= 19),
             "quantization": self.quantization is None or self.quantization in QUANTIZATIONS,
             "quantization_group_size": self.quantization_group_size in INT4_GROUP_SIZES,
             "kv_cache_dtype": self.kv_cache_dtype in KV_CACHE_DTYPES,

@@ -143,7 +143,7 @@ class ModelRunner:
         self.graphs = self._capture_graphs()
         if self.device.type == "cpu":  # after the builds, which would otherwise inherit the pinning
             cfg = engine_config
-            cpu_process.place_threads(cfg.cpu_threads, cfg.cpu_bind, own_process, ps.rank, ps.world_size)
+            cpu_process.place_threads(cfg.cpu_threads, cfg.cpu_bind, own_process, ps.rank, ps.world_size, cfg.cpu_nice)
 
     def attach_kv_cache(self, num_blocks: int) -> None:
         # On CPU zeroed, faulted in as blocks are first written, on ordinary pages: with THP defrag "madvise" (a common

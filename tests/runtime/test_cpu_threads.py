@@ -2,6 +2,7 @@
 frontend a core under `fulcrum serve` on machines of 8 cores or more; pinning checked on real threads in a process of its own."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -69,7 +70,8 @@ def test_explicit_lists_and_none(four_cores):
 
 
 def test_bad_settings_are_refused_by_the_config():
-    for kwargs in ({"cpu_bind": "everywhere"}, {"cpu_bind": "1-"}, {"cpu_threads": 0}):
+    for kwargs in ({"cpu_bind": "everywhere"}, {"cpu_bind": "1-"}, {"cpu_threads": 0}, {"cpu_nice": 20},
+                   {"cpu_nice": -1}):  # fmt: skip
         with pytest.raises(InvalidRequestError):
             EngineConfig(**kwargs)
 
@@ -105,3 +107,30 @@ def test_the_engine_runs_its_threads_where_it_was_told(threads, bind, want_threa
     if want_cpus:  # pinned: thread i sits on the i-th listed core
         assert got["cpus"] == want_cpus
     assert got["affinity"] == (want_cpus or ALLOWED)  # what the caller's thread (and all it starts) may use
+
+
+RENICE = """
+import json, os, threading
+from fulcrum.runtime import cpu_threads
+gate = threading.Event()
+def nice_of(tid): return os.getpriority(os.PRIO_PROCESS, tid)
+def wait(out): out.append(threading.get_native_id()); gate.wait()
+before, after = [], []
+t = threading.Thread(target=wait, args=(before,)); t.start()
+while not before: pass
+main = cpu_threads.lower_priority(7)
+u = threading.Thread(target=wait, args=(after,)); u.start()
+while not after: pass
+again = cpu_threads.lower_priority(3)  # never back up: the threads keep 7
+print(json.dumps([main, nice_of(before[0]), nice_of(after[0]), again, nice_of(before[0])]))
+gate.set(); t.join(); u.join()
+"""
+
+
+def test_lowering_priority_reaches_every_thread_and_those_started_after():
+    # a subprocess: an unprivileged process cannot take its priority back
+    res = subprocess.run([sys.executable, "-c", RENICE], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    base = os.getpriority(os.PRIO_PROCESS, 0)  # a suite run under `nice` starts there
+    want = max(7, base)
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == [want, want, want, want, want]
