@@ -20,6 +20,7 @@ from fulcrum.server.api import build_app
 from fulcrum.server.drain import ANSWER_GRACE_S, DrainingServer
 from fulcrum.server.limits import header_timeout_protocol
 from fulcrum.server.metrics import ServerMetrics
+from fulcrum.server.stages import WakeStampingLoop
 from fulcrum.server.state import ServerState
 
 log = logging.getLogger("fulcrum.serve")
@@ -161,7 +162,8 @@ def _run(
         await server.serve(sockets=[sock])
 
     try:
-        asyncio.run(main())
+        with asyncio.Runner(loop_factory=WakeStampingLoop) as runner:  # arrivals stamped when found (stages.py)
+            runner.run(main())
     except Exception as e:
         in_use = isinstance(e, OSError) and e.errno == errno.EADDRINUSE  # the listen itself, see bind_port
         if in_use:

@@ -5,14 +5,13 @@ runs on a worker thread so that a huge prompt never stalls the event loop (and /
 from __future__ import annotations
 
 import asyncio
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from fulcrum.errors import InvalidRequestError
 from fulcrum.http_errors import error
-from fulcrum.server.stages import ARRIVAL
+from fulcrum.server.stages import ARRIVAL, bytes_found_at
 
 # one thread: transformers' fast tokenizers may refuse concurrent calls on one instance ("Already borrowed")
 _tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fulcrum-tokenize")
@@ -116,10 +115,10 @@ def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
                 self.transport.close()  # no request began since: nothing to answer
 
         def data_received(self, data: bytes) -> None:
-            # a request's first bytes, read from the socket: its arrival (server/stages.py), before they wait for
-            # the rest of the headers and for the event loop to start the app on them
+            # a request's first bytes, found readable by the event loop: its arrival (server/stages.py), before
+            # they wait for the rest of the headers and for the event loop to start the app on them
             if self._first_bytes_at is None and (self.cycle is None or self.cycle.response_complete):
-                self._first_bytes_at = time.time()
+                self._first_bytes_at = bytes_found_at(self.loop)
             super().data_received(data)
             if self.cycle is not self._cycle_seen:  # a request's headers are complete
                 self._header_timer.cancel()

@@ -1,6 +1,7 @@
 """Where a request's time goes before the engine sees it. The HTTP protocol (server/limits.py) stamps the moment
-it reads a request's first bytes (an ASGI middleware, when another protocol runs the app, the moment the app gets
-it); the server's TTFT, end-to-end and queue clocks start there (as the user feels it, not after the headers are
+the event loop found a request's first bytes readable (WakeStampingLoop: the end of the wait that saw them, before
+the callbacks queued ahead of their read ran; an ASGI middleware, when another protocol runs the app, the moment the
+app gets it); the server's TTFT, end-to-end and queue clocks start there (as the user feels it, not after the headers are
 complete, the body parsed and the prompt tokenized), and each frontend stage up to the engine is timed into
 fulcrum:frontend_stage_seconds{stage} and logged at debug level:
 
@@ -12,7 +13,9 @@ fulcrum:frontend_stage_seconds{stage} and logged at debug level:
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import selectors
 import time
 
 from fastapi import Request
@@ -22,6 +25,38 @@ log = logging.getLogger("fulcrum.server")
 ARRIVAL = "fulcrum.arrival"  # the scope key of the arrival time (time.time())
 STAGES = ("receive", "tokenize", "params")
 STAGE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0, 2.5)
+
+
+class WakeClock(selectors.DefaultSelector):
+    """The event loop's selector, noting when each of its waits ended (time.time())."""
+
+    woke_at = 0.0
+
+    def select(self, timeout=None):
+        ready = super().select(timeout)
+        self.woke_at = time.time()
+        return ready
+
+
+class WakeStampingLoop(asyncio.SelectorEventLoop):
+    """asyncio's loop, which knows when its last wait for sockets ended: the moment it learned a socket had data,
+    which a protocol reading that socket sees later by as long as the callbacks queued ahead of the read took (the
+    frontend streaming other requests' tokens, say)."""
+
+    def __init__(self):
+        self.wake_clock = WakeClock()
+        super().__init__(self.wake_clock)
+
+    def woke_at(self) -> float:
+        return self.wake_clock.woke_at
+
+
+def bytes_found_at(loop: asyncio.AbstractEventLoop) -> float:
+    """When the running loop found the bytes a protocol is reading now readable: the end of its last wait on a
+    WakeStampingLoop, else now."""
+    now = time.time()
+    woke = loop.woke_at() if isinstance(loop, WakeStampingLoop) else 0.0
+    return woke if 0 < woke <= now else now
 
 
 class StampArrival:

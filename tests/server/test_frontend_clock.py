@@ -4,13 +4,17 @@ request is counted once in fulcrum:frontend_stage_seconds."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+import threading
 import time
 from urllib.parse import urlparse
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from fulcrum.server.stages import WakeStampingLoop, bytes_found_at
 
 PAUSE = 0.6  # seconds between the headers and the body's last half
 
@@ -112,3 +116,43 @@ def test_a_streamed_answer_s_first_tokens_are_timed_once_each_when_written(fresh
     assert value(after, "fulcrum:time_to_first_token_seconds_sum") > value(
         got, "fulcrum:time_to_first_token_seconds_sum"
     )
+
+
+def test_a_request_arrives_when_the_loop_finds_its_bytes_not_when_it_gets_round_to_reading_them():
+    # the server's loop (WakeStampingLoop) with a callback ahead of a socket's read in every pass (50 ms each, as a
+    # frontend busy streaming other requests' tokens): the bytes are stamped when the loop's wait found them, before
+    # that callback, and never before they were sent
+    loop = WakeStampingLoop()
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    read = loop.create_future()
+    sent = {}
+
+    def busy():
+        time.sleep(0.05)
+        if not read.done():
+            loop.call_soon(busy)
+
+    def readable():
+        ours.recv(16)
+        loop.remove_reader(ours)
+        read.set_result((bytes_found_at(loop), time.time()))
+
+    def send():
+        time.sleep(0.12)
+        sent["at"] = time.time()
+        theirs.send(b"GET")
+
+    loop.add_reader(ours, readable)
+    loop.call_soon(busy)
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        found, now = loop.run_until_complete(asyncio.wait_for(read, 10))
+    finally:
+        sender.join()
+        loop.close()
+        ours.close()
+        theirs.close()
+    assert sent["at"] <= found
+    assert now - found >= 0.045  # the busy callback ran between the two
