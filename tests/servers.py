@@ -11,6 +11,11 @@ from fulcrum.utils.serve_process import ServerProcess, free_port, start
 MODEL = os.environ.get("FULCRUM_TEST_MODEL", str(DEFAULT_MODEL))
 
 
+def niceness(pid: int) -> set[int]:
+    """The niceness of each of a process's threads."""
+    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
 class Server(ServerProcess):
     def engine_pid(self) -> int:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()

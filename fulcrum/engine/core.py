@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import replace
 from traceback import format_exception_only
 
 import torch
@@ -57,7 +58,9 @@ class EngineCore:
         draft = getattr(proposer, "runner", None)
         self.structured = StructuredOutputs(self.model_config.path, self.vocab_size, self.model_config.eos_token_ids)
         # a parallel engine: this process is rank 0 (scheduler, sampler, last pipeline stage), the workers the rest
-        self.workers = Workers(config, self.model_config, exit_on_death=own_process) if config.world_size > 1 else None
+        # (their compute threads niced as this process's are: by default only beside a frontend, runtime/cpu_process)
+        ranks = config if own_process or config.cpu_nice is not None else replace(config, cpu_nice=0)
+        self.workers = Workers(ranks, self.model_config, exit_on_death=own_process) if config.world_size > 1 else None
         try:
             agree = self.workers.agree_blocks if self.workers else None
             self.runner = ModelRunner(

@@ -15,6 +15,7 @@ from fulcrum.engine.llm import LLM
 from fulcrum.errors import EngineDeadError, ModelLoadError
 from fulcrum.layers.moe import FusedExperts
 from fulcrum.sampling_params import SamplingParams
+from tests.servers import niceness
 
 DRAFT = DEFAULT_MODEL.parent / "tiny-shakespeare-draft"
 SPEECH = (
@@ -152,6 +153,8 @@ def test_a_dead_worker_ends_the_engine_instead_of_hanging():
     try:
         assert llm.generate(["ROMEO:"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         worker = llm.core.workers.workers[0].handle
+        # a worker of the caller's own engine computes at the caller's priority (only `fulcrum serve`'s are niced)
+        assert niceness(worker.pid) == {os.getpriority(os.PRIO_PROCESS, 0)}
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
         time.sleep(0.5)  # the watcher's poll

@@ -7,10 +7,7 @@ import os
 
 import httpx
 
-
-def niceness(pid: int) -> set[int]:
-    """The niceness of each of a process's threads."""
-    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+from tests.servers import niceness
 
 
 def test_the_engine_core_computes_below_the_frontend_and_cpu_nice_sets_how_far(server, fresh_server):

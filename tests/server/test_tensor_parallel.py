@@ -15,7 +15,7 @@ import httpx
 
 from fulcrum.engine.llm import LLM
 from fulcrum.sampling_params import SamplingParams
-from tests.servers import start_server
+from tests.servers import niceness, start_server
 
 
 def children(pid: int) -> list[int]:
@@ -48,6 +48,8 @@ def test_tensor_parallel_server_answers_as_one_process_and_fails_cleanly_when_a_
         core = s.engine_pid()
         workers = children(core)
         assert len(workers) == 1  # rank 1; rank 0 is the engine core itself
+        started_at = os.getpriority(os.PRIO_PROCESS, 0)  # both ranks compute below the frontend (--cpu-nice)
+        assert niceness(core) == niceness(workers[0]) == {max(10, started_at)}
         # a long request in flight, then the worker is killed under it
         answer = {}
 
