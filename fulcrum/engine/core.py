@@ -31,6 +31,7 @@ from fulcrum.engine.structured.pending import PendingGrammars
 from fulcrum.engine.workers import Workers
 from fulcrum.errors import InvalidRequestError, WorkerDiedError, is_fatal
 from fulcrum.model_folder.hf_config import layer_sliding_windows
+from fulcrum.runtime import cpu_threads
 from fulcrum.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,11 @@ def needs_every_token(req: Request) -> bool:
 class EngineCore:
     def __init__(self, config: EngineConfig, own_process: bool = False):
         """`own_process`: the core runs in a process of its own beside a frontend (fulcrum serve): on CPU its
-        threads are pinned and the frontend is left a core (runtime/cpu_threads)."""
+        threads are pinned, the frontend is left a core, and they compute below the frontend's priority
+        (runtime/cpu_threads)."""
+        # the niceness this process and its workers compute at, decided once here (the workers, processes of their
+        # own, cannot tell a frontend's engine from a user's)
+        config = replace(config, cpu_nice=cpu_threads.engine_nice(config.cpu_nice, own_process))
         self.config = config
         self.model_config = ModelConfig.from_engine(config)
         # speculative decoding: a draft model loads first, so that the target sizes the cache for both
@@ -58,9 +63,7 @@ class EngineCore:
         draft = getattr(proposer, "runner", None)
         self.structured = StructuredOutputs(self.model_config.path, self.vocab_size, self.model_config.eos_token_ids)
         # a parallel engine: this process is rank 0 (scheduler, sampler, last pipeline stage), the workers the rest
-        # (their compute threads niced as this process's are: by default only beside a frontend, runtime/cpu_process)
-        ranks = config if own_process or config.cpu_nice is not None else replace(config, cpu_nice=0)
-        self.workers = Workers(ranks, self.model_config, exit_on_death=own_process) if config.world_size > 1 else None
+        self.workers = Workers(config, self.model_config, exit_on_death=own_process) if config.world_size > 1 else None
         try:
             agree = self.workers.agree_blocks if self.workers else None
             self.runner = ModelRunner(

@@ -23,9 +23,9 @@ def settle_weights(model: nn.Module) -> None:
 
 def place_threads(threads: int | None, bind: str | None, own_process: bool, rank: int = 0, world_size: int = 1,
                   nice: int | None = None):  # fmt: skip
-    """Size and pin the compute threads (runtime/cpu_threads.py) for this rank; a bad --cpu-bind is a 400-style
-    error naming it. An engine core in a process of its own (beside a frontend) takes niceness `nice` (None:
-    cpu_threads.ENGINE_NICE); in a user's process, only a `nice` given. Returns what was applied, for the log."""
+    """Size and pin the compute threads (runtime/cpu_threads.py) for this rank, and put every thread of the process
+    at niceness `nice` where it is more than 0 (cpu_threads.engine_nice decides it); a bad --cpu-bind is a 400-style
+    error naming it. Returns what was applied, for the log."""
     try:
         if world_size > 1:
             plan = cpu_threads.rank_plan(threads, bind, own_process, rank, world_size)
@@ -34,8 +34,6 @@ def place_threads(threads: int | None, bind: str | None, own_process: bool, rank
         applied = cpu_threads.apply(plan)
     except ValueError as e:
         raise InvalidRequestError(str(e), param="cpu_bind") from e
-    if nice is None and own_process:
-        nice = cpu_threads.ENGINE_NICE
     niceness = cpu_threads.lower_priority(nice) if nice else None
     log.info("CPU: %s%s", applied.describe(), f", nice {niceness}" if niceness else "")
     return applied

@@ -66,6 +66,14 @@ FRONTEND_CORE_MIN_CPUS = 8
 ENGINE_NICE = 10
 
 
+def engine_nice(nice: int | None, own_process: bool) -> int:
+    """The niceness an engine computes at: `nice` where given (--cpu-nice), else ENGINE_NICE for an engine core in a
+    process of its own beside a frontend, and 0 (left as it is) in a user's process."""
+    if nice is not None:
+        return nice
+    return ENGINE_NICE if own_process else 0
+
+
 @dataclass(frozen=True)
 class ThreadPlan:
     threads: int
