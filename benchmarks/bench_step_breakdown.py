@@ -116,14 +116,18 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
 
 def gemm_rate(dtype: torch.dtype, n: int = 1024) -> float:
     """FLOP/s of a large square matmul in `dtype` here (the best of 5): torch's, or fulcrum's blocked kernel's where
-    it holds the weight and is faster (MKL's sgemm runs no AVX-512 code on AMD CPUs: the floor is the machine's)."""
+    it holds the weight and is faster (MKL's sgemm runs no AVX-512 code on AMD CPUs: the floor is the machine's).
+    bf16 without native bf16 matmuls (below AVX-512 BF16) is the fp32 rate where that is faster: bf16 values widen
+    to fp32 exactly, and torch's own bf16 matmul there emulates it (1 GFLOP/s on a 2-core AMD EPYC Zen 3, AVX2)."""
     from fulcrum.kernels import cpu_prepack
 
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    fns = {"torch": lambda: a @ b}
-    if cpu_prepack.supported() and cpu_prepack.blocks(b):
-        blocked = cpu_prepack.block(b)
-        fns["blocked"] = lambda: cpu_prepack.linear(a, blocked, None)
+    fns = {}
+    for dt in (dtype, torch.float32) if dtype == torch.bfloat16 else (dtype,):
+        a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
+        fns[f"torch {dt}"] = lambda a=a, b=b: a @ b
+        if cpu_prepack.supported() and cpu_prepack.blocks(b):
+            blocked = cpu_prepack.block(b)
+            fns[f"blocked {dt}"] = lambda a=a, blocked=blocked: cpu_prepack.linear(a, blocked, None)
     best_ms = min(min(ms) for ms in in_turn(fns, rounds=1, passes=5).values())
     return 2 * n**3 / (best_ms / 1e3)
 
