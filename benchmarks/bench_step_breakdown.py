@@ -122,7 +122,7 @@ def gemm_rate(dtype: torch.dtype, n: int = 1024) -> float:
     from fulcrum.kernels import cpu_prepack
 
     fns = {}
-    for dt in (dtype, torch.float32) if dtype == torch.bfloat16 else (dtype,):
+    for dt in dict.fromkeys((dtype, cpu_prepack.packed_dtype(dtype))):  # fp32 too where fulcrum widens bf16
         a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
         fns[f"torch {dt}"] = lambda a=a, b=b: a @ b
         if cpu_prepack.supported() and cpu_prepack.blocks(b):
