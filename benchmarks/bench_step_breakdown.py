@@ -119,10 +119,11 @@ def gemm_rate(dtype: torch.dtype, n: int = 1024) -> float:
     it holds the weight and is faster (MKL's sgemm runs no AVX-512 code on AMD CPUs: the floor is the machine's).
     bf16 without native bf16 matmuls (below AVX-512 BF16) is the fp32 rate where that is faster: bf16 values widen
     to fp32 exactly, and torch's own bf16 matmul there emulates it (1 GFLOP/s on a 2-core AMD EPYC Zen 3, AVX2)."""
-    from fulcrum.kernels import cpu_prepack
+    from fulcrum.kernels import cpu_gemv, cpu_prepack
 
+    wide = dtype == torch.bfloat16 and not cpu_gemv.native_bf16_matmul()  # fulcrum computes bf16 in fp32 here
     fns = {}
-    for dt in dict.fromkeys((dtype, cpu_prepack.packed_dtype(dtype))):  # fp32 too where fulcrum widens bf16
+    for dt in dict.fromkeys((dtype, torch.float32 if wide else dtype)):
         a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
         fns[f"torch {dt}"] = lambda a=a, b=b: a @ b
         if cpu_prepack.supported() and cpu_prepack.blocks(b):

@@ -1,9 +1,9 @@
 """A second, blocked copy of each linear's weight for more rows than fulcrum's GEMV wins at (prefill, batched
 decode), made once at load: fulcrum's own layout (csrc/blocked_linear.cpp: tiles of output columns side by side per
-input, read in the outer-product order) for fp32 at every level and for bf16 at AVX-512 BF16, where it beat oneDNN's
-prepacked matmul (1.4x at 8 bf16 rows, up to 2.5x at 16 fp32 rows; level with it at prefill); elsewhere (bf16 below
-AVX-512 BF16, packed widened to fp32; AMX, whose tiles oneDNN uses) oneDNN's blocked layout, where F.linear reorders
-the weight on every bf16 call and fp32 takes MKL's sgemm. The copy is made only while RESERVE_BYTES stay free and at
+input, read in the outer-product order) for fp32 and bf16 at every level, where it beat oneDNN's prepacked matmul
+(1.4x at 8 bf16 rows, up to 2.5x at 16 fp32 rows; level with it at prefill; bf16 below AVX-512 BF16 is kept in bf16
+and widened in registers, where oneDNN took a widened fp32 copy); at AMX bf16 takes oneDNN's blocked layout, whose
+tiles it uses, where F.linear reorders the weight on every bf16 call and fp32 takes MKL's sgemm. The copy is made only while RESERVE_BYTES stay free and at
 a level fulcrum's kernels run at. FULCRUM_CPU_PREPACK=0 turns both off, FULCRUM_CPU_BLOCKED=0 fulcrum's layout alone.
 At AMX a bf16 weight also gets fulcrum's layout for steps of few rows (`pack_small`; FULCRUM_CPU_SMALL=0 turns it off).
 """
@@ -59,9 +59,15 @@ def supported() -> bool:
     )
 
 
-def packed_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a weight of `dtype` is packed in: its own, but bf16 where torch has no native bf16 matmul."""
+def _onednn_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype oneDNN's copy of a `dtype` weight is in: its own, but fp32 for bf16 where torch has no native bf16
+    matmul."""
     return torch.float32 if dtype == torch.bfloat16 and not cpu_gemv.native_bf16_matmul() else dtype
+
+
+def packed_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a weight of `dtype` is packed in: its own in fulcrum's layout, else oneDNN's dtype for it."""
+    return dtype if blocked_dtype(dtype) else _onednn_dtype(dtype)
 
 
 # From this many rows fulcrum's blocked matmul beat the GEMV, at every level it runs at: 1.4-1.7x at 2-4 rows of the
@@ -145,14 +151,19 @@ def tile() -> int:
     return 16 if cpu_gemv.level() == "avx2" else 32
 
 
+def _pairs() -> bool:
+    """Whether bf16 takes the layout of input pairs for AVX-512 BF16's dot products here (else fp32's, widened)."""
+    return cpu_gemv.level() == "avx512_bf16"
+
+
 def fits_layout(weight: torch.Tensor) -> bool:
-    """Whether fulcrum's blocked kernel holds `weight` [out, in] here: fp32 whose rows fill whole tiles, bf16 with
-    AVX-512 BF16 dot products, rows in tiles of 32 and inputs in pairs."""
+    """Whether fulcrum's blocked kernel holds `weight` [out, in] here: fp32 or bf16 whose rows fill whole tiles;
+    with AVX-512 BF16 dot products bf16 rows in tiles of 32 and inputs in pairs."""
     out, inp = weight.shape
-    if weight.dtype == torch.bfloat16:
-        fits = cpu_gemv.level() == "avx512_bf16" and out % 32 == 0 and inp % 2 == 0
+    if weight.dtype == torch.bfloat16 and _pairs():
+        fits = out % 32 == 0 and inp % 2 == 0
     else:
-        fits = weight.dtype == torch.float32 and out % tile() == 0
+        fits = weight.dtype in (torch.float32, torch.bfloat16) and out % tile() == 0
     return fits and _blocked() is not None
 
 
@@ -168,10 +179,10 @@ def blocked_dtype(dtype: torch.dtype) -> bool:
 
 
 def block(weight: torch.Tensor) -> torch.Tensor:
-    """The weight [out, in] in fulcrum's layout: fp32 [out / TW, in, TW], bf16 [out / 32, in / 2, 32, 2]."""
+    """The weight [out, in] in fulcrum's layout: [out / TW, in, TW], bf16 at AVX-512 BF16 [out / 32, in / 2, 32, 2]."""
     out, inp = weight.shape
     w = weight.detach().contiguous()
-    if w.dtype == torch.bfloat16:
+    if w.dtype == torch.bfloat16 and _pairs():
         return w.view(out // 32, 32, inp // 2, 2).permute(0, 2, 1, 3).contiguous()
     return w.view(out // tile(), tile(), inp).permute(0, 2, 1).contiguous()
 
@@ -186,7 +197,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     applies or a copy would not fit."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32) or not supported():
         return None
-    dtype = packed_dtype(weight.dtype)
+    dtype = weight.dtype if blocks(weight) else _onednn_dtype(weight.dtype)
     if _mem_available() - weight.numel() * dtype.itemsize < RESERVE_BYTES:
         return _stop("a second copy would leave under %d GiB free", RESERVE_BYTES >> 30)
     if blocks(weight):
@@ -228,9 +239,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     bias = None if bias is None else bias.to(packed.dtype).contiguous()
     if is_blocked(packed):
         y = torch.empty(x2.shape[0], packed.shape[0] * packed.shape[2], dtype=packed.dtype)
-        if _blocked()(packed.dtype == torch.bfloat16, x2.data_ptr(), packed.data_ptr(),
-                      None if bias is None else bias.data_ptr(), y.data_ptr(), *x2.shape, y.shape[1]) != 0:  # fmt: skip
-            raise RuntimeError("fulcrum_blocked_linear: no native bf16 dot product in this build")
+        _blocked()(packed.dtype == torch.bfloat16, x2.data_ptr(), packed.data_ptr(),
+                   None if bias is None else bias.data_ptr(), y.data_ptr(), *x2.shape, y.shape[1])  # fmt: skip
     else:
         y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     return y.to(dtype).reshape(*lead, y.shape[-1])

@@ -1,6 +1,6 @@
 """The packed weights, fulcrum's blocked layout and oneDNN's: the same outputs as F.linear at every row count and
-level (bf16 packed widened to fp32 where torch has no native bf16 matmul), each layout where it applies, the GEMV kept
-for few rows, and nothing packed below avx2 or when turned off."""
+level (bf16 kept in bf16 in fulcrum's layout, widened to fp32 for oneDNN's where torch has no native bf16 matmul), each
+layout where it applies, the GEMV kept for few rows, and nothing packed below avx2 or when turned off."""
 
 import functools
 import os
@@ -39,7 +39,7 @@ def test_packed_linear_matches_f_linear(dtype, rows, layout, monkeypatch):
     layer, method = _layer(1152, 896, dtype)
     assert layer.packed_weight is not None
     assert cpu_prepack.is_blocked(layer.packed_weight) == (layout == "fulcrum" and cpu_prepack.blocks(layer.weight))
-    assert layer.packed_weight.dtype == cpu_prepack.packed_dtype(dtype)
+    assert layer.packed_weight.dtype == (dtype if layout == "fulcrum" else cpu_prepack._onednn_dtype(dtype))
     bias = torch.randn(1152, dtype=dtype)
     x = torch.randn(rows, 896, dtype=dtype)
     got = method.apply(layer, x, bias)
@@ -51,20 +51,26 @@ def test_packed_linear_matches_f_linear(dtype, rows, layout, monkeypatch):
     assert method.apply(layer, x.reshape(1, rows, 896), None).shape == (1, rows, 1152)
 
 
-def test_bf16_is_packed_widened_where_torch_has_no_native_bf16_matmul():
+def test_bf16_stays_bf16_in_fulcrums_layout_and_is_widened_for_onednns_without_native_bf16_matmuls():
+    """A bf16 weight whose rows fill fulcrum's tiles is packed in bf16 at every level (widened in registers below
+    AVX-512 BF16: half the bytes of an fp32 copy); one that does not (40 rows) takes oneDNN's copy, in fp32 where
+    torch has no native bf16 matmul; the dtype the probe reports is the packed one."""
     code = (
-        "import torch; from fulcrum.kernels import cpu_prepack; "
-        "print(cpu_prepack.pack(torch.randn(64, 64, dtype=torch.bfloat16)).dtype)"
+        "import torch; from fulcrum.kernels import cpu_prepack as c; "
+        "print(*[c.pack(torch.randn(o, 64, dtype=torch.bfloat16)).dtype for o in (64, 40)], "
+        "c.packed_dtype(torch.bfloat16))"
     )
     levels = cpu_isa.ISA_LEVELS[: cpu_isa.ISA_LEVELS.index(cpu_isa.detected_isa()) + 1]
-    for level, want in [("avx2", "torch.float32"), ("avx512", "torch.float32"), ("avx512_bf16", "torch.bfloat16")]:
+    bf16, fp32 = "torch.bfloat16", "torch.float32"
+    for level, want in [("avx2", [bf16, fp32, bf16]), ("avx512", [bf16, fp32, bf16]),
+                        ("avx512_bf16", [bf16, bf16, bf16])]:  # fmt: skip
         if level in levels:
             # torch's caps come from the level alone, not from a level this test runs under
             env = {k: v for k, v in os.environ.items() if k not in cpu_isa.TORCH_ISA_ENV["none"]}
             env["FULCRUM_CPU_ISA"] = level
             res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
             assert res.returncode == 0, res.stderr
-            assert res.stdout.split() == [want], level
+            assert res.stdout.split() == want, level
 
 
 @pytest.mark.skipif(not cpu_isa.torch_at_least("avx512_bf16"), reason="packs bf16 natively only from avx512_bf16")
@@ -81,8 +87,8 @@ def test_a_weight_onednn_refuses_to_pack_stays_unpacked():
 
 
 def test_each_weight_takes_the_layout_its_level_and_shape_allow():
-    """fulcrum's blocked layout for fp32 at every level and bf16 at AVX-512 BF16 (not AMX), where the rows fill its
-    tiles; oneDNN's for the rest (bf16 below AVX-512 BF16, widened; rows that do not fill a tile)."""
+    """fulcrum's blocked layout for fp32 and bf16 at every level (bf16 not at AMX), where the rows fill its tiles;
+    oneDNN's for the rest (bf16 at AMX; rows that do not fill a tile)."""
     code = (
         "import torch; from fulcrum.kernels import cpu_prepack as c; "
         "print(*[c.is_blocked(c.pack(torch.randn(o, 64, dtype=d))) for d in (torch.float32, torch.bfloat16) "
@@ -95,7 +101,7 @@ def test_each_weight_takes_the_layout_its_level_and_shape_allow():
         res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         assert res.returncode == 0, res.stderr
         # fp32 64 rows, fp32 40 rows (a tile of 16 at AVX2 does not divide it either), bf16 64, bf16 40
-        want = ["True", "False", str(level == "avx512_bf16"), "False"]
+        want = ["True", "False", str(level != "amx"), "False"]
         assert res.stdout.split() == want, level
 
 
