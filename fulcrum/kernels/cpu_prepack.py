@@ -1,10 +1,11 @@
 """A second, blocked copy of each linear's weight for more rows than fulcrum's GEMV wins at (prefill, batched
 decode), made once at load: fulcrum's own layout (csrc/blocked_linear.cpp: tiles of output columns side by side per
 input, read in the outer-product order) for fp32 and bf16 at every level, where it beat oneDNN's prepacked matmul
-(1.4x at 8 bf16 rows, up to 2.5x at 16 fp32 rows; level with it at prefill; bf16 below AVX-512 BF16 is kept in bf16
-and widened in registers, where oneDNN took a widened fp32 copy); at AMX bf16 takes oneDNN's blocked layout, whose
-tiles it uses, where F.linear reorders the weight on every bf16 call and fp32 takes MKL's sgemm. The copy is made only while RESERVE_BYTES stay free and at
-a level fulcrum's kernels run at. FULCRUM_CPU_PREPACK=0 turns both off, FULCRUM_CPU_BLOCKED=0 fulcrum's layout alone.
+(1.4x at 8 bf16 rows, up to 2.5x at 16 fp32 rows; level with it at prefill; below AVX-512 BF16 bf16 is kept in bf16
+and widened as it loads, where oneDNN needs a widened fp32 copy); at AMX bf16 takes oneDNN's blocked layout, whose
+tiles it uses, and so does a weight whose rows do not fill the tiles (F.linear would reorder a bf16 weight on every
+call and take fp32 to MKL's sgemm). The copy is made only while RESERVE_BYTES stay free and at a level fulcrum's
+kernels run at. FULCRUM_CPU_PREPACK=0 turns both off, FULCRUM_CPU_BLOCKED=0 fulcrum's layout alone.
 At AMX a bf16 weight also gets fulcrum's layout for steps of few rows (`pack_small`; FULCRUM_CPU_SMALL=0 turns it off).
 """
 

@@ -79,12 +79,11 @@ static void tile_bf16(const uint16_t* x, const uint16_t* wt, const uint16_t* bia
 #endif
 
 // tile(n, m0, t, first): rows m0..m0+n-1 against tile t (first: the block's first group), for the tiles over torch's
-// threads: each thread's tiles against
-// every row group (a tile read from memory once, from cache for the next groups), MB rows at a time, so that many
-// rows (prefill) read their inputs from L2 and write their outputs a block of rows at a time (one tile's column
-// strip down all rows ran 5-12% slower at 1841 rows of the bundled model). A block's rows split into groups of
-// near-equal size (8 rows at AVX2 two groups of 4, not 6 and 2: a group of 2 keeps 4 FMA chains, too few to hide
-// the FMA's latency).
+// threads: each thread's tiles against every row group (a tile read from memory once, from cache for the next
+// groups), MB rows at a time, so that many rows (prefill) read their inputs from L2 and write their outputs a block
+// of rows at a time (one tile's column strip down all rows ran 5-12% slower at 1841 rows of the bundled model). A
+// block's rows split into groups of near-equal size (8 rows at AVX2 two groups of 4, not 6 and 2: a group of 2 keeps
+// 4 FMA chains, too few to hide the FMA's latency).
 constexpr int64_t MB = 8 * MG;
 template <typename F>
 static void over_tiles(int64_t M, int64_t O, F tile) {
