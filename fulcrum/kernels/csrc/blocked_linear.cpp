@@ -8,6 +8,7 @@
 // sum per output). Against oneDNN's prepacked matmul on a 2-core AMD EPYC (AVX-512 BF16), cold weights: bf16 8 rows
 // of the 0.5B shape 35-36 GB/s where oneDNN read 19-26, fp32 4 rows 29-38 against 25-33, fp32 16-64 rows of the
 // bundled model's widths 1.1-2.5x its speed; at 512-1822 rows (prefill) bf16 level with it, fp32 within 5%.
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -129,18 +130,23 @@ constexpr int64_t PANEL_MIN_ROWS = 32;
 // panel 108-130, level with it).
 template <typename W>
 static void blocked_wide(const W* x, const W* w, const W* bias, W* y, int64_t M, int64_t I, int64_t O) {
-  std::vector<float> widened;
+  std::unique_ptr<float[]> widened;  // uninitialised: every value is written before it is read
   const float* xf = (const float*)x;
   constexpr bool bf16 = !std::is_same_v<W, float>;
   if constexpr (bf16) {
-    widened.resize(M * I);
+    widened.reset(new float[M * I]);
     at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
       for (int64_t i = b * I; i < e * I; ++i) widened[i] = float(x[i]);
     });
-    xf = widened.data();
+    xf = widened.get();
   }
   over_tiles(M, O, [&](int64_t n, int64_t m0, int64_t t, bool first) {
     const W* wt = w + t * I * TW;
+    auto rows_against = [&](auto* tile) {  // the tile as stored, or its widened panel
+      with_rows(n, [&](auto N) {
+        tile_f32<N>(xf + m0 * I, tile, bias ? bias + t * TW : nullptr, y + m0 * O + t * TW, I, O);
+      });
+    };
     if constexpr (bf16) {
       if (M >= PANEL_MIN_ROWS) {
         thread_local std::vector<float> panel;
@@ -148,14 +154,10 @@ static void blocked_wide(const W* x, const W* w, const W* bias, W* y, int64_t M,
           panel.resize(I * TW);
           for (int64_t i = 0; i < I * TW; i += VW) vstore(panel.data() + i, vload(wt + i));
         }
-        return with_rows(n, [&](auto N) {
-          tile_f32<N>(xf + m0 * I, panel.data(), bias ? bias + t * TW : nullptr, y + m0 * O + t * TW, I, O);
-        });
+        return rows_against((const float*)panel.data());
       }
     }
-    with_rows(n, [&](auto N) {
-      tile_f32<N>(xf + m0 * I, wt, bias ? bias + t * TW : nullptr, y + m0 * O + t * TW, I, O);
-    });
+    rows_against(wt);
   });
 }
 
