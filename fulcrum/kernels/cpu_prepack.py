@@ -198,10 +198,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     applies or a copy would not fit."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32) or not supported():
         return None
-    dtype = weight.dtype if blocks(weight) else _onednn_dtype(weight.dtype)
+    blocked = blocks(weight)
+    dtype = weight.dtype if blocked else _onednn_dtype(weight.dtype)
     if _mem_available() - weight.numel() * dtype.itemsize < RESERVE_BYTES:
         return _stop("a second copy would leave under %d GiB free", RESERVE_BYTES >> 30)
-    if blocks(weight):
+    if blocked:
         return block(weight)
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), PACKED_FOR_ROWS)
