@@ -7,8 +7,10 @@ R requests (prompts of --prompt-len random ids) decode --steps tokens each, gree
 time is (t(steps + 1 tokens) - t(1 token)) / steps, so the prefill cancels out. A second, equal run times each
 kernel entry point the model calls (the linears, decode attention, the activation, the norms, RoPE with the cache
 write, the greedy argmax, the fused decode stack where a step takes it) by wrapping it in a timer; what is left of
-the wrapped step is Python, the scheduler, the sampler and the output path ("rest"). The wrapped step is a little
-slower than the plain one; both are printed.
+the wrapped step is Python, the scheduler, the sampler and the output path ("rest"). The fused decode stack's time is
+split further by its own clocks (csrc/decode_stack.cpp, on only in this run): each linear with its LoRA, attention,
+the norms, RoPE with the cache write, the activation, and the residual adds. The wrapped step is a little slower
+than the plain one; both are printed.
 
 The floor of a step, measured in the same run: the bytes it must read (every weight once, and the KV cache of
 every row) at this machine's read bandwidth, or its linears' FLOPs at the rate a large matmul of the model's dtype
@@ -58,6 +60,7 @@ class Timers:
         self.calls = collections.Counter()
         self.undo = []
         self.depth = 0  # inside a timed call: an entry point it calls is its time, not counted twice
+        self.stack = collections.Counter()  # inside the fused decode stack, by kind of call (its own clocks)
 
     def wrap(self, module, name: str, category: str) -> None:
         fn = getattr(module, name)
@@ -89,11 +92,28 @@ class Timers:
         self.wrap(DecodeStack, "run", "decode stack")
         # every path of an unquantized linear: fulcrum's kernels, oneDNN's packed weight, torch's F.linear (MKL)
         self.wrap(UnquantizedLinearMethod, "apply", "linears")
+        from fulcrum.kernels import cpu_decode_stack
+
+        cpu_decode_stack.phase_times(True)  # the stack's clocks on, from zero
+
+    def read_stack(self, on: bool = True) -> None:
+        """Add the fused stack's clocks since the last read to self.stack."""
+        from fulcrum.kernels import cpu_decode_stack
+
+        self.stack.update(cpu_decode_stack.phase_times(on))
 
     def remove(self) -> None:
+        self.read_stack(on=False)
         for module, name, fn in reversed(self.undo):
             setattr(module, name, fn)
         self.undo.clear()
+
+
+def print_stack(parts: dict, total: float, unit: str, indent: str) -> None:
+    """The fused stack's time by kind of call (from its own clocks), under its line."""
+    for k, v in sorted(parts.items(), key=lambda kv: -kv[1]):
+        if v >= 0.005:
+            print(f"{indent}{k:12s} {v:8.2f} {unit}  {100 * v / total:5.1f}% of the stack")
 
 
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -147,8 +167,9 @@ def whole_run(llm, vocab: int, n: int, repeats: int) -> list[dict]:
 
     def timed_execute(sched):
         prefill = any(s.request.num_computed_tokens < s.request.num_prompt_tokens for s in sched.scheduled)
-        kind = kinds.setdefault("prefill" if prefill else "decode", {"steps": 0, "rows": 0, "s": 0.0, "parts": {}})
-        before = dict(timers.seconds)
+        kind = kinds.setdefault("prefill" if prefill else "decode",
+                                {"steps": 0, "rows": 0, "s": 0.0, "parts": {}, "stack": {}})  # fmt: skip
+        before, stack_before = dict(timers.seconds), dict(timers.stack)
         t = time.perf_counter()
         try:
             return execute(sched)
@@ -158,6 +179,9 @@ def whole_run(llm, vocab: int, n: int, repeats: int) -> list[dict]:
             kind["rows"] += len(sched.scheduled)
             for k, v in timers.seconds.items():
                 kind["parts"][k] = kind["parts"].get(k, 0.0) + v - before.get(k, 0.0)
+            timers.read_stack()
+            for k, v in timers.stack.items():
+                kind["stack"][k] = kind["stack"].get(k, 0.0) + v - stack_before.get(k, 0.0)
 
     def run() -> float:
         prompts = [{"prompt_token_ids": torch.randint(10, vocab, (p,), generator=g).tolist()} for p, _ in lengths]
@@ -171,6 +195,7 @@ def whole_run(llm, vocab: int, n: int, repeats: int) -> list[dict]:
     for i in range(repeats):
         kinds.clear()
         timers.seconds.clear()
+        timers.stack.clear()
         timers.install()
         runner.execute = timed_execute
         try:
@@ -188,6 +213,8 @@ def whole_run(llm, vocab: int, n: int, repeats: int) -> list[dict]:
             for part, v in sorted(k["parts"].items(), key=lambda kv: -kv[1]):
                 if v >= 0.005:
                     print(f"    {part:18s} {v:7.2f} s  {100 * v / k['s']:5.1f}%")
+                if part == "decode stack":
+                    print_stack(k["stack"], v, "s", " " * 6)
             print(f"    {'rest':18s} {rest:7.2f} s  {100 * rest / k['s']:5.1f}%  (Python, sampler, inputs)")
     return results
 
@@ -246,27 +273,6 @@ def main() -> None:
     def step_ms() -> float:
         return (run(args.steps + 1) - run(1)) / args.steps * 1e3
 
-    run(4)
-    steps = sorted(step_ms() for _ in range(args.repeats))
-    step = steps[len(steps) // 2]
-
-    # the same two runs with the entry points timed: each category's time in the long run less the short run's
-    # (its prefill and first token), per step; "rest" is the wrapped step's time the entry points do not account for
-    timers = Timers()
-    timers.install()
-    try:
-        t_short = run(1)
-        short = dict(timers.seconds)
-        timers.seconds.clear()
-        t_long = run(args.steps + 1)
-        long = dict(timers.seconds)
-    finally:
-        timers.remove()
-    wrapped_step = (t_long - t_short) / args.steps * 1e3
-    parts = {k: max(0.0, v - short.get(k, 0.0)) / args.steps * 1e3 for k, v in long.items()}
-    parts = {k: v for k, v in parts.items() if v >= 0.005}
-    rest = max(0.0, wrapped_step - sum(parts.values()))
-
     wbytes, lparams = weight_bytes(model)
     ctx = args.prompt_len + args.steps // 2  # the mean context over the timed steps
     cfg = core.model_config.hf_config
@@ -274,14 +280,53 @@ def main() -> None:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_bytes = args.rows * ctx * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim
     kv_bytes *= torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
-    bw = memory_bandwidth_gbs() * 1e9
-    rate = gemm_rate(getattr(torch, args.dtype))
     flops = 2 * args.rows * lparams
-    floor = {
-        "bytes_ms": (wbytes + kv_bytes) / bw * 1e3,
-        "flops_ms": flops / rate * 1e3,
-    }
-    floor["ms"] = max(floor["bytes_ms"], floor["flops_ms"])
+
+    def floor_now() -> dict:
+        """The step's floor as this machine runs now: this VM's bandwidth and matmul rate move by up to 2x within
+        minutes, so each timed run is paired with a floor measured just before it."""
+        bw, rate = memory_bandwidth_gbs() * 1e9, gemm_rate(getattr(torch, args.dtype))
+        f = {"bandwidth_gbs": bw / 1e9, "gemm_gflops": rate / 1e9, "bytes_ms": (wbytes + kv_bytes) / bw * 1e3,
+             "flops_ms": flops / rate * 1e3, "weights_ms": wbytes / bw * 1e3}  # fmt: skip
+        f["ms"] = max(f["bytes_ms"], f["flops_ms"])
+        return f
+
+    run(4)
+    pairs = []  # (step ms, its floor)
+    for _ in range(args.repeats):
+        f = floor_now()
+        pairs.append((step_ms(), f))
+    steps = sorted(p[0] for p in pairs)
+    step = steps[len(steps) // 2]
+    ratios = sorted(s / f["ms"] for s, f in pairs)
+
+    # the same two runs with the entry points timed: each category's time in the long run less the short run's
+    # (its prefill and first token), per step; "rest" is the wrapped step's time the entry points do not account for
+    timers = Timers()
+    floor = floor_now()  # the wrapped run's
+    timers.install()
+    try:
+        t_short = run(1)
+        short = dict(timers.seconds)
+        timers.seconds.clear()
+        timers.read_stack()
+        short_stack = dict(timers.stack)
+        timers.stack.clear()
+        t_long = run(args.steps + 1)
+        long = dict(timers.seconds)
+    finally:
+        timers.remove()
+    stack = {k: max(0.0, v - short_stack.get(k, 0.0)) / args.steps * 1e3 for k, v in timers.stack.items()}
+    wrapped_step = (t_long - t_short) / args.steps * 1e3
+    parts = {k: max(0.0, v - short.get(k, 0.0)) / args.steps * 1e3 for k, v in long.items()}
+    parts = {k: v for k, v in parts.items() if v >= 0.005}
+    rest = max(0.0, wrapped_step - sum(parts.values()))
+
+    # the wrapped step, and its linears alone (the stack's, by its clocks, and those outside it), against their
+    # floors measured just before it: the linears' every weight read once at the bandwidth, or their FLOPs at the
+    # large matmul's rate, whichever is larger
+    linears_ms = sum(stack.get(k, 0.0) for k in ("qkv", "o", "gate_up", "down")) + parts.get("linears", 0.0)
+    linears_floor_ms = max(floor["weights_ms"], floor["flops_ms"])
     result = {
         "machine": cpu_summary(),
         "isa": cpu_isa.isa(),
@@ -292,28 +337,39 @@ def main() -> None:
         "prompt_len": args.prompt_len,
         "steps": args.steps,
         "step_ms": step,
-        "step_ms_runs": steps,
+        "step_ms_runs": [s for s, _ in pairs],
+        "floor_ms_runs": [f["ms"] for _, f in pairs],
+        "step_over_floor_runs": [s / f["ms"] for s, f in pairs],
         "parts_ms": {k: round(v, 3) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+        "stack_ms": {k: round(v, 3) for k, v in sorted(stack.items(), key=lambda kv: -kv[1])},
         "rest_ms": rest,
         "wrapped_step_ms": wrapped_step,
         "weight_bytes": wbytes,
         "kv_bytes": kv_bytes,
         "linear_flops": flops,
-        "bandwidth_gbs": bw / 1e9,
-        "gemm_gflops": rate / 1e9,
         "floor": floor,
-        "step_over_floor": step / floor["ms"],
+        "step_over_floor": ratios[len(ratios) // 2],
+        "wrapped_over_floor": wrapped_step / floor["ms"],
+        "linears_ms": linears_ms,
+        "linears_floor_ms": linears_floor_ms,
+        "linears_over_floor": linears_ms / linears_floor_ms,
     }
     print(f"{result['machine']}; ISA {result['isa']}, {result['torch_threads']} threads")
-    print(f"{args.model} {args.dtype}, {args.rows} rows, context ~{ctx}: step {step:.2f} ms (runs "
-          f"{', '.join(f'{s:.2f}' for s in steps)})")  # fmt: skip
+    each = ", ".join(f"{s:.2f} / {f['ms']:.2f}" for s, f in pairs)
+    print(f"{args.model} {args.dtype}, {args.rows} rows, context ~{ctx}: step {step:.2f} ms; each run against the "
+          f"floor measured just before it: {each} ms; step / floor {result['step_over_floor']:.2f} (median; runs "
+          f"{', '.join(f'{r:.2f}' for r in ratios)})")  # fmt: skip
     print(f"with the entry points timed: step {wrapped_step:.2f} ms")
     for k, v in result["parts_ms"].items():
         print(f"  {k:14s} {v:8.2f} ms  {100 * v / wrapped_step:5.1f}%")
+        if k == "decode stack":
+            print_stack(stack, v, "ms", " " * 4)
     print(f"  {'rest':14s} {rest:8.2f} ms  {100 * rest / wrapped_step:5.1f}%  (Python, scheduler, sampler, outputs)")
-    print(f"floor {floor['ms']:.2f} ms: {(wbytes + kv_bytes) / 1e6:.0f} MB at {bw / 1e9:.1f} GB/s = "
-          f"{floor['bytes_ms']:.2f} ms; {flops / 1e9:.2f} GFLOP at {rate / 1e9:.0f} GFLOP/s = {floor['flops_ms']:.2f} ms;"
-          f" step / floor {result['step_over_floor']:.2f}")  # fmt: skip
+    print(f"its floor {floor['ms']:.2f} ms: {(wbytes + kv_bytes) / 1e6:.0f} MB at {floor['bandwidth_gbs']:.1f} GB/s = "
+          f"{floor['bytes_ms']:.2f} ms; {flops / 1e9:.2f} GFLOP at {floor['gemm_gflops']:.0f} GFLOP/s = "
+          f"{floor['flops_ms']:.2f} ms; wrapped step / floor {result['wrapped_over_floor']:.2f}")  # fmt: skip
+    print(f"linears {linears_ms:.2f} ms (wrapped run) against their floor {linears_floor_ms:.2f} ms: "
+          f"{result['linears_over_floor']:.2f}")  # fmt: skip
     if args.out:
         save_json(args.out, result)
     llm.close()

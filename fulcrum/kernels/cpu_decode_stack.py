@@ -39,9 +39,12 @@ LAYER_FIELDS = ("IN_NORM", "QKV_W", "QKV_B", "O_W", "O_B", "POST_NORM", "GU_W", 
                 "DOWN_LA", "DOWN_LB", "QKV_P", "O_P", "GU_P", "DOWN_P", "QKV_S", "O_S", "GU_S", "DOWN_S")  # fmt: skip
 LORA_LINEARS = ("QKV", "O", "GU", "DOWN")
 ENUMS = {"Fn": FNS, "Dim": DIMS, "LayerField": LAYER_FIELDS, "PartField": PART_FIELDS, "Kind": KINDS}
+PHASES = ("NORM", "QKV", "ROPE", "ATTN", "O", "GATE_UP", "ACT", "DOWN", "OTHER")  # enum Phase, as "T_" + name
+ENUMS = {**ENUMS, "Phase": tuple(f"T_{p}" for p in PHASES)}
 BINDINGS = {
     "decode_stack.cpp": {
-        "fulcrum_decode_stack": (I64, I64, PTR, PTR, PTR, I64, PTR, F32, F32, *[PTR] * 6, I64, I64, PTR, PTR)
+        "fulcrum_decode_stack": (I64, I64, PTR, PTR, PTR, I64, PTR, F32, F32, *[PTR] * 6, I64, I64, PTR, PTR),
+        "fulcrum_decode_stack_timers": (I64, I64, PTR),
     }
 }
 MAX_ROWS = 4096  # decode rows of one fused step at most, where sgemm takes the GEMV's place
@@ -52,13 +55,29 @@ def enabled() -> bool:
 
 
 @functools.cache
-def _module():
+def _lib():
     for enum, fields in ENUMS.items():
         cpu_ext.check_enum("decode_stack.cpp", enum, fields)
     # the driver needs no vector ISA of its own (its loops are the residual adds): built where the kernels it calls are
     level = cpu_ext.best("avx512_bf16", "avx512", "avx2")
-    lib = cpu_ext.load("decode_stack.cpp", level, BINDINGS["decode_stack.cpp"])
+    return cpu_ext.load("decode_stack.cpp", level, BINDINGS["decode_stack.cpp"])
+
+
+def _module():
+    lib = _lib()
     return None if lib is None else lib.fulcrum_decode_stack
+
+
+def phase_times(on: bool) -> dict[str, float]:
+    """Seconds the fused stack spent in each kind of call (PHASES: the norms, each linear with its LoRA, RoPE with the
+    cache write, attention, the activation, and OTHER: the residual adds and the queries' copy) since the last call,
+    summed over layers and steps, its clocks then left on or off (`on`; off at start). Empty where there is no stack."""
+    lib = _lib()
+    if lib is None:
+        return {}
+    out = (ctypes.c_double * len(PHASES))()
+    lib.fulcrum_decode_stack_timers(int(on), ctypes.addressof(out))
+    return dict(zip((p.lower() for p in PHASES), out))
 
 
 def available() -> bool:

@@ -110,3 +110,25 @@ def test_enforce_eager_and_the_environment_turn_it_off(tiny_model_dir, monkeypat
     llm = LLM(model=folder, dtype="float32", kv_cache_memory=16 << 20)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
     assert not isinstance(llm.core.runner.model.model._stack, DecodeStack)
+
+
+def test_the_stacks_clocks_split_its_time_by_kind_of_call_only_while_on(tiny_model_dir):
+    import time
+
+    llm = LLM(model=str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory=16 << 20, block_size=8)
+    prompts = random_prompts(4, 3, 30, seed=3)
+    cpu_decode_stack.phase_times(True)
+    t = time.perf_counter()
+    tokens, _, used = run(llm, prompts, True, max_tokens=12)
+    wall = time.perf_counter() - t
+    on = cpu_decode_stack.phase_times(False)
+    assert used
+    assert set(on) == {p.lower() for p in cpu_decode_stack.PHASES}
+    # every kind of call a Llama layer makes took time, and all of them together no more than the run itself
+    for phase in ("norm", "qkv", "rope", "attn", "o", "gate_up", "act", "down"):
+        assert on[phase] > 0, (phase, on)
+    assert sum(on.values()) < wall
+    # off: the clocks stay at zero, and the tokens are the same
+    again, _, _ = run(llm, prompts, True, max_tokens=12)
+    assert again == tokens
+    assert sum(cpu_decode_stack.phase_times(False).values()) == 0

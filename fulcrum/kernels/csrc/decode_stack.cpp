@@ -5,6 +5,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 
@@ -48,6 +49,22 @@ enum Kind { DENSE, INT4, INT8G, INT8, FP8, INT5, NUM_KINDS };
 enum LayerField { IN_NORM, QKV_W, QKV_B, O_W, O_B, POST_NORM, GU_W, GU_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE, K_SCALES,
                   V_SCALES, WINDOW, QKV_LA, QKV_LB, O_LA, O_LB, GU_LA, GU_LB, DOWN_LA, DOWN_LB, QKV_P, O_P, GU_P,
                   DOWN_P, QKV_S, O_S, GU_S, DOWN_S, LAYER_FIELDS };
+
+// Where the step's time goes inside the stack, when fulcrum_decode_stack_timers turns its clocks on
+// (benchmarks/bench_step_breakdown.py): seconds by kind of call, summed over layers and steps. Off, a lap is one test
+// of a flag. The stack runs on one thread at a time (the engine's); the kernels it calls spread over torch's threads.
+enum Phase { T_NORM, T_QKV, T_ROPE, T_ATTN, T_O, T_GATE_UP, T_ACT, T_DOWN, T_OTHER, NUM_PHASES };
+static bool timing = false;
+static double phase_seconds[NUM_PHASES];
+struct Clock {
+  std::chrono::steady_clock::time_point t = timing ? std::chrono::steady_clock::now() : decltype(t)();
+  void lap(Phase p) {
+    if (!timing) return;
+    const auto now = std::chrono::steady_clock::now();
+    phase_seconds[p] += std::chrono::duration<double>(now - t).count();
+    t = now;
+  }
+};
 
 // x += t, rounded to T as PyTorch's add rounds (fp32 arithmetic, one rounding)
 template <typename T>
@@ -178,32 +195,45 @@ static int64_t run(const int64_t* fns, const int64_t* layers, const float* scale
   T* t = o + M * qs;
   T* gu = t + M * hidden;
   T* a = gu + M * 2 * inter;
+  Clock clock;
   for (int64_t l = 0; l < L; ++l) {
     const int64_t* p = layers + l * LAYER_FIELDS;
     auto ptr = [&](int f) { return (void*)p[f]; };
     norm(bf16, x, ptr(IN_NORM), h, M, hidden, eps);
+    clock.lap(T_NORM);
     gemv(h, ptr(QKV_W), ptr(QKV_B), qkv, M, hidden, qkv_n, ptr(QKV_P), ptr(QKV_S));
     lora_add(fns, h, qkv, M, hidden, qkv_n, qkv_sizes, 3, R, ptr(QKV_LA), ptr(QKV_LB), lora_slots, lora_xa, lora_t);
+    clock.lap(T_QKV);
     rope(bf16, qkv, qkv + qs, qkv + qs + kvs, cos, sin, slots, ptr(K_CACHE), ptr(V_CACHE), ptr(K_SCALES),
          ptr(V_SCALES), kind, M, H, KVH, hd, qkv_n, qkv_n, qkv_n);
+    clock.lap(T_ROPE);
     const T* qc = qkv;  // one row's q is already contiguous; more rows are copied out of the fused qkv rows
     if (M > 1) {
       for (int64_t m = 0; m < M; ++m) std::memcpy(q + m * qs, qkv + m * qkv_n, qs * sizeof(T));
       qc = q;
     }
+    clock.lap(T_OTHER);
     if (attn(bf16, kind, qc, ptr(K_CACHE), ptr(V_CACHE), ptr(K_SCALES), ptr(V_SCALES), tables, ctx_lens, o, M, H,
              KVH, hd, bs, width, scales[l], p[WINDOW], softcap, nullptr) != 0)
       return -1;
+    clock.lap(T_ATTN);
     gemv(o, ptr(O_W), ptr(O_B), t, M, qs, hidden, ptr(O_P), ptr(O_S));
     lora_add(fns, o, t, M, qs, hidden, o_sizes, 1, R, ptr(O_LA), ptr(O_LB), lora_slots, lora_xa, lora_t);
+    clock.lap(T_O);
     add_into(x, t, M * hidden);
+    clock.lap(T_OTHER);
     norm(bf16, x, ptr(POST_NORM), h, M, hidden, eps);
+    clock.lap(T_NORM);
     gemv(h, ptr(GU_W), ptr(GU_B), gu, M, hidden, 2 * inter, ptr(GU_P), ptr(GU_S));
     lora_add(fns, h, gu, M, hidden, 2 * inter, gu_sizes, 2, R, ptr(GU_LA), ptr(GU_LB), lora_slots, lora_xa, lora_t);
+    clock.lap(T_GATE_UP);
     act(bf16, gu, a, M, inter, 2 * inter);
+    clock.lap(T_ACT);
     gemv(a, ptr(DOWN_W), ptr(DOWN_B), t, M, inter, hidden, ptr(DOWN_P), ptr(DOWN_S));
     lora_add(fns, a, t, M, inter, hidden, o_sizes, 1, R, ptr(DOWN_LA), ptr(DOWN_LB), lora_slots, lora_xa, lora_t);
+    clock.lap(T_DOWN);
     add_into(x, t, M * hidden);
+    clock.lap(T_OTHER);
     if (failed) return -2;
   }
   return 0;
@@ -224,4 +254,15 @@ extern "C" int64_t fulcrum_decode_stack(int64_t bf16, const int64_t* fns, const 
                width, M, (c10::BFloat16*)scratch, lora_slots);
   return run(fns, layers, scales, L, dims, eps, softcap, (float*)x, cos, sin, slots, tables, ctx_lens, width, M,
              (float*)scratch, lora_slots);
+}
+
+// Turns the stack's clocks on (on != 0) or off, and moves their sums since the last call into out [NUM_PHASES] (by
+// the Phase enum), or drops them (out null); returns NUM_PHASES.
+extern "C" int64_t fulcrum_decode_stack_timers(int64_t on, double* out) {
+  for (int i = 0; i < NUM_PHASES; ++i) {
+    if (out) out[i] = phase_seconds[i];
+    phase_seconds[i] = 0;
+  }
+  timing = on != 0;
+  return NUM_PHASES;
 }

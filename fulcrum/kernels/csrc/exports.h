@@ -93,6 +93,7 @@ int64_t fulcrum_decode_stack(int64_t bf16, const int64_t* fns, const int64_t* la
                              const int64_t* dims, float eps, float softcap, void* x, const void* cos, const void* sin,
                              const int64_t* slots, const int64_t* tables, const int64_t* ctx_lens, int64_t width,
                              int64_t M, void* scratch, const int64_t* lora_slots);
+int64_t fulcrum_decode_stack_timers(int64_t on, double* out);
 
 // cpu_threads.cpp (fulcrum.runtime.cpu_threads)
 int64_t fulcrum_bind_threads(const int64_t* cpus, int64_t n);
