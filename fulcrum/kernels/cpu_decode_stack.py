@@ -38,9 +38,9 @@ LAYER_FIELDS = ("IN_NORM", "QKV_W", "QKV_B", "O_W", "O_B", "POST_NORM", "GU_W", 
                 "V_CACHE", "K_SCALES", "V_SCALES", "WINDOW", "QKV_LA", "QKV_LB", "O_LA", "O_LB", "GU_LA", "GU_LB",
                 "DOWN_LA", "DOWN_LB", "QKV_P", "O_P", "GU_P", "DOWN_P", "QKV_S", "O_S", "GU_S", "DOWN_S")  # fmt: skip
 LORA_LINEARS = ("QKV", "O", "GU", "DOWN")
-ENUMS = {"Fn": FNS, "Dim": DIMS, "LayerField": LAYER_FIELDS, "PartField": PART_FIELDS, "Kind": KINDS}
-PHASES = ("NORM", "QKV", "ROPE", "ATTN", "O", "GATE_UP", "ACT", "DOWN", "OTHER")  # enum Phase, as "T_" + name
-ENUMS = {**ENUMS, "Phase": tuple(f"T_{p}" for p in PHASES)}
+PHASES = ("NORM", "QKV", "ROPE", "ATTN", "O", "GATE_UP", "ACT", "DOWN", "OTHER")  # the stack's clocks, "T_" + name
+ENUMS = {"Fn": FNS, "Dim": DIMS, "LayerField": LAYER_FIELDS, "PartField": PART_FIELDS, "Kind": KINDS,
+         "Phase": tuple(f"T_{p}" for p in PHASES)}  # fmt: skip
 BINDINGS = {
     "decode_stack.cpp": {
         "fulcrum_decode_stack": (I64, I64, PTR, PTR, PTR, I64, PTR, F32, F32, *[PTR] * 6, I64, I64, PTR, PTR),
