@@ -101,12 +101,17 @@ def test_the_decode_stacks_arrays_are_checked_against_its_enums(load_with):
     in the same order, or the stack does not load."""
     fields = tuple(f for f in cpu_decode_stack.LAYER_FIELDS if f != "WINDOW")
     with pytest.raises(KernelBindingError, match=r"kernel decode_stack: enum LayerField is IN_NORM, .*WINDOW"):
-        load_with(cpu_decode_stack, [cpu_decode_stack._module], cpu_decode_stack.available,
+        load_with(cpu_decode_stack, [cpu_decode_stack._lib], cpu_decode_stack.available,
                   ENUMS={**cpu_decode_stack.ENUMS, "LayerField": fields})  # fmt: skip
     swapped = ("NORM", "GEMV", *cpu_decode_stack.FNS[2:])
     with pytest.raises(KernelBindingError, match=r"kernel decode_stack: enum Fn"):
-        load_with(cpu_decode_stack, [cpu_decode_stack._module], cpu_decode_stack.available,
+        load_with(cpu_decode_stack, [cpu_decode_stack._lib], cpu_decode_stack.available,
                   ENUMS={**cpu_decode_stack.ENUMS, "Fn": swapped})  # fmt: skip
+    # the clocks' names too: phase_times would otherwise label one kind of call's seconds with another's name
+    phases = ("T_QKV", "T_NORM", *cpu_decode_stack.ENUMS["Phase"][2:])
+    with pytest.raises(KernelBindingError, match=r"kernel decode_stack: enum Phase"):
+        load_with(cpu_decode_stack, [cpu_decode_stack._lib], cpu_decode_stack.available,
+                  ENUMS={**cpu_decode_stack.ENUMS, "Phase": phases})  # fmt: skip
 
 
 def test_the_declarations_are_read_strictly(tmp_path):
