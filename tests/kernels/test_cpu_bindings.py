@@ -99,19 +99,20 @@ def test_a_binding_with_a_wrong_result_or_name_fails_at_load(load_with):
 def test_the_decode_stacks_arrays_are_checked_against_its_enums(load_with):
     """The driver reads three int64 arrays by the positions of its C++ enums: Python fills them by the same names,
     in the same order, or the stack does not load."""
+    enums = cpu_decode_stack.ENUMS  # as loaded: each check below patches one enum of these
     fields = tuple(f for f in cpu_decode_stack.LAYER_FIELDS if f != "WINDOW")
     with pytest.raises(KernelBindingError, match=r"kernel decode_stack: enum LayerField is IN_NORM, .*WINDOW"):
         load_with(cpu_decode_stack, [cpu_decode_stack._lib], cpu_decode_stack.available,
-                  ENUMS={**cpu_decode_stack.ENUMS, "LayerField": fields})  # fmt: skip
+                  ENUMS={**enums, "LayerField": fields})  # fmt: skip
     swapped = ("NORM", "GEMV", *cpu_decode_stack.FNS[2:])
     with pytest.raises(KernelBindingError, match=r"kernel decode_stack: enum Fn"):
         load_with(cpu_decode_stack, [cpu_decode_stack._lib], cpu_decode_stack.available,
-                  ENUMS={**cpu_decode_stack.ENUMS, "Fn": swapped})  # fmt: skip
+                  ENUMS={**enums, "Fn": swapped})  # fmt: skip
     # the clocks' names too: phase_times would otherwise label one kind of call's seconds with another's name
-    phases = ("T_QKV", "T_NORM", *cpu_decode_stack.ENUMS["Phase"][2:])
+    phases = ("T_QKV", "T_NORM", *enums["Phase"][2:])
     with pytest.raises(KernelBindingError, match=r"kernel decode_stack: enum Phase"):
         load_with(cpu_decode_stack, [cpu_decode_stack._lib], cpu_decode_stack.available,
-                  ENUMS={**cpu_decode_stack.ENUMS, "Phase": phases})  # fmt: skip
+                  ENUMS={**enums, "Phase": phases})  # fmt: skip
 
 
 def test_the_declarations_are_read_strictly(tmp_path):
