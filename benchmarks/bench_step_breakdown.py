@@ -177,11 +177,13 @@ def whole_run(llm, vocab: int, n: int, repeats: int) -> list[dict]:
             kind["s"] += time.perf_counter() - t
             kind["steps"] += 1
             kind["rows"] += len(sched.scheduled)
-            for k, v in timers.seconds.items():
-                kind["parts"][k] = kind["parts"].get(k, 0.0) + v - before.get(k, 0.0)
             timers.read_stack()
-            for k, v in timers.stack.items():
-                kind["stack"][k] = kind["stack"].get(k, 0.0) + v - stack_before.get(k, 0.0)
+            for into, now, then in (
+                (kind["parts"], timers.seconds, before),
+                (kind["stack"], timers.stack, stack_before),
+            ):
+                for k, v in now.items():
+                    into[k] = into.get(k, 0.0) + v - then.get(k, 0.0)
 
     def run() -> float:
         prompts = [{"prompt_token_ids": torch.randint(10, vocab, (p,), generator=g).tolist()} for p, _ in lengths]
@@ -316,10 +318,13 @@ def main() -> None:
         long = dict(timers.seconds)
     finally:
         timers.remove()
-    stack = {k: max(0.0, v - short_stack.get(k, 0.0)) / args.steps * 1e3 for k, v in timers.stack.items()}
     wrapped_step = (t_long - t_short) / args.steps * 1e3
-    parts = {k: max(0.0, v - short.get(k, 0.0)) / args.steps * 1e3 for k, v in long.items()}
-    parts = {k: v for k, v in parts.items() if v >= 0.005}
+
+    def per_step(long: dict, short: dict) -> dict:  # ms a step: the long run's seconds less the short run's
+        return {k: max(0.0, v - short.get(k, 0.0)) / args.steps * 1e3 for k, v in long.items()}
+
+    stack = per_step(timers.stack, short_stack)
+    parts = {k: v for k, v in per_step(long, short).items() if v >= 0.005}
     rest = max(0.0, wrapped_step - sum(parts.values()))
 
     # the wrapped step, and its linears alone (the stack's, by its clocks, and those outside it), against their

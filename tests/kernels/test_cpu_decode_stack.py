@@ -4,6 +4,8 @@ MQA, odd head sizes, tied embeddings, int8/fp8 caches, bf16), at every row count
 (through oneDNN's packed weights where the driver can call that matmul, else the modules); models it does not fit keep
 their modules."""
 
+import time
+
 import pytest
 import torch
 
@@ -113,8 +115,6 @@ def test_enforce_eager_and_the_environment_turn_it_off(tiny_model_dir, monkeypat
 
 
 def test_the_stacks_clocks_split_its_time_by_kind_of_call_only_while_on(tiny_model_dir):
-    import time
-
     llm = LLM(model=str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory=16 << 20, block_size=8)
     prompts = random_prompts(4, 3, 30, seed=3)
     cpu_decode_stack.phase_times(True)
